@@ -1,0 +1,1 @@
+"""AWS metadata client, its emulator and its object store."""

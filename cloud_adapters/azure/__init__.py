@@ -1,0 +1,1 @@
+"""Azure metadata client, its emulator and its object store."""

@@ -1,0 +1,267 @@
+"""What every metadata emulator shares: a localhost aiohttp server on its own thread,
+notices raised now or after a delay, and fault injection.
+
+Each cloud's `emulator.py` subclasses `MetadataEmulator` with the real service's
+routes and formats. Tests and `spotguard simulate` drive an emulator either
+through its Python methods or through the control endpoints under `/_spotguard/`:
+
+    POST /_spotguard/notice   JSON body: the cloud's notice parameters (see `raise_notice`)
+    POST /_spotguard/fault    {"mode": ..., "count": N or null, "delay_s": S, "status": code}
+    POST /_spotguard/clear    remove notices and faults
+    GET  /_spotguard/stats    {"requests": N, "notices": N}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import Any
+
+from aiohttp import web
+
+log = logging.getLogger(__name__)
+
+CONTROL_PREFIX = "/_spotguard/"
+
+# Fault modes every emulator understands; a cloud may add its own (AWS: "token-expiry").
+FAULT_ERROR = "error"  # answer `status` (500 by default) instead of the real answer
+FAULT_SLOW = "slow"  # answer after `delay_s`
+FAULT_MALFORMED = "malformed"  # a 200 whose body does not parse
+FAULT_RESET = "reset"  # close the connection without answering
+COMMON_FAULTS = (FAULT_ERROR, FAULT_SLOW, FAULT_MALFORMED, FAULT_RESET)
+
+
+class MetadataEmulator:
+    """Base of the cloud emulators. Subclasses set `cloud` and implement the hooks."""
+
+    cloud = ""
+    extra_faults: tuple[str, ...] = ()
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.host = host
+        self.port = port
+        self.requests_seen = 0
+        self.notices_raised = 0
+        self._fault: dict[str, Any] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
+        self._thread: threading.Thread | None = None
+        self._changed: asyncio.Condition | None = None
+        self._version = 0  # bumped on every state change, for hanging GETs
+
+    # ---- hooks for subclasses -------------------------------------------------
+    def add_routes(self, app: web.Application) -> None:
+        raise NotImplementedError
+
+    def apply_notice(self, params: dict[str, Any]) -> None:
+        """Put a notice into the emulated state (runs on the server's loop)."""
+        raise NotImplementedError
+
+    def clear_state(self) -> None:
+        """Remove every notice (runs on the server's loop)."""
+        raise NotImplementedError
+
+    def malformed_response(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(status=200, text="{not json", content_type="text/plain")
+
+    async def custom_fault(self, request: web.Request, fault: dict[str, Any]) -> web.StreamResponse | None:
+        """Handle a mode from `extra_faults`; None lets the request through."""
+        return None
+
+    # ---- state changes (thread-safe) -----------------------------------------
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def raise_notice(self, **params: Any) -> None:
+        """Raise a notice now. The parameters are the cloud's (see the subclass)."""
+        self._call(self._do_notice, params)
+
+    def schedule_notice(self, after_s: float, **params: Any) -> None:
+        """Raise a notice `after_s` seconds from now."""
+        loop = self._require_loop()
+        loop.call_soon_threadsafe(loop.call_later, after_s, self._do_notice, params)
+
+    def set_fault(self, mode: str | None, count: int | None = None, delay_s: float = 2.0, status: int = 500) -> None:
+        """Inject a fault into the next `count` metadata requests (all of them when None)."""
+        if mode is not None and mode not in COMMON_FAULTS + self.extra_faults:
+            raise ValueError(f"unknown fault mode {mode!r}; known: {COMMON_FAULTS + self.extra_faults}")
+        self._fault = None if mode is None else {"mode": mode, "count": count, "delay_s": delay_s, "status": status}
+
+    def clear(self) -> None:
+        self._fault = None
+        self._call(self._do_clear)
+
+    # ---- lifecycle -------------------------------------------------------------
+    def start(self) -> str:
+        """Serve on a background thread; returns the base URL once it is listening."""
+        ready = threading.Event()
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            try:
+                loop.run_until_complete(self._start_site())
+            except BaseException as exc:  # noqa: BLE001 - reported to the starting thread
+                errors.append(exc)
+                ready.set()
+                return
+            ready.set()
+            loop.run_forever()
+            loop.run_until_complete(self._runner.cleanup())
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name=f"{self.cloud}-emulator", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if errors:
+            raise errors[0]
+        return self.url
+
+    def stop(self) -> None:
+        if self._loop and self._thread:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+        self._loop = self._thread = None
+
+    def __enter__(self) -> MetadataEmulator:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    async def serve_forever(self) -> None:
+        """Serve on the current loop until cancelled (the `spotguard simulate` foreground mode)."""
+        self._loop = asyncio.get_running_loop()
+        await self._start_site()
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await self._runner.cleanup()
+
+    # ---- helpers for subclasses ---------------------------------------------
+    async def wait_for_change(self, since_version: int, timeout_s: float) -> None:
+        """Block a hanging GET until the state changes after `since_version`, or timeout."""
+        assert self._changed is not None
+        async with self._changed:
+            try:
+                await asyncio.wait_for(
+                    self._changed.wait_for(lambda: self._version != since_version), timeout=timeout_s
+                )
+            except asyncio.TimeoutError:
+                pass
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    # ---- internals -------------------------------------------------------------
+    async def _start_site(self) -> None:
+        self._changed = asyncio.Condition()
+        app = web.Application(middlewares=[self._fault_middleware])
+        app.router.add_post(CONTROL_PREFIX + "notice", self._control_notice)
+        app.router.add_post(CONTROL_PREFIX + "fault", self._control_fault)
+        app.router.add_post(CONTROL_PREFIX + "clear", self._control_clear)
+        app.router.add_get(CONTROL_PREFIX + "stats", self._control_stats)
+        self.add_routes(app)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        log.info("%s metadata emulator listening on %s", self.cloud, self.url)
+
+    def _require_loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            raise RuntimeError("the emulator is not running; call start() first")
+        return self._loop
+
+    def _call(self, fn: Any, *args: Any) -> None:
+        """Run `fn` on the server loop and wait for it, so state is never touched from two threads."""
+        loop = self._require_loop()
+        if threading.current_thread() is self._thread or not loop.is_running():
+            fn(*args)
+            return
+        done = threading.Event()
+
+        def call() -> None:
+            try:
+                fn(*args)
+            finally:
+                done.set()
+
+        loop.call_soon_threadsafe(call)
+        done.wait(timeout=10)
+
+    def _do_notice(self, params: dict[str, Any]) -> None:
+        self.apply_notice(params)
+        self.notices_raised += 1
+        self._bump()
+        log.info("%s emulator raised a notice %s", self.cloud, params or "")
+
+    def _do_clear(self) -> None:
+        self.clear_state()
+        self._bump()
+
+    def _bump(self) -> None:
+        self._version += 1
+        if self._changed is not None:
+            asyncio.ensure_future(self._notify(), loop=self._loop)
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    @web.middleware
+    async def _fault_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path.startswith(CONTROL_PREFIX):
+            return await handler(request)
+        self.requests_seen += 1
+        fault = self._fault
+        if fault is None:
+            return await handler(request)
+        if fault["count"] is not None:
+            fault["count"] -= 1
+            if fault["count"] <= 0:
+                self._fault = None
+        mode = fault["mode"]
+        if mode == FAULT_ERROR:
+            return web.Response(status=fault["status"], text="injected fault\n")
+        if mode == FAULT_SLOW:
+            await asyncio.sleep(fault["delay_s"])
+            return await handler(request)
+        if mode == FAULT_MALFORMED:
+            return self.malformed_response(request)
+        if mode == FAULT_RESET:
+            if request.transport is not None:
+                request.transport.close()
+            raise ConnectionResetError("injected connection reset")
+        return await self.custom_fault(request, fault) or await handler(request)
+
+    async def _control_notice(self, request: web.Request) -> web.Response:
+        params = await request.json() if request.can_read_body else {}
+        after = float(params.pop("after_s", 0) or 0)
+        if after > 0:
+            self._loop.call_later(after, self._do_notice, params)
+        else:
+            self._do_notice(params)
+        return web.json_response({"ok": True, "after_s": after})
+
+    async def _control_fault(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        try:
+            self.set_fault(body.get("mode"), body.get("count"), float(body.get("delay_s", 2.0)), int(body.get("status", 500)))
+        except ValueError as exc:
+            return web.json_response({"ok": False, "error": str(exc)}, status=400)
+        return web.json_response({"ok": True})
+
+    async def _control_clear(self, request: web.Request) -> web.Response:
+        self._fault = None
+        self._do_clear()
+        return web.json_response({"ok": True})
+
+    async def _control_stats(self, request: web.Request) -> web.Response:
+        return web.json_response({"requests": self.requests_seen, "notices": self.notices_raised})

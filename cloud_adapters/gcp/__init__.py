@@ -1,0 +1,1 @@
+"""GCP metadata client, its emulator and its object store."""

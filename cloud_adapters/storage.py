@@ -1,0 +1,196 @@
+"""Durable storage for checkpoints: one small protocol, a local filesystem store, and `open_store(url)`.
+
+Keys are relative to the store's root (the bucket prefix or directory given in the
+URL) and always use `/`. The checkpoint layer only ever talks to this protocol,
+so a local path, a shared filesystem and every object store behave the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+from urllib.parse import urlsplit
+
+# Called with the number of bytes moved since the last call; long transfers report progress through it.
+Progress = Callable[[int], None]
+
+
+class StoreError(Exception):
+    """A storage operation failed for good (after the store's own retries)."""
+
+
+class NotFound(StoreError):
+    """The key does not exist."""
+
+
+class AlreadyExists(StoreError):
+    """A create-only write found the key already there."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+
+
+@runtime_checkable
+class ObjectStore(Protocol):
+    url: str  # the root, e.g. "s3://bucket/run-7" or "/mnt/ckpt/run-7"
+
+    def put_file(self, local_path: str | Path, key: str, *, progress: Progress | None = None) -> None: ...
+
+    def put_bytes(self, key: str, data: bytes, *, create_only: bool = False) -> None: ...
+
+    def get_file(self, key: str, local_path: str | Path, *, progress: Progress | None = None) -> None: ...
+
+    def get_bytes(self, key: str) -> bytes: ...
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]: ...
+
+    def exists(self, key: str) -> bool: ...
+
+    def delete(self, keys: Iterable[str]) -> None: ...
+
+
+def fsync_dir(path: str | Path) -> None:
+    """Make a rename or a new file in `path` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durably(path: Path, data: bytes, *, exclusive: bool = False) -> None:
+    """Write `data` to a temporary sibling, fsync, then rename into place.
+
+    With `exclusive`, fail with AlreadyExists instead of replacing an existing file
+    (link() is atomic and refuses an existing target, unlike rename()).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if exclusive:
+            try:
+                os.link(tmp, path)
+            except FileExistsError as exc:
+                raise AlreadyExists(str(path)) from exc
+        else:
+            os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    fsync_dir(path.parent)
+
+
+class LocalStore:
+    """A directory on a local or shared filesystem (NFS, Lustre, FUSE mounts of buckets)."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root).expanduser().resolve()
+        self.url = str(self.root)
+
+    def path(self, key: str) -> Path:
+        return self.root / key
+
+    def put_file(self, local_path: str | Path, key: str, *, progress: Progress | None = None) -> None:
+        target = self.path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+        try:
+            with open(local_path, "rb") as src, os.fdopen(fd, "wb") as dst:
+                _copy(src, dst, progress)
+                dst.flush()
+                os.fsync(dst.fileno())
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        fsync_dir(target.parent)
+
+    def put_bytes(self, key: str, data: bytes, *, create_only: bool = False) -> None:
+        write_durably(self.path(key), data, exclusive=create_only)
+
+    def get_file(self, key: str, local_path: str | Path, *, progress: Progress | None = None) -> None:
+        try:
+            with open(self.path(key), "rb") as src, open(local_path, "wb") as dst:
+                _copy(src, dst, progress)
+        except FileNotFoundError as exc:
+            raise NotFound(f"{self.url}/{key}") from exc
+
+    def get_bytes(self, key: str) -> bytes:
+        try:
+            return self.path(key).read_bytes()
+        except FileNotFoundError as exc:
+            raise NotFound(f"{self.url}/{key}") from exc
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        if not self.root.is_dir():
+            return []
+        found = []
+        for dirpath, _, files in os.walk(self.root):
+            for name in files:
+                full = Path(dirpath) / name
+                key = full.relative_to(self.root).as_posix()
+                if key.startswith(prefix):
+                    try:
+                        found.append(ObjectInfo(key, full.stat().st_size))
+                    except FileNotFoundError:  # removed while we walked
+                        continue
+        return sorted(found, key=lambda o: o.key)
+
+    def exists(self, key: str) -> bool:
+        return self.path(key).is_file()
+
+    def delete(self, keys: Iterable[str]) -> None:
+        for key in keys:
+            self.path(key).unlink(missing_ok=True)
+
+    def delete_tree(self, prefix: str) -> None:
+        """Remove a whole directory at once (cheaper than key by key on a filesystem)."""
+        shutil.rmtree(self.path(prefix), ignore_errors=True)
+
+
+def _copy(src, dst, progress: Progress | None, chunk: int = 8 << 20) -> None:
+    while block := src.read(chunk):
+        dst.write(block)
+        if progress:
+            progress(len(block))
+
+
+def split_bucket_url(url: str) -> tuple[str, str]:
+    """`s3://bucket/a/b` -> ("bucket", "a/b"); raises ValueError for a URL without a bucket."""
+    parts = urlsplit(url)
+    if not parts.netloc:
+        raise ValueError(f"{url!r} names no bucket; expected {parts.scheme}://BUCKET[/PREFIX]")
+    return parts.netloc, parts.path.strip("/")
+
+
+def open_store(url: str | Path) -> ObjectStore:
+    """The store for a checkpoint location: s3://, gs://, az://, file:// or a plain path."""
+    text = str(url)
+    scheme = urlsplit(text).scheme if "://" in text else ""
+    if scheme in ("", "file"):
+        return LocalStore(urlsplit(text).path if scheme else text)
+    if scheme == "s3":
+        from cloud_adapters.aws.s3 import S3Store
+
+        return S3Store(text)
+    if scheme == "gs":
+        from cloud_adapters.gcp.gcs import GCSStore
+
+        return GCSStore(text)
+    if scheme == "az":
+        from cloud_adapters.azure.blob import BlobStore
+
+        return BlobStore(text)
+    raise ValueError(f"unsupported checkpoint location {text!r}: use a path, file://, s3://, gs:// or az://")
