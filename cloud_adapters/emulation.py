@@ -23,6 +23,7 @@ from aiohttp import web
 log = logging.getLogger(__name__)
 
 CONTROL_PREFIX = "/_spotguard/"
+SHUTDOWN_GRACE_S = 0.5  # how long stop() lets in-flight requests finish
 
 # Fault modes every emulator understands; a cloud may add its own (AWS: "token-expiry").
 FAULT_ERROR = "error"  # answer `status` (500 by default) instead of the real answer
@@ -108,9 +109,13 @@ class MetadataEmulator:
                 errors.append(exc)
                 ready.set()
                 return
-            ready.set()
+            # Signal from inside the running loop: before that, `_call` would run on the caller's thread.
+            loop.call_soon(ready.set)
             loop.run_forever()
             loop.run_until_complete(self._runner.cleanup())
+            # Let the requests cleanup cancelled (hanging GETs) unwind before the loop closes.
+            if pending := asyncio.all_tasks(loop):
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             loop.close()
 
         self._thread = threading.Thread(target=run, name=f"{self.cloud}-emulator", daemon=True)
@@ -132,15 +137,6 @@ class MetadataEmulator:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-    async def serve_forever(self) -> None:
-        """Serve on the current loop until cancelled (the `spotguard simulate` foreground mode)."""
-        self._loop = asyncio.get_running_loop()
-        await self._start_site()
-        try:
-            await asyncio.Event().wait()
-        finally:
-            await self._runner.cleanup()
 
     # ---- helpers for subclasses ---------------------------------------------
     async def wait_for_change(self, since_version: int, timeout_s: float) -> None:
@@ -167,7 +163,8 @@ class MetadataEmulator:
         app.router.add_post(CONTROL_PREFIX + "clear", self._control_clear)
         app.router.add_get(CONTROL_PREFIX + "stats", self._control_stats)
         self.add_routes(app)
-        self._runner = web.AppRunner(app, access_log=None)
+        # Stopping must not wait out hanging GETs (aiohttp's default grace is 60 s): cancel them quickly.
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_GRACE_S)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
@@ -186,15 +183,20 @@ class MetadataEmulator:
             fn(*args)
             return
         done = threading.Event()
+        errors: list[BaseException] = []
 
         def call() -> None:
             try:
                 fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
+                errors.append(exc)
             finally:
                 done.set()
 
         loop.call_soon_threadsafe(call)
         done.wait(timeout=10)
+        if errors:
+            raise errors[0]
 
     def _do_notice(self, params: dict[str, Any]) -> None:
         self.apply_notice(params)
@@ -238,16 +240,19 @@ class MetadataEmulator:
         if mode == FAULT_RESET:
             if request.transport is not None:
                 request.transport.close()
-            raise ConnectionResetError("injected connection reset")
+            return web.Response()  # never sent: the connection is gone (raising would log a traceback)
         return await self.custom_fault(request, fault) or await handler(request)
 
     async def _control_notice(self, request: web.Request) -> web.Response:
-        params = await request.json() if request.can_read_body else {}
-        after = float(params.pop("after_s", 0) or 0)
+        try:
+            params = await request.json() if request.can_read_body else {}
+            after = float(params.pop("after_s", 0) or 0)
+            if after <= 0:
+                self._do_notice(params)
+        except (ValueError, TypeError, AttributeError) as exc:  # bad JSON or parameters: the caller's mistake
+            return web.json_response({"ok": False, "error": str(exc)}, status=400)
         if after > 0:
             self._loop.call_later(after, self._do_notice, params)
-        else:
-            self._do_notice(params)
         return web.json_response({"ok": True, "after_s": after})
 
     async def _control_fault(self, request: web.Request) -> web.Response:

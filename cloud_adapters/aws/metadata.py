@@ -1,0 +1,291 @@
+"""AWS notices from the instance metadata service (IMDSv2).
+
+One source per kind of notice, as aws-node-termination-handler has one monitor
+per IMDS path; all of them share one `IMDSClient` and so one session token:
+
+    spot/instance-action                  -> interruption (terminate | stop | hibernate), deadline = time
+    autoscaling/target-lifecycle-state    -> interruption "asg-terminate" once it reads Terminated
+    events/recommendations/rebalance      -> rebalance (advisory, no deadline)
+    events/maintenance/scheduled          -> maintenance (advisory), earliest active event
+
+IMDS throttles without a published limit, so `poll()` makes one attempt (plus one
+token re-fetch on 401) and raises on anything else; the watcher owns backoff.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from datetime import datetime, timedelta
+from typing import Any, Callable
+
+import requests
+
+from cloud_adapters.endpoints import resolve_metadata_url
+from cloud_adapters.notice import (
+    INTERRUPTION,
+    MAINTENANCE,
+    REBALANCE,
+    Notice,
+    NoticeSource,
+    NoticeSourceError,
+    parse_iso8601,
+    parse_rfc1123,
+    utc_now,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_URL = "http://169.254.169.254"
+ENDPOINT_ENV = "AWS_EC2_METADATA_SERVICE_ENDPOINT"  # the variable boto3 and the AWS CLI read
+TOKEN_PATH = "/latest/api/token"
+TOKEN_TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
+TOKEN_HEADER = "X-aws-ec2-metadata-token"
+TOKEN_TTL_S = 21600  # the maximum IMDS allows: one PUT every six hours
+TOKEN_REFRESH_MARGIN_S = 60.0  # renew this long before expiry so no GET races the expiry
+META_PREFIX = "/latest/meta-data/"
+DEFAULT_TIMEOUT_S = 2.0  # IMDS is link-local: anything slower is a fault, not load
+
+SPOT_ACTIONS = ("terminate", "stop", "hibernate")
+# An ASG gives no time in IMDS. Without a lifecycle hook the instance is shut down
+# within moments (the signal path then covers the rest); with one, the hook's
+# heartbeat decides. Neither is visible here, so budget like a spot interruption.
+ASG_TERMINATE_GRACE_S = 120.0
+INACTIVE_EVENT_STATES = ("completed", "canceled")
+_LIFECYCLE_STATE = re.compile(r"^[A-Za-z]+(:[A-Za-z]+)?$")  # InService, Terminated, Warmed:Running...
+# The useful part of a requests/urllib3 connection error, e.g. "[Errno 111] Connection refused".
+_TRANSPORT_CAUSE = re.compile(r"\[Errno -?\d+\] [^'\")]+|Remote end closed connection without response|Connection reset by peer")
+_JSON_TYPE_NAMES = {dict: "object", list: "array"}
+
+
+def _excerpt(body: str, limit: int = 120) -> str:
+    return repr(body[:limit] + ("..." if len(body) > limit else ""))
+
+
+def _transport_error(what: str, exc: requests.RequestException, timeout_s: float) -> NoticeSourceError:
+    """A one-line error for a request that got no HTTP answer."""
+    if isinstance(exc, requests.Timeout):
+        reason = f"no answer within {timeout_s:g} s"
+    else:
+        cause = _TRANSPORT_CAUSE.search(str(exc))
+        reason = cause.group(0).strip() if cause else type(exc).__name__
+    return NoticeSourceError(f"{what} failed: {reason}")
+
+
+def _session() -> requests.Session:
+    session = requests.Session()
+    session.trust_env = False  # IMDS is link-local: never through HTTP(S)_PROXY, never with .netrc
+    return session
+
+
+def _fetch_token(session: requests.Session, base_url: str, timeout_s: float) -> tuple[str, float]:
+    """PUT for an IMDSv2 session token; returns the token and its TTL in seconds."""
+    url = base_url + TOKEN_PATH
+    try:
+        resp = session.put(url, headers={TOKEN_TTL_HEADER: str(TOKEN_TTL_S)}, timeout=timeout_s)
+    except requests.ReadTimeout as exc:
+        # Connected but no answer: the classic sign of a container one hop beyond the PUT response hop limit.
+        raise NoticeSourceError(
+            f"IMDSv2 token request to {url} got no answer within {timeout_s:g} s "
+            "(in a container? the instance's http-put-response-hop-limit must be at least 2)"
+        ) from exc
+    except requests.RequestException as exc:
+        raise _transport_error(f"IMDSv2 token request to {url}", exc, timeout_s) from exc
+    token = resp.text.strip()
+    if resp.status_code != 200 or not token:
+        raise NoticeSourceError(f"IMDSv2 token request to {url} answered {resp.status_code}: {_excerpt(resp.text)}")
+    try:
+        ttl = float(resp.headers.get(TOKEN_TTL_HEADER, TOKEN_TTL_S))
+    except ValueError:
+        ttl = float(TOKEN_TTL_S)
+    return token, ttl
+
+
+class IMDSClient:
+    """GETs under /latest/meta-data/ with a cached IMDSv2 token, shared by the AWS sources."""
+
+    def __init__(self, base_url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.base_url = base_url
+        self.timeout_s = timeout_s
+        self._session = _session()
+        self._lock = threading.Lock()  # one token fetch at a time, and requests.Session is not thread-safe
+        self._token: str | None = None
+        self._token_renew_at = 0.0  # time.monotonic() after which the token is renewed
+
+    def get(self, path: str) -> str | None:
+        """The text at `path` (relative to /latest/meta-data/), or None when IMDS answers 404."""
+        with self._lock:
+            resp = self._get(path)
+            if resp.status_code == 401:
+                log.info("IMDS refused the session token (401); fetching a new one")
+                self._token = None
+                resp = self._get(path)
+        if resp.status_code == 404:
+            return None
+        if resp.status_code != 200:
+            raise NoticeSourceError(f"IMDS answered {resp.status_code} for {path}: {_excerpt(resp.text)}")
+        return resp.text
+
+    def close(self) -> None:
+        """Release pooled connections (a later GET reconnects)."""
+        self._session.close()
+
+    def _get(self, path: str) -> requests.Response:
+        url = self.base_url + META_PREFIX + path
+        headers = {TOKEN_HEADER: self._current_token()}
+        try:
+            return self._session.get(url, headers=headers, timeout=self.timeout_s)
+        except requests.RequestException as exc:
+            raise _transport_error(f"GET {url}", exc, self.timeout_s) from exc
+
+    def _current_token(self) -> str:
+        if self._token is None or time.monotonic() >= self._token_renew_at:
+            self._token, ttl = _fetch_token(self._session, self.base_url, self.timeout_s)
+            self._token_renew_at = time.monotonic() + ttl - min(TOKEN_REFRESH_MARGIN_S, ttl / 2)
+            log.debug("IMDSv2 token fetched from %s (ttl %g s)", self.base_url, ttl)
+        return self._token
+
+
+class _IMDSSource:
+    """One IMDS path polled for one kind of notice; subclasses turn its body into a Notice."""
+
+    path = ""
+    blocking = False
+
+    def __init__(self, client: IMDSClient) -> None:
+        self.client = client
+        self.name = f"aws:{self.path}"
+
+    def poll(self) -> Notice | None:
+        body = self.client.get(self.path)
+        return None if body is None else self.parse(body, utc_now())
+
+    def close(self) -> None:
+        self.client.close()
+
+    def parse(self, body: str, now: datetime) -> Notice | None:
+        raise NotImplementedError
+
+    def _notice(self, kind: str, action: str, deadline: datetime | None, now: datetime, key: str, detail: dict[str, Any]) -> Notice:
+        return Notice(
+            cloud="aws", kind=kind, action=action, deadline=deadline, detected_at=now,
+            source=self.name, key=f"{self.name}:{key}", detail=detail,
+        )
+
+    def _error(self, what: str, body: str) -> NoticeSourceError:
+        return NoticeSourceError(f"{self.name}: {what} in {_excerpt(body)}")
+
+    def _json(self, body: str, expected: type) -> Any:
+        try:
+            data = json.loads(body)
+        except ValueError:
+            raise self._error("malformed JSON", body) from None
+        if not isinstance(data, expected):
+            raise self._error(f"expected a JSON {_JSON_TYPE_NAMES[expected]}", body)
+        return data
+
+    def _field(self, data: dict[str, Any], field: str, body: str) -> Any:
+        if field not in data:
+            raise self._error(f"missing field {field!r}", body)
+        return data[field]
+
+    def _time(self, parse: Callable[[str], datetime], text: Any, body: str) -> datetime:
+        try:
+            return parse(text)
+        except NoticeSourceError as exc:
+            raise self._error(str(exc), body) from None
+
+
+class SpotInstanceActionSource(_IMDSSource):
+    """The two-minute spot interruption notice: `{"action": ..., "time": ...}`, 404 until then."""
+
+    path = "spot/instance-action"
+
+    def parse(self, body: str, now: datetime) -> Notice:
+        data = self._json(body, dict)
+        action = self._field(data, "action", body)
+        when = self._field(data, "time", body)
+        if action not in SPOT_ACTIONS:
+            raise self._error(f"unknown action {action!r} (expected one of {', '.join(SPOT_ACTIONS)})", body)
+        deadline = self._time(parse_iso8601, when, body)
+        return self._notice(INTERRUPTION, action, deadline, now, f"{action}:{when}", data)
+
+
+class ASGLifecycleSource(_IMDSSource):
+    """The Auto Scaling target lifecycle state; 404 when the instance is in no group."""
+
+    path = "autoscaling/target-lifecycle-state"
+
+    def __init__(self, client: IMDSClient) -> None:
+        super().__init__(client)
+        self._terminated_since: datetime | None = None  # first poll that read Terminated: a stable deadline
+
+    def poll(self) -> Notice | None:
+        notice = super().poll()
+        if notice is None:
+            self._terminated_since = None
+        return notice
+
+    def parse(self, body: str, now: datetime) -> Notice | None:
+        state = body.strip()
+        if not _LIFECYCLE_STATE.match(state):
+            raise self._error("unexpected lifecycle state", body)
+        if state != "Terminated":
+            return None
+        since = self._terminated_since = self._terminated_since or now
+        deadline = since + timedelta(seconds=ASG_TERMINATE_GRACE_S)
+        return self._notice(INTERRUPTION, "asg-terminate", deadline, since, state, {"target_lifecycle_state": state})
+
+
+class RebalanceSource(_IMDSSource):
+    """The rebalance recommendation: an advisory that often precedes the spot notice."""
+
+    path = "events/recommendations/rebalance"
+
+    def parse(self, body: str, now: datetime) -> Notice:
+        data = self._json(body, dict)
+        when = self._field(data, "noticeTime", body)
+        self._time(parse_iso8601, when, body)
+        return self._notice(REBALANCE, "rebalance", None, now, when, data)
+
+
+class MaintenanceSource(_IMDSSource):
+    """Scheduled maintenance events (`[]` when none); the earliest active one is the notice."""
+
+    path = "events/maintenance/scheduled"
+
+    def parse(self, body: str, now: datetime) -> Notice | None:
+        active: list[tuple[datetime, dict[str, Any]]] = []
+        for event in self._json(body, list):
+            if not isinstance(event, dict):
+                raise self._error("expected every event to be a JSON object", body)
+            if str(self._field(event, "State", body)).lower() in INACTIVE_EVENT_STATES:
+                continue
+            self._field(event, "Code", body)
+            active.append((self._time(parse_rfc1123, self._field(event, "NotBefore", body), body), event))
+        if not active:
+            return None
+        not_before, event = min(active, key=lambda pair: pair[0])
+        key = event.get("EventId") or f"{event['Code']}:{event['NotBefore']}"
+        return self._notice(MAINTENANCE, str(event["Code"]), not_before, now, key, event)
+
+
+def notice_sources(metadata_url: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[NoticeSource]:
+    """The AWS sources, most urgent first, sharing one IMDS client and token."""
+    client = IMDSClient(resolve_metadata_url(metadata_url, ENDPOINT_ENV, DEFAULT_URL), timeout_s)
+    return [SpotInstanceActionSource(client), ASGLifecycleSource(client), RebalanceSource(client), MaintenanceSource(client)]
+
+
+def probe(metadata_url: str | None = None, timeout_s: float = 0.3) -> bool:
+    """True when an IMDSv2 token PUT succeeds at the resolved endpoint (cloud detection)."""
+    base_url = resolve_metadata_url(metadata_url, ENDPOINT_ENV, DEFAULT_URL)
+    with _session() as session:
+        try:
+            _fetch_token(session, base_url, timeout_s)
+        except NoticeSourceError as exc:
+            log.debug("no AWS metadata service: %s", exc)
+            return False
+    return True
