@@ -1,0 +1,98 @@
+"""Termination signals as a notice source (Kubernetes and Slurm send SIGTERM; Slurm's
+`--signal` can send SIGUSR1 ahead of the time limit).
+
+The handler only records: it writes one byte to a pipe (async-signal-safe) and
+returns. `poll()` waits on that pipe from the watcher thread, so no I/O, lock or
+collective ever runs inside the handler.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import threading
+from types import FrameType
+
+from cloud_adapters.notice import INTERRUPTION, Notice, deadline_after, utc_now
+
+DEFAULT_SIGNALS = (signal.SIGTERM,)
+
+
+def parse_signal(name: str | int) -> signal.Signals:
+    """`"SIGUSR1"`, `"USR1"`, `"10"` or 10 -> signal.SIGUSR1; ValueError for anything else."""
+    if isinstance(name, int) or str(name).isdigit():
+        try:
+            return signal.Signals(int(name))
+        except ValueError as exc:
+            raise ValueError(f"unknown signal number {name}") from exc
+    text = str(name).upper()
+    text = text if text.startswith("SIG") else "SIG" + text
+    try:
+        return signal.Signals[text]
+    except KeyError as exc:
+        raise ValueError(f"unknown signal {name!r}") from exc
+
+
+class SignalSource:
+    """Turns the first of `signals` into an interruption with deadline = arrival + `grace_s`.
+
+    `install()` must run on the main thread (Python's rule for signal handlers).
+    Later signals of the same kind are recorded but do not make a new notice.
+    """
+
+    name = "signal"
+    blocking = True
+
+    def __init__(self, signals: tuple[signal.Signals, ...] = DEFAULT_SIGNALS, grace_s: float = 25.0,
+                 wait_s: float = 1.0) -> None:
+        self.signals = tuple(signals)
+        self.grace_s = grace_s
+        self.wait_s = wait_s
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._write_fd, False)
+        self._previous: dict[signal.Signals, object] = {}
+        self._notice: Notice | None = None
+        self._lock = threading.Lock()
+
+    def install(self) -> None:
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def uninstall(self) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        try:
+            os.write(self._write_fd, bytes([signum]))
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full of earlier signals: one is enough
+
+    def poll(self) -> Notice | None:
+        # Always wait on the pipe, also once a notice exists, so a blocking poller never spins.
+        ready, _, _ = select.select([self._read_fd], [], [], self.wait_s)
+        with self._lock:
+            if ready:
+                signum = os.read(self._read_fd, 64)[0]
+                if self._notice is None:
+                    self._notice = self._make_notice(signal.Signals(signum))
+            return self._notice
+
+    def _make_notice(self, sig: signal.Signals) -> Notice:
+        now = utc_now()
+        return Notice(
+            cloud="signal", kind=INTERRUPTION, action=sig.name,
+            deadline=deadline_after(self.grace_s, now), detected_at=now,
+            source=f"signal:{sig.name}", key=f"signal:{sig.name}:{now.timestamp():.3f}",
+            detail={"signal": int(sig), "grace_s": self.grace_s},
+        )
+
+    def close(self) -> None:
+        self.uninstall()
+        for fd in (self._read_fd, self._write_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass

@@ -1,0 +1,240 @@
+"""`spotguard` — watch, simulate, demo, ls, verify."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+
+from cloud_adapters.endpoints import normalise_base_url
+from cloud_adapters.notice import Notice
+from cloud_adapters.signals import parse_signal
+from cloud_adapters.sources import CLOUDS
+
+log = logging.getLogger("spotguard")
+
+
+def _positive(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _url(text: str) -> str:
+    try:
+        return normalise_base_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _signals(text: str) -> tuple[str, ...]:
+    names = tuple(s.strip() for s in text.split(",") if s.strip())
+    try:
+        for name in names:
+            parse_signal(name)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return names
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"port must be 0..65535, got {port}")
+    return port
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spotguard", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    watch = sub.add_parser("watch", help="watch for interruption notices and print one line per notice")
+    watch.add_argument("--cloud", choices=CLOUDS + ("none", "auto"), default="auto")
+    watch.add_argument("--metadata-url", type=_url, help="metadata service base URL (an emulator, say)")
+    watch.add_argument("--interval", type=_positive, default=1.0, help="seconds between polls (default 1)")
+    watch.add_argument("--json", action="store_true", help="one JSON object per line")
+    watch.add_argument("--once", action="store_true", help="exit 0 after the first interruption")
+    watch.add_argument("--signals", type=_signals, default=("SIGTERM",),
+                       help="comma-separated signals that count as an interruption (default SIGTERM)")
+    watch.add_argument("--grace", type=_positive, default=25.0, help="deadline after a signal, seconds")
+    watch.add_argument("--exec", dest="exec_cmd", metavar="CMD",
+                       help="run CMD (a shell command) per notice, with the notice as JSON in SPOTGUARD_NOTICE")
+
+    sim = sub.add_parser("simulate", help="run a cloud's metadata emulator on localhost")
+    sim.add_argument("--cloud", choices=CLOUDS, required=True)
+    sim.add_argument("--host", default="127.0.0.1")
+    sim.add_argument("--port", type=_port, default=0)
+    sim.add_argument("--notice-after", type=_positive, metavar="S", help="raise an interruption after S seconds")
+
+    demo = sub.add_parser("demo", help="an end-to-end run: training, interruption, emergency save, resume")
+    demo.add_argument("--dir", help="checkpoint directory (default: a fresh temporary one)")
+    demo.add_argument("--world-size", type=int, default=2, choices=range(1, 5), metavar="N")
+    demo.add_argument("--cloud", choices=CLOUDS, default="aws")
+
+    ls = sub.add_parser("ls", help="list checkpoints of a directory or bucket")
+    ls.add_argument("location")
+    ls.add_argument("--json", action="store_true")
+
+    verify = sub.add_parser("verify", help="check checkpoints against their manifests")
+    verify.add_argument("location", help="DIR, DIR/step-N, or a bucket URL")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = {"watch": _watch, "simulate": _simulate, "demo": _demo, "ls": _ls, "verify": _verify}[args.command]
+    try:
+        return handler(args)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, OSError) as exc:
+        print(f"spotguard {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+# ---- watch -----------------------------------------------------------------------
+def format_notice(notice: Notice, as_json: bool) -> str:
+    if as_json:
+        return json.dumps(notice.to_json(), sort_keys=True)
+    left = notice.seconds_left()
+    when = "no deadline" if left is None else f"deadline {notice.to_json()['deadline']} ({left:.0f} s left)"
+    return f"{notice.kind.upper()} {notice.cloud} {notice.action} from {notice.source}: {when}"
+
+
+def _watch(args: argparse.Namespace) -> int:
+    from cloud_adapters.detect import detect_cloud
+    from cloud_adapters.signals import SignalSource
+    from cloud_adapters.sources import cloud_sources
+    from spotguard.watcher import Watcher
+
+    cloud = detect_cloud(args.metadata_url) if args.cloud == "auto" else args.cloud
+    signals = SignalSource(tuple(parse_signal(s) for s in args.signals), grace_s=args.grace)
+    signals.install()
+    done = threading.Event()
+    lock = threading.Lock()
+
+    def on_notice(notice: Notice) -> None:
+        with lock:
+            print(format_notice(notice, args.json), flush=True)
+            if args.exec_cmd:
+                env = dict(os.environ, SPOTGUARD_NOTICE=json.dumps(notice.to_json()))
+                code = subprocess.call(args.exec_cmd, shell=True, env=env)
+                if code:
+                    log.warning("--exec command exited with %d", code)
+        if args.once and notice.is_interruption:
+            done.set()
+
+    log.info("watching %s%s", cloud, f" at {args.metadata_url}" if args.metadata_url else "")
+    with Watcher([signals, *cloud_sources(cloud, args.metadata_url)], on_notice, interval_s=args.interval):
+        while not done.wait(0.5):
+            pass
+    return 0
+
+
+# ---- simulate ----------------------------------------------------------------------
+def emulator_for(cloud: str, host: str = "127.0.0.1", port: int = 0):  # noqa: ANN201 - a MetadataEmulator
+    if cloud == "aws":
+        from cloud_adapters.aws.emulator import AWSMetadataEmulator as emulator
+    elif cloud == "gcp":
+        from cloud_adapters.gcp.emulator import GCPMetadataEmulator as emulator
+    else:
+        from cloud_adapters.azure.emulator import AzureMetadataEmulator as emulator
+    return emulator(host=host, port=port)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    emulator = emulator_for(args.cloud, args.host, args.port)
+    emulator.start()
+    print(f"{args.cloud} metadata emulator on {emulator.url}", flush=True)
+    print(f"  raise a notice: curl -X POST {emulator.url}/_spotguard/notice -d '{{}}'", flush=True)
+    print(f"  watch it:       spotguard watch --cloud {args.cloud} --metadata-url {emulator.url}", flush=True)
+    if args.notice_after:
+        emulator.schedule_notice(args.notice_after)
+        print(f"  an interruption will be raised in {args.notice_after:g} s", flush=True)
+    try:
+        threading.Event().wait()
+    finally:
+        emulator.stop()
+    return 0
+
+
+# ---- demo, ls, verify ----------------------------------------------------------------
+def _demo(args: argparse.Namespace) -> int:
+    from spotguard.demo import run_demo
+
+    return run_demo(args.dir, world_size=args.world_size, cloud=args.cloud)
+
+
+def _ls(args: argparse.Namespace) -> int:
+    from spotguard.checkpoint import list_checkpoints
+
+    rows = list_checkpoints(args.location)
+    if args.json:
+        for row in rows:
+            print(json.dumps(row.to_json(), sort_keys=True))
+        return 0
+    if not rows:
+        print(f"no checkpoints in {args.location}")
+        return 0
+    print(f"{'STEP':>10}  {'REASON':<10} {'SIZE':>10}  {'COMMITTED':<9}  CREATED")
+    for row in rows:
+        print(f"{row.step:>10}  {row.reason or '-':<10} {_size(row.size):>10}  {'yes' if row.committed else 'NO':<9}  "
+              f"{row.created_at or '-'}")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from spotguard.checkpoint import verify_checkpoint
+
+    location, step = split_step(args.location)
+    results = verify_checkpoint(location, step)
+    if not results:
+        print(f"no checkpoints in {args.location}")
+        return 1
+    bad = 0
+    for result in results:
+        if result.ok:
+            print(f"step {result.step}: OK ({result.files} files, {_size(result.size)})")
+        else:
+            bad += 1
+            print(f"step {result.step}: BAD")
+            for problem in result.problems:
+                print(f"  - {problem}")
+    return 1 if bad else 0
+
+
+def split_step(location: str) -> tuple[str, int | None]:
+    """`DIR/step-0000000042` -> (`DIR`, 42); anything else -> (location, None)."""
+    head, _, tail = location.rstrip("/").rpartition("/")
+    if head and tail.startswith("step-") and tail[5:].isdigit():
+        return head, int(tail[5:])
+    return location, None
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return str(n)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""The background watcher: one daemon thread per notice source, each polling with
+backoff, reporting every distinct notice once and never raising into the caller."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+from tenacity import RetryCallState, RetryError, Retrying, retry_if_exception_type, wait_exponential, wait_random
+
+from cloud_adapters.notice import Notice, NoticeSource, utc_now
+
+log = logging.getLogger(__name__)
+
+# A notice whose deadline passed longer ago than this is a leftover (IMDS keeps showing
+# instance-action for a while), not news: it is logged once and ignored.
+STALE_AFTER = timedelta(minutes=10)
+
+
+class Watcher:
+    """Polls `sources` on background threads and calls `on_notice` once per distinct notice.
+
+    Non-blocking sources are polled every `interval_s`; blocking ones (hanging GETs,
+    signals) are called back to back. A failing source is retried with exponential
+    backoff and jitter up to `max_backoff_s`; its error is logged once (and again only
+    when it changes), and its recovery is logged too. One failing source never stops
+    the others.
+    """
+
+    def __init__(self, sources: Sequence[NoticeSource], on_notice: Callable[[Notice], None], *,
+                 interval_s: float = 1.0, max_backoff_s: float = 30.0) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"poll interval must be positive, got {interval_s}")
+        self.sources = list(sources)
+        self.on_notice = on_notice
+        self.interval_s = interval_s
+        self.max_backoff_s = max_backoff_s
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._seen: dict[str, NoticeSource] = {}
+        self._lock = threading.Lock()
+
+    def start(self) -> Watcher:
+        for source in self.sources:
+            thread = threading.Thread(target=self._run, args=(source,), name=f"spotguard-watch-{source.name}",
+                                      daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        log.info("watching %s", ", ".join(s.name for s in self.sources) or "nothing")
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=timeout_s)
+        self._threads.clear()
+        for source in self.sources:
+            try:
+                source.close()
+            except Exception:  # noqa: BLE001 - closing is best effort
+                log.debug("closing %s failed", source.name, exc_info=True)
+
+    def __enter__(self) -> Watcher:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def ack(self, notice: Notice) -> None:
+        """Tell the cloud we are ready (Azure StartRequests); a no-op for sources without acks."""
+        source = self._seen.get(notice.key)
+        ack = getattr(source, "ack", None)
+        if ack is None:
+            return
+        try:
+            ack(notice)
+            log.info("acknowledged %s to %s", notice.key, notice.cloud)
+        except Exception as exc:  # noqa: BLE001 - the platform proceeds at NotBefore anyway
+            log.warning("could not acknowledge %s: %s", notice.key, exc)
+
+    # ---- per-source loop ------------------------------------------------------
+    def _run(self, source: NoticeSource) -> None:
+        failure = _FailureLog(source.name)
+        retrying = Retrying(
+            retry=retry_if_exception_type(Exception),
+            # Jitter keeps the nodes of a big job from hammering a throttled metadata service in step.
+            wait=wait_exponential(multiplier=min(self.interval_s, 1.0), max=self.max_backoff_s)
+            + wait_random(0, min(self.interval_s, 1.0)),
+            stop=lambda _: self._stop.is_set(),
+            sleep=self._stop.wait,
+            before_sleep=failure.record,
+        )
+        try:
+            prime = getattr(source, "prime", None)
+            if prime is not None:  # Azure: the first call after boot can take minutes, and may hold a notice
+                self._report(source, retrying(prime))
+            while not self._stop.is_set():
+                self._report(source, retrying(source.poll))
+                failure.recovered()
+                if not source.blocking:
+                    self._stop.wait(self.interval_s)
+        except RetryError:
+            pass  # stopped while the source was failing
+
+    def _report(self, source: NoticeSource, notice: Notice | None) -> None:
+        if notice is None:
+            return
+        with self._lock:
+            if notice.key in self._seen:
+                return
+            self._seen[notice.key] = source
+        if notice.deadline is not None and utc_now() - notice.deadline > STALE_AFTER:
+            log.warning("ignoring a stale notice from %s: its deadline %s passed more than %s ago",
+                        notice.source, notice.deadline.isoformat(), STALE_AFTER)
+            return
+        left = notice.seconds_left()
+        log.warning("%s notice from %s: action=%s, deadline in %s", notice.kind, notice.source, notice.action,
+                    "unknown" if left is None else f"{left:.1f} s")
+        try:
+            self.on_notice(notice)
+        except Exception:  # noqa: BLE001 - a broken callback must not kill the watcher
+            log.exception("notice callback failed for %s", notice.key)
+
+
+class _FailureLog:
+    """Logs a source's error once (and again when it changes), then its recovery."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.count = 0
+        self.last = ""
+
+    def record(self, state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        message = f"{type(exc).__name__}: {exc}"
+        self.count += 1
+        wait = state.next_action.sleep if state.next_action else 0.0
+        if message != self.last:
+            log.warning("%s poll failed (%s); retrying with backoff, next in %.1f s", self.name, message, wait)
+            self.last = message
+        else:
+            log.debug("%s poll failed again (%d times): %s", self.name, self.count, message)
+
+    def recovered(self) -> None:
+        if self.count:
+            log.warning("%s recovered after %d failed polls", self.name, self.count)
+            self.count = 0
+            self.last = ""

@@ -1,0 +1,79 @@
+"""Signals as notices, through real signals sent to real processes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cloud_adapters.signals import SignalSource, parse_signal
+
+
+def start_watch(*flags):
+    proc = subprocess.Popen([sys.executable, "-m", "spotguard.cli", "watch", "--cloud", "none", "--json", *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # The handler is installed before "watching" is logged.
+    for line in proc.stderr:
+        if "watching" in line:
+            break
+    return proc
+
+
+@pytest.mark.parametrize("sig,flags", [(signal.SIGTERM, []), (signal.SIGUSR1, ["--signals", "SIGTERM,USR1"])])
+def test_a_signal_becomes_one_interruption(sig, flags):
+    proc = start_watch("--once", "--grace", "20", *flags)
+    sent = time.time()
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    lines = out.splitlines()
+    assert len(lines) == 1
+    notice = json.loads(lines[0])
+    assert notice["cloud"] == "signal" and notice["kind"] == "interruption"
+    assert notice["action"] == sig.name
+    detected = notice["detected_at"]
+    assert detected.endswith("Z") and notice["deadline"].endswith("Z")
+    from cloud_adapters.notice import parse_iso8601
+
+    grace = (parse_iso8601(notice["deadline"]) - parse_iso8601(detected)).total_seconds()
+    assert abs(grace - 20) < 0.01
+    assert abs(parse_iso8601(detected).timestamp() - sent) < 5
+
+
+def test_repeated_signals_make_one_notice():
+    proc = start_watch()
+    for _ in range(3):
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=30)
+    assert len(out.splitlines()) == 1
+
+
+def test_source_in_process_records_only_and_restores_handlers():
+    before = signal.getsignal(signal.SIGUSR2)
+    source = SignalSource((signal.SIGUSR2,), grace_s=5, wait_s=0.05)
+    source.install()
+    try:
+        assert source.poll() is None
+        os.kill(os.getpid(), signal.SIGUSR2)
+        notice = source.poll()
+        assert notice is not None and notice.action == "SIGUSR2"
+        assert source.poll() == notice  # the same notice, not a new one
+    finally:
+        source.close()
+    assert signal.getsignal(signal.SIGUSR2) == before
+
+
+@pytest.mark.parametrize("text,expected", [("SIGTERM", signal.SIGTERM), ("usr1", signal.SIGUSR1),
+                                           ("15", signal.SIGTERM), (10, signal.SIGUSR1)])
+def test_parse_signal(text, expected):
+    assert parse_signal(text) == expected
+
+
+def test_parse_signal_rejects_nonsense():
+    with pytest.raises(ValueError, match="unknown signal"):
+        parse_signal("SIGNOPE")

@@ -1,0 +1,85 @@
+"""`spotguard watch` end to end: a subprocess against each cloud's emulator."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cloud_adapters.aws.emulator import AWSMetadataEmulator
+from cloud_adapters.azure.emulator import AzureMetadataEmulator
+from cloud_adapters.gcp.emulator import GCPMetadataEmulator
+
+EMULATORS = {"aws": AWSMetadataEmulator, "gcp": GCPMetadataEmulator, "azure": AzureMetadataEmulator}
+ADVISORY = {"aws": {"kind": "rebalance"}, "gcp": {"kind": "maintenance", "event": "MIGRATE_ON_HOST_MAINTENANCE"},
+            "azure": {"event_type": "Freeze", "not_before_in_s": 60}}
+
+
+def watch(*args):
+    return subprocess.Popen([sys.executable, "-m", "spotguard.cli", "watch", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_until_polled(emu, timeout_s=20):
+    deadline = time.monotonic() + timeout_s
+    while emu.requests_seen < 2:
+        assert time.monotonic() < deadline, "the watcher never polled the emulator"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("cloud", sorted(EMULATORS))
+def test_watch_once_prints_advisories_and_exits_on_the_interruption(cloud):
+    with EMULATORS[cloud]() as emu:
+        proc = watch("--cloud", cloud, "--metadata-url", emu.url, "--json", "--once", "--interval", "0.3")
+        try:
+            wait_until_polled(emu)
+            emu.raise_notice(**ADVISORY[cloud])
+            first = json.loads(proc.stdout.readline())
+            assert first["kind"] in ("rebalance", "maintenance")
+            assert proc.poll() is None, "an advisory must not end --once"
+            emu.raise_notice()
+            out, err = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+    assert proc.returncode == 0, err
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert len(lines) == 1
+    notice = lines[0]
+    assert notice["cloud"] == cloud and notice["kind"] == "interruption"
+    assert notice["deadline"].endswith("Z") and notice["detected_at"].endswith("Z")
+    assert notice["source"].startswith(cloud) and notice["action"]
+
+
+def test_plain_output_is_one_readable_line():
+    with AWSMetadataEmulator() as emu:
+        emu.raise_notice(action="stop", in_s=90)
+        proc = watch("--cloud", "aws", "--metadata-url", emu.url, "--once")
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    assert out.startswith("INTERRUPTION aws stop from aws:spot/instance-action: deadline ")
+
+
+def test_exec_runs_a_command_per_notice(tmp_path):
+    target = tmp_path / "notice.json"
+    with AWSMetadataEmulator() as emu:
+        emu.raise_notice()
+        proc = watch("--cloud", "aws", "--metadata-url", emu.url, "--once", "--exec",
+                     f'printf "%s" "$SPOTGUARD_NOTICE" > {target}')
+        proc.communicate(timeout=30)
+    assert json.loads(target.read_text())["action"] == "terminate"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--cloud", "mars"], "invalid choice"),
+    (["--interval", "0"], "must be positive"),
+    (["--interval", "soon"], "not a number"),
+    (["--metadata-url", "ftp://x"], "must look like http://HOST[:PORT]"),
+    (["--metadata-url", "http://127.0.0.1:99999"], "invalid port"),
+    (["--signals", "SIGNOPE"], "unknown signal"),
+])
+def test_bad_flags_get_a_one_line_error(args, message):
+    proc = watch(*args)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2
+    assert message in err and "Traceback" not in err

@@ -1,0 +1,130 @@
+"""The watcher against real emulators: one report per notice, faults logged once and retried,
+one failing source never stops the others, stale notices ignored."""
+
+import logging
+import queue
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+
+from cloud_adapters.aws.emulator import AWSMetadataEmulator
+from cloud_adapters.aws.metadata import notice_sources as aws_sources
+from cloud_adapters.azure.emulator import AzureMetadataEmulator
+from cloud_adapters.gcp.emulator import GCPMetadataEmulator
+from cloud_adapters.notice import isoformat_z, utc_now
+from cloud_adapters.sources import cloud_sources
+from spotguard.watcher import Watcher
+
+
+def closed_port_url():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.fixture
+def aws():
+    with AWSMetadataEmulator() as emu:
+        yield emu
+
+
+def watch(sources, interval_s=0.05, **kw):
+    got = queue.Queue()
+    return Watcher(sources, got.put, interval_s=interval_s, max_backoff_s=0.2, **kw), got
+
+
+@pytest.mark.parametrize("emulator_cls,cloud", [(AWSMetadataEmulator, "aws"), (GCPMetadataEmulator, "gcp"),
+                                                (AzureMetadataEmulator, "azure")])
+def test_each_cloud_reports_an_interruption_once(emulator_cls, cloud):
+    with emulator_cls() as emu:
+        watcher, got = watch(cloud_sources(cloud, emu.url), interval_s=0.1)
+        with watcher:
+            time.sleep(0.3)
+            emu.raise_notice()
+            notice = got.get(timeout=10)
+            assert notice.cloud == cloud and notice.is_interruption
+            assert notice.deadline is not None and notice.seconds_left() > 0
+            time.sleep(0.6)  # several more polls see the same notice
+            assert got.empty()
+
+
+def test_errors_are_logged_once_retried_and_recovery_logged(aws, caplog):
+    caplog.set_level(logging.WARNING, logger="spotguard.watcher")
+    aws.set_fault("error", count=6, status=500)
+    source = aws_sources(aws.url)[0]  # spot/instance-action only
+    watcher, got = watch([source])
+    with watcher:
+        time.sleep(0.2)
+        aws.raise_notice()
+        assert got.get(timeout=10).action == "terminate"
+    failures = [r for r in caplog.records if "poll failed" in r.getMessage()]
+    assert len(failures) == 1, [r.getMessage() for r in failures]
+    assert "500" in failures[0].getMessage()
+    assert any("recovered after" in r.getMessage() for r in caplog.records)
+
+
+def test_a_dead_source_never_stops_the_others(aws, caplog):
+    caplog.set_level(logging.WARNING, logger="spotguard.watcher")
+    dead = aws_sources(closed_port_url())[0]
+    alive = aws_sources(aws.url)[0]
+    watcher, got = watch([dead, alive])
+    with watcher:
+        aws.raise_notice()
+        assert got.get(timeout=10).source == alive.name
+    assert any("poll failed" in r.getMessage() for r in caplog.records)
+
+
+def test_malformed_answers_are_retried(aws, caplog):
+    caplog.set_level(logging.WARNING, logger="spotguard.watcher")
+    aws.raise_notice()
+    aws.set_fault("malformed", count=4)
+    watcher, got = watch(aws_sources(aws.url)[:1])
+    with watcher:
+        assert got.get(timeout=10).is_interruption
+    assert any("poll failed" in r.getMessage() for r in caplog.records)
+
+
+def test_a_stale_notice_is_ignored(aws, caplog):
+    caplog.set_level(logging.WARNING, logger="spotguard.watcher")
+    old = isoformat_z(utc_now() - timedelta(hours=1)).replace(".000", "")
+    aws.set_metadata("spot/instance-action", f'{{"action": "terminate", "time": "{old}"}}')
+    watcher, got = watch(aws_sources(aws.url)[:1])
+    with watcher:
+        time.sleep(0.5)
+    assert got.empty()
+    assert sum("stale" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_failing_callback_does_not_kill_the_watcher(aws):
+    calls = []
+
+    def callback(notice):
+        calls.append(notice)
+        raise RuntimeError("boom")
+
+    with Watcher(aws_sources(aws.url), callback, interval_s=0.05):
+        aws.raise_notice(kind="rebalance")
+        deadline = time.monotonic() + 10
+        while len(calls) < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        aws.raise_notice()
+        while len(calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert [n.kind for n in calls] == ["rebalance", "interruption"]
+
+
+def test_stop_returns_while_a_gcp_hanging_get_is_open():
+    with GCPMetadataEmulator() as emu:
+        watcher, _ = watch(cloud_sources("gcp", emu.url))
+        watcher.start()
+        time.sleep(0.3)
+        started = time.monotonic()
+        watcher.stop(timeout_s=1.0)
+        assert time.monotonic() - started < 5
+
+
+def test_interval_must_be_positive():
+    with pytest.raises(ValueError, match="positive"):
+        Watcher([], print, interval_s=0)
