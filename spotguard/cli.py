@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -186,15 +187,16 @@ def _ls(args: argparse.Namespace) -> int:
     rows = list_checkpoints(args.location)
     if args.json:
         for row in rows:
-            print(json.dumps(row.to_json(), sort_keys=True))
+            print(json.dumps(dataclasses.asdict(row), sort_keys=True))
         return 0
     if not rows:
         print(f"no checkpoints in {args.location}")
         return 0
-    print(f"{'STEP':>10}  {'REASON':<10} {'SIZE':>10}  {'COMMITTED':<9}  CREATED")
+    print(f"{'STEP':>10}  {'REASON':<10} {'SIZE':>10} {'FILES':>5}  {'COMMITTED':<9}  CREATED")
     for row in rows:
-        print(f"{row.step:>10}  {row.reason or '-':<10} {_size(row.size):>10}  {'yes' if row.committed else 'NO':<9}  "
-              f"{row.created_at or '-'}")
+        print(f"{row.step:>10}  {row.reason or '-':<10} {_size(row.size):>10} {row.files:>5}  "
+              f"{'yes' if row.committed else 'NO':<9}  {row.created_at or '-'}"
+              + (f"  ({row.problem})" if row.problem else ""))
     return 0
 
 
@@ -209,7 +211,7 @@ def _verify(args: argparse.Namespace) -> int:
     bad = 0
     for result in results:
         if result.ok:
-            print(f"step {result.step}: OK ({result.files} files, {_size(result.size)})")
+            print(f"step {result.step}: OK")
         else:
             bad += 1
             print(f"step {result.step}: BAD")

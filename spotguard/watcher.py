@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
@@ -51,10 +52,13 @@ class Watcher:
         log.info("watching %s", ", ".join(s.name for s in self.sources) or "nothing")
         return self
 
-    def stop(self, timeout_s: float = 5.0) -> None:
+    def stop(self, timeout_s: float = 1.0) -> None:
+        """Stop polling. Waits at most `timeout_s` in all: a thread inside a hanging GET
+        is a daemon and ends when its request returns, so it never holds up the exit."""
         self._stop.set()
+        deadline = time.monotonic() + timeout_s
         for thread in self._threads:
-            thread.join(timeout=timeout_s)
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
         self._threads.clear()
         for source in self.sources:
             try:

@@ -1,0 +1,100 @@
+"""Every rank decides to save at the same step, or none does (invariant 1).
+
+The protocol of JAX's preemption sync manager and TF's PreemptionCheckpointHandler,
+run on the listener threads so the training hot path stays a lock and a comparison:
+
+1. On an event, each rank freezes its step counter (holds the lock the hot path
+   takes) and publishes the last step it has finished.
+2. It waits, with a timeout, until every rank has published.
+3. It proposes `max(steps) + 1` if all arrived, else "abort", with `compare_set`
+   on one decision key: the first proposal wins and every rank reads that one.
+4. It releases the lock. The hot path fires when it reaches the decided step.
+
+Since nobody's counter moves while the steps are gathered, the decided step lies
+ahead of every rank, so every rank reaches it. A dead rank makes the others give up
+cleanly after the timeout (they all read "abort"), never hang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+ABORT = "abort"
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    round: int
+    step: int
+    event: dict[str, Any]
+
+
+class StepAgreement:
+    def __init__(self, store: dist.Store, prefix: str, rank: int, world_size: int, *,
+                 last_step: int = -1, poll_s: float = 0.002) -> None:
+        self.store = store
+        self.prefix = prefix
+        self.rank = rank
+        self.world_size = world_size
+        self.poll_s = poll_s
+        self._lock = threading.Lock()
+        self._last_step = last_step
+        self._pending: list[Decision] = []
+
+    # ---- hot path (training thread) ---------------------------------------------
+    def reached(self, step: int) -> list[Decision]:
+        """Record that `step` is finished; return the decisions due at it (usually none)."""
+        with self._lock:
+            self._last_step = step
+            if not self._pending or step < self._pending[0].step:
+                return []
+            due = [d for d in self._pending if d.step <= step]
+            self._pending = [d for d in self._pending if d.step > step]
+            return due
+
+    def reset(self, last_step: int) -> None:
+        """After a resume: the next step the loop will report is `last_step + 1`."""
+        with self._lock:
+            self._last_step = last_step
+
+    # ---- listener thread ------------------------------------------------------
+    def agree(self, round_id: int, event: dict[str, Any], timeout_s: float) -> Decision | None:
+        """Run one round; returns the decision, or None when the round was aborted."""
+        base = f"{self.prefix}agree/{round_id}/"
+        with self._lock:  # freezes this rank's step counter for the whole round
+            started = time.monotonic()
+            self.store.set(f"{base}step/{self.rank}", str(self._last_step))
+            keys = [f"{base}step/{r}" for r in range(self.world_size)]
+            complete = self._wait_for(keys, timeout_s)
+            proposal = str(max(int(self.store.get(k)) for k in keys) + 1) if complete else ABORT
+            decided = self.store.compare_set(f"{base}decision", "", proposal).decode()
+            elapsed_ms = (time.monotonic() - started) * 1000
+            if decided == ABORT:
+                log.error("round %d: not every rank answered within %.1f s (a rank is gone?); no save in this "
+                          "round, resume will use the last committed checkpoint", round_id, timeout_s)
+                return None
+            decision = Decision(round_id, int(decided), event)
+            self._pending.append(decision)
+            self._pending.sort(key=lambda d: d.step)
+            log.info("round %d: all %d ranks agreed on step %d (%s) in %.1f ms", round_id, self.world_size,
+                     decision.step, event.get("type"), elapsed_ms)
+            return decision
+
+    def _wait_for(self, keys: list[str], timeout_s: float) -> bool:
+        # Polls check() rather than blocking in wait(): a timed-out wait() logs socket
+        # errors in torch, and check() is a cheap round trip.
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.store.check(keys):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(self.poll_s)

@@ -1,0 +1,26 @@
+"""Sharded checkpoints with torch.distributed.checkpoint: atomic commit, upload, catalog, resume.
+
+Layout: `<checkpoint_dir>/step-<NNNNNNNNNN>/` holds the DCP files and `spotguard.json`,
+the manifest, written last. A directory without a manifest does not exist for resume.
+"""
+
+from spotguard.checkpoint.catalog import CheckpointInfo, VerifyResult, list_checkpoints, verify_checkpoint
+from spotguard.checkpoint.checkpointer import Checkpointer, SaveReport
+from spotguard.checkpoint.errors import CheckpointError
+from spotguard.checkpoint.layout import MANIFEST_NAME, parse_step_dir, step_dir_name
+from spotguard.checkpoint.manifest import Manifest, ManifestError
+
+__all__ = [
+    "MANIFEST_NAME",
+    "CheckpointError",
+    "CheckpointInfo",
+    "Checkpointer",
+    "Manifest",
+    "ManifestError",
+    "SaveReport",
+    "VerifyResult",
+    "list_checkpoints",
+    "parse_step_dir",
+    "step_dir_name",
+    "verify_checkpoint",
+]

@@ -1,0 +1,167 @@
+"""What a checkpoint location holds: list steps, verify them, find the newest good one."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import tempfile
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from cloud_adapters.storage import LocalStore, ObjectInfo, ObjectStore, StoreError, open_store
+from spotguard.checkpoint.layout import MANIFEST_NAME, manifest_key, parse_step_dir, step_dir_name
+from spotguard.checkpoint.manifest import Manifest, ManifestError, check_file
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    step: int
+    committed: bool  # has a readable manifest whose files are all present with the right sizes
+    reason: str | None
+    size: int  # bytes
+    files: int
+    created_at: str | None
+    world_size: int | None
+    location: str
+    problem: str | None = None  # why it is not committed, when it has a manifest
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyResult:
+    step: int
+    ok: bool
+    problems: list[str]
+    location: str
+
+
+def scan(store: ObjectStore) -> dict[int, dict[str, ObjectInfo]]:
+    """{step: {file name: info}} for every `step-N/` directory in the store (leftover siblings excluded)."""
+    steps: dict[int, dict[str, ObjectInfo]] = defaultdict(dict)
+    for info in store.list():
+        head, _, name = info.key.partition("/")
+        step = parse_step_dir(head)
+        if step is not None and name and "/" not in name:
+            steps[step][name] = info
+    return dict(steps)
+
+
+def read_manifest(store: ObjectStore, step: int) -> Manifest:
+    """The manifest of `step`; ManifestError when missing, unreadable or about another step."""
+    try:
+        manifest = Manifest.from_bytes(store.get_bytes(manifest_key(step)))
+    except StoreError as exc:
+        raise ManifestError(f"no readable manifest: {exc}") from exc
+    if manifest.step != step:
+        raise ManifestError(f"manifest says step {manifest.step}, directory says {step}")
+    return manifest
+
+
+def listing_problems(manifest: Manifest, files: dict[str, ObjectInfo]) -> list[str]:
+    """Cheap check against a listing: every manifest file present with its size."""
+    problems = []
+    for record in manifest.files:
+        info = files.get(record.name)
+        if info is None:
+            problems.append(f"{record.name}: missing")
+        elif info.size != record.size:
+            problems.append(f"{record.name}: size {info.size} != {record.size} in the manifest")
+    return problems
+
+
+def dir_problems(step_dir: Path, manifest: Manifest, *, threads: int = 4) -> list[str]:
+    """Full check of a local directory: sizes and CRC32C of every manifest file."""
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="spotguard-verify") as pool:
+        results = pool.map(lambda r: check_file(step_dir / r.name, r), manifest.files)
+        return [p for p in results if p]
+
+
+def committed_manifests(store: ObjectStore) -> list[Manifest]:
+    """Manifests of the steps that look committed (manifest readable, files present), newest first.
+
+    This does not read the data; checksums are checked before a step is loaded.
+    """
+    good = []
+    for step, files in sorted(scan(store).items(), reverse=True):
+        if MANIFEST_NAME not in files:
+            continue
+        try:
+            manifest = read_manifest(store, step)
+        except ManifestError as exc:
+            log.warning("ignoring %s/%s: %s", store.url, step_dir_name(step), exc)
+            continue
+        problems = listing_problems(manifest, files)
+        if problems:
+            log.warning("ignoring %s/%s: %s", store.url, step_dir_name(step), "; ".join(problems))
+            continue
+        good.append(manifest)
+    return good
+
+
+def list_checkpoints(location: str) -> list[CheckpointInfo]:
+    """Every step directory at `location` (path, file://, s3://, gs://, az://), oldest first."""
+    store = open_store(location)
+    out = []
+    for step, files in sorted(scan(store).items()):
+        where = f"{store.url}/{step_dir_name(step)}"
+        data = {n: i for n, i in files.items() if n != MANIFEST_NAME}
+        info = CheckpointInfo(step, False, None, sum(i.size for i in data.values()), len(data), None, None, where)
+        if MANIFEST_NAME in files:
+            try:
+                manifest = read_manifest(store, step)
+                problems = listing_problems(manifest, files)
+                info = dataclasses.replace(
+                    info,
+                    committed=not problems,
+                    reason=manifest.reason,
+                    size=manifest.total_bytes,
+                    files=len(manifest.files),
+                    created_at=manifest.created_at,
+                    world_size=manifest.world_size,
+                    problem="; ".join(problems) or None,
+                )
+            except ManifestError as exc:
+                info = dataclasses.replace(info, problem=str(exc))
+        out.append(info)
+    return out
+
+
+def verify_step(store: ObjectStore, step: int, *, threads: int = 4) -> list[str]:
+    """Problems with `step` (empty when every file matches the manifest's size and CRC32C)."""
+    try:
+        manifest = read_manifest(store, step)
+    except ManifestError as exc:
+        return [str(exc)]
+    if isinstance(store, LocalStore):
+        return dir_problems(store.path(step_dir_name(step)), manifest, threads=threads)
+    problems = listing_problems(manifest, scan(store).get(step, {}))
+    if problems:
+        return problems
+    # A remote object is checked by downloading it to scratch space, a few files at a time.
+    with tempfile.TemporaryDirectory(prefix="spotguard-verify-") as scratch:
+
+        def check(record) -> str | None:
+            local = Path(scratch) / record.name
+            try:
+                store.get_file(f"{step_dir_name(step)}/{record.name}", local)
+                return check_file(local, record)
+            except StoreError as exc:
+                return f"{record.name}: {exc}"
+            finally:
+                local.unlink(missing_ok=True)
+
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="spotguard-verify") as pool:
+            return [p for p in pool.map(check, manifest.files) if p]
+
+
+def verify_checkpoint(location: str, step: int | None = None) -> list[VerifyResult]:
+    """Check one step, or every step directory at `location`; each result lists its problems."""
+    store = open_store(location)
+    steps = [step] if step is not None else sorted(scan(store))
+    results = []
+    for s in steps:
+        problems = verify_step(store, s)
+        results.append(VerifyResult(s, not problems, problems, f"{store.url}/{step_dir_name(s)}"))
+    return results

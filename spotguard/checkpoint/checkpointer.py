@@ -1,0 +1,361 @@
+"""Checkpointer: the save/resume object the Guard drives.
+
+A save is one protocol on every rank, in the same order:
+  1. DCP writes the shards into a fresh hidden sibling `.step-N.tmp-<random>`;
+  2. every rank checksums its own files and sends the records to rank 0;
+  3. rank 0 writes the manifest last and renames the sibling to `step-N` (commit);
+  4. for an object store, every rank uploads its own files, then rank 0 uploads
+     the manifest last, create-only;
+  5. retention.
+Async saves (wait=False) snapshot the state to CPU in the caller and run the same
+protocol on one background thread, one save at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping, MutableMapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from cloud_adapters.notice import Notice, isoformat_z, utc_now
+from cloud_adapters.storage import AlreadyExists, LocalStore, ObjectStore, open_store
+from spotguard.checkpoint import retention
+from spotguard.checkpoint.comm import FAILURES, Comm, describe
+from spotguard.checkpoint.commit import commit_dir
+from spotguard.checkpoint.errors import CheckpointError
+from spotguard.checkpoint.layout import MANIFEST_NAME, manifest_key, sibling_name, step_dir_name
+from spotguard.checkpoint.manifest import REASONS, FileRecord, Manifest, versions
+from spotguard.checkpoint.resume import load_newest
+from spotguard.checkpoint.save import write_shards
+from spotguard.checkpoint.state import copy_to_cpu, to_dcp
+from spotguard.checkpoint.transfer import upload
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveReport:
+    step: int
+    reason: str
+    bytes: int
+    files: int
+    write_s: float  # DCP write + checksums (slowest phase end on rank 0's clock)
+    commit_s: float  # gather, manifest, rename
+    upload_s: float  # 0.0 without an object store
+    location: str  # where the committed step is: the durable copy when there is one
+    durable: bool  # committed in checkpoint_dir, not only in local_dir
+    margin_s: float | None  # seconds left before the deadline when the step became durable
+    started_at: datetime
+    committed_at: datetime
+    durable_at: datetime | None
+    local_location: str | None = None  # the committed local copy, when staging in local_dir
+    error: str | None = None  # why it is not durable
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes / 1e6 / max(self.write_s, 1e-9)
+
+
+class Checkpointer:
+    """Sharded, atomically committed checkpoints of one training job.
+
+    `checkpoint_dir` is a path, file://, s3://, gs:// or az:// location. With an object
+    store (or a `local_dir` different from a filesystem `checkpoint_dir`) steps are staged
+    and committed in `local_dir` first, then uploaded. `group` carries every checkpoint
+    collective (a dedicated gloo group); without an initialized process group this is a
+    single process. `keep_last` keeps that many newest committed steps.
+    """
+
+    def __init__(
+        self,
+        checkpoint_dir: str,
+        *,
+        local_dir: str | None = None,
+        group: dist.ProcessGroup | None = None,
+        keep_last: int | None = None,
+        thread_count: int = 4,
+    ) -> None:
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        if thread_count < 1:
+            raise ValueError(f"thread_count must be >= 1, got {thread_count}")
+        self.remote: ObjectStore = open_store(checkpoint_dir)
+        self.keep_last = keep_last
+        self.thread_count = thread_count
+        self.comm = Comm(group)
+        remote_root = Path(self.remote.url) if isinstance(self.remote, LocalStore) else None
+        if local_dir is None and remote_root is None:
+            local_dir = str(
+                Path(tempfile.gettempdir()) / "spotguard" / hashlib.sha256(self.remote.url.encode()).hexdigest()[:16]
+            )
+            log.info(
+                "staging checkpoints for %s in %s (set local_dir to choose a fast local disk)",
+                self.remote.url,
+                local_dir,
+            )
+        local_root = Path(local_dir).expanduser().resolve() if local_dir is not None else None
+        # Stage in the checkpoint directory itself only when it is a filesystem and no other local_dir is given.
+        self.local_root: Path | None = None if local_root in (None, remote_root) else local_root
+        self.stage_root: Path = self.local_root or remote_root  # type: ignore[assignment]
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spotguard-ckpt")
+        self._pending: Future | None = None
+        self.last_report: SaveReport | None = None
+
+    # -- public API -------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        reason: str,
+        notice: Notice | None = None,
+        deadline: datetime | None = None,
+        wait: bool = True,
+    ) -> SaveReport | None:
+        """Save `state` as `step` on every rank (a collective: all ranks call it in the same order).
+
+        wait=True returns the SaveReport once committed (raises CheckpointError when
+        nothing could be committed). wait=False snapshots the state to CPU memory and
+        returns None at once; `wait()` collects the result.
+        """
+        if reason not in REASONS:
+            raise ValueError(f"reason must be one of {REASONS}, not {reason!r}")
+        step_dir_name(step)  # validates the step
+        self._finish_pending()
+        state_dict = to_dcp(state)
+        started_at = utc_now()
+        if wait:
+            return self._save(step, state_dict, reason, notice, deadline, started_at)
+        snapshot = copy_to_cpu(state_dict)
+        self._pending = self._worker.submit(self._save, step, snapshot, reason, notice, deadline, started_at)
+        return None
+
+    def wait(self, timeout: float | None = None) -> SaveReport | None:
+        """Finish the in-flight async save; its report, or None when none was in flight.
+
+        Raises CheckpointError if it failed, TimeoutError if it is still running after `timeout`.
+        """
+        pending = self._pending
+        if pending is None:
+            return None
+        report = pending.result(timeout)
+        self._pending = None
+        return report
+
+    def resume(self, state: MutableMapping[str, Any]) -> int | None:
+        """Load the newest good committed step into `state` (a collective); its step, or None."""
+        self._finish_pending()
+        return load_newest(
+            state, remote=self.remote, local_root=self.local_root, comm=self.comm, threads=self.thread_count
+        )
+
+    def close(self) -> None:
+        """Finish the in-flight save, stop the worker thread, release the store's connections."""
+        self._finish_pending()
+        self._worker.shutdown(wait=True)
+        close_store = getattr(self.remote, "close", None)
+        if callable(close_store):
+            close_store()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the save protocol --------------------------------------------------------------------
+
+    def _finish_pending(self) -> None:
+        """Let the previous async save finish first (its collectives must not interleave with ours)."""
+        try:
+            self.wait()
+        except Exception as exc:  # the next save goes ahead regardless
+            log.error("the previous background save failed: %s", exc)
+        finally:
+            self._pending = None
+
+    def _save(
+        self,
+        step: int,
+        state_dict: dict[str, Any],
+        reason: str,
+        notice: Notice | None,
+        deadline: datetime | None,
+        started_at: datetime,
+    ) -> SaveReport:
+        comm = self.comm
+        t0 = time.monotonic()
+        stage = self.stage_root / comm.broadcast(sibling_name(step, "tmp") if comm.is_coordinator else None)
+        records: list[FileRecord] = []
+        error = None
+        try:
+            stage.parent.mkdir(parents=True, exist_ok=True)
+            records = write_shards(stage, state_dict, comm, thread_count=self.thread_count)
+        except FAILURES as exc:
+            error = f"rank {comm.rank}: {describe(exc)}"
+        t_written = time.monotonic()
+        gathered = comm.gather((records, error))
+        commit = self._commit(step, reason, notice, stage, gathered) if comm.is_coordinator else None
+        commit = comm.broadcast(commit)
+        t_committed = time.monotonic()
+        committed_at = utc_now()
+        try:
+            if commit["error"]:
+                raise CheckpointError(f"checkpoint of step {step} failed, nothing committed: {commit['error']}")
+            final = Path(commit["path"])
+            durable, upload_error, durable_at = self.local_root is None, None, committed_at
+            if self.local_root is not None:
+                durable, upload_error = self._upload(step, commit, records, stage, final)
+                durable_at = utc_now() if durable else None
+        finally:
+            # A copy that was not committed here (failed, or another node's partial copy) is abandoned.
+            if comm.is_node_leader and stage.exists():
+                shutil.rmtree(stage, ignore_errors=True)
+        t_done = time.monotonic()
+        report = SaveReport(
+            step=step,
+            reason=reason,
+            bytes=commit["bytes"],
+            files=commit["files"],
+            write_s=t_written - t0,
+            commit_s=t_committed - t_written,
+            upload_s=t_done - t_committed if self.local_root is not None else 0.0,
+            location=f"{self.remote.url}/{step_dir_name(step)}" if durable else str(final),
+            durable=durable,
+            margin_s=(deadline - durable_at).total_seconds() if deadline and durable_at else None,
+            started_at=started_at,
+            committed_at=committed_at,
+            durable_at=durable_at,
+            local_location=str(final) if self.local_root is not None else None,
+            error=upload_error,
+        )
+        self._retain()
+        self.last_report = report
+        if comm.is_coordinator:
+            log.info(
+                "checkpoint step %d (%s) %s: %.1f MB in %d files, write %.2fs commit %.2fs upload %.2fs%s",
+                step,
+                reason,
+                "durable at " + report.location if durable else "committed locally only at " + str(final),
+                report.bytes / 1e6,
+                report.files,
+                report.write_s,
+                report.commit_s,
+                report.upload_s,
+                f", {report.margin_s:.1f}s before the deadline" if report.margin_s is not None else "",
+            )
+        return report
+
+    def _commit(self, step: int, reason: str, notice: Notice | None, stage: Path, gathered: list) -> dict[str, Any]:
+        """Rank 0: write the manifest last and rename the staging directory into place."""
+        errors = [err for _, err in gathered if err]
+        if errors:
+            return {"error": "; ".join(errors)}
+        try:
+            manifest = Manifest(
+                step=step,
+                reason=reason,
+                world_size=self.comm.world_size,
+                created_at=isoformat_z(utc_now()),
+                files=tuple(sorted((r for recs, _ in gathered for r in recs), key=lambda r: r.name)),
+                notice=notice.to_json() if isinstance(notice, Notice) else notice,
+                versions=versions(),
+            )
+            final, created = commit_dir(stage, manifest)
+        except Exception as exc:  # returned, not raised: every rank waits for this outcome
+            return {"error": f"commit: {type(exc).__name__}: {exc}"}
+        return {
+            "error": None,
+            "path": str(final),
+            "created": created,
+            "remote_has_it": self.local_root is not None and self._remote_has(step),
+            "bytes": manifest.total_bytes,
+            "files": len(manifest.files),
+        }
+
+    def _remote_has(self, step: int) -> bool:
+        """Whether `step` is already committed in the object store (never upload over a committed step)."""
+        try:
+            return self.remote.exists(manifest_key(step))
+        except Exception as exc:  # the upload itself will tell whether the store works
+            log.warning("could not check %s for an existing step %d: %s", self.remote.url, step, exc)
+            return False
+
+    def _upload(
+        self, step: int, commit: dict[str, Any], records: list[FileRecord], stage: Path, final: Path
+    ) -> tuple[bool, str | None]:
+        """Every rank uploads its files, then rank 0 the manifest, create-only. (durable, error)."""
+        comm = self.comm
+        if commit["remote_has_it"]:
+            if comm.is_coordinator:
+                log.warning("step %d is already committed in %s; not uploading it again", step, self.remote.url)
+            return True, None
+        error = None
+        try:
+            mine = records
+            if not commit["created"]:  # the step was already committed locally: rank 0 uploads that copy
+                mine = (
+                    list(Manifest.from_bytes((final / MANIFEST_NAME).read_bytes()).files) if comm.is_coordinator else []
+                )
+            # Files of this rank are still in the stage dir on another node than rank 0, else in the committed dir.
+            items = [
+                ((stage / r.name) if (stage / r.name).exists() else (final / r.name), f"{step_dir_name(step)}/{r.name}")
+                for r in mine
+            ]
+            upload(self.remote, items, threads=self.thread_count)
+        except Exception as exc:
+            error = f"rank {comm.rank}: {exc}"
+        errors = comm.gather(error)
+        outcome = None
+        if comm.is_coordinator:
+            outcome = "; ".join(e for e in errors if e) or None
+            if outcome is None:
+                try:
+                    self.remote.put_bytes(manifest_key(step), (final / MANIFEST_NAME).read_bytes(), create_only=True)
+                except AlreadyExists:
+                    log.warning("step %d was committed in %s meanwhile; keeping that copy", step, self.remote.url)
+                except Exception as exc:
+                    outcome = f"manifest upload: {type(exc).__name__}: {exc}"
+            if outcome:
+                log.error(
+                    "upload of step %d to %s failed (committed locally at %s): %s",
+                    step,
+                    self.remote.url,
+                    final,
+                    outcome,
+                )
+        outcome = comm.broadcast(outcome)
+        return outcome is None, outcome
+
+    def _retain(self) -> None:
+        """Retention after a commit; a failure here is logged, never raised."""
+        comm = self.comm
+        jobs: list[tuple[ObjectStore | None, Path | None]] = []
+        if comm.is_coordinator:
+            jobs.append(
+                (
+                    self.remote if self.keep_last else None,
+                    Path(self.remote.url) if isinstance(self.remote, LocalStore) else None,
+                )
+            )
+        if comm.is_node_leader and self.local_root is not None:
+            jobs.append((LocalStore(self.local_root) if self.keep_last else None, self.local_root))
+        for store, root in jobs:
+            try:
+                if store is not None:
+                    retention.keep_last(store, self.keep_last)  # type: ignore[arg-type]
+                if root is not None:
+                    retention.remove_leftovers(root)
+            except Exception as exc:
+                log.warning("retention in %s failed: %s", store.url if store else root, exc)

@@ -1,0 +1,90 @@
+"""The few collectives the checkpoint layer needs, on its own process group (or none at all)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException
+
+# DCP reports failures as CheckpointException, a BaseException: catch both.
+FAILURES = (Exception, CheckpointException)
+
+
+class Comm:
+    """Rank, world size and object collectives on `group`.
+
+    With no initialized process group everything degrades to a single process; with one
+    but no `group`, a dedicated gloo group is created.
+    Every collective here runs on `group` only, so checkpoint traffic never interleaves
+    with training collectives on the default group.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        self.distributed = dist.is_available() and dist.is_initialized()
+        if self.distributed and group is None:
+            # A group of our own (collective: every rank constructs its Checkpointer in the same order).
+            group = dist.new_group(backend="gloo")
+        self.group = group if self.distributed else None
+        self.rank = dist.get_rank(self.group) if self.distributed else 0
+        self.world_size = dist.get_world_size(self.group) if self.distributed else 1
+        # One rank per node does the node-local disk work (download, local retention).
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.host = socket.gethostname()
+
+    def _global(self, group_rank: int) -> int:
+        """The global rank of `group_rank` (the src/dst arguments older torch versions understand)."""
+        return dist.get_global_rank(self.group, group_rank)
+
+    @contextlib.contextmanager
+    def dcp_args(self) -> Iterator[dict[str, Any]]:
+        """Keyword arguments for dcp.save/dcp.load on this group.
+
+        In a single process DCP warns that it assumes no process group, which is the intent.
+        """
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            yield {"process_group": self.group, "no_dist": not self.distributed}
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_node_leader(self) -> bool:
+        return self.local_rank == 0
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank."""
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self._global(0), group=self.group)
+        return box[0]
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def gather(self, obj: Any) -> list[Any] | None:
+        """Every rank's `obj` on rank 0 (None elsewhere)."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
+        dist.gather_object(obj, out, dst=self._global(0), group=self.group)
+        return out
+
+
+def describe(exc: BaseException) -> str:
+    """One line per failing rank, without DCP's tracebacks."""
+    if isinstance(exc, CheckpointException):
+        return "; ".join(f"rank {rank}: {type(e).__name__}: {e}" for rank, (e, _) in sorted(exc.failures.items()))
+    return f"{type(exc).__name__}: {exc}"

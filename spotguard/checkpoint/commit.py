@@ -1,0 +1,44 @@
+"""Commit a staged step on a filesystem: manifest last, fsync, atomic rename, fsync the parent."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from cloud_adapters.storage import fsync_dir, write_durably
+from spotguard.checkpoint.layout import MANIFEST_NAME, sibling_name, step_dir_name
+from spotguard.checkpoint.manifest import Manifest
+
+log = logging.getLogger(__name__)
+
+
+def is_committed(step_dir: Path) -> bool:
+    return (step_dir / MANIFEST_NAME).is_file()
+
+
+def set_aside(step_dir: Path, step: int) -> None:
+    """Move an uncommitted `step-N` out of the way (kept as a hidden leftover for retention)."""
+    os.rename(step_dir, step_dir.parent / sibling_name(step, "stale"))
+
+
+def commit_dir(stage_dir: Path, manifest: Manifest) -> tuple[Path, bool]:
+    """Write the manifest into `stage_dir` and rename it to `step-N` beside it.
+
+    Returns (the step directory, whether this call created it). A step that is already
+    committed is never replaced: the new copy is discarded and the old one kept.
+    """
+    final = stage_dir.parent / step_dir_name(manifest.step)
+    if is_committed(final):
+        log.warning("step %d is already committed at %s; keeping it and discarding the new copy", manifest.step, final)
+        shutil.rmtree(stage_dir, ignore_errors=True)
+        return final, False
+    # DCP already fsynced the data files (sync_files=True); write_durably fsyncs the manifest and the directory.
+    write_durably(stage_dir / MANIFEST_NAME, manifest.to_bytes())
+    if final.exists():
+        log.warning("found an uncommitted %s (no manifest); setting it aside", final)
+        set_aside(final, manifest.step)
+    os.rename(stage_dir, final)
+    fsync_dir(final.parent)
+    return final, True

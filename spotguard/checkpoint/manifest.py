@@ -1,0 +1,139 @@
+"""The manifest (`spotguard.json`): what a committed step holds, with a CRC32C for every file.
+
+It is written last; its presence is what makes a step directory exist for resume,
+and its checksums are what make anything else in the directory trustworthy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import json
+import platform
+from pathlib import Path
+from typing import Any
+
+import google_crc32c
+
+FORMAT_VERSION = 1
+# emergency: an interruption; periodic: every N steps; interval: every N seconds;
+# rebalance: an AWS rebalance recommendation; manual: guard.save().
+REASONS = ("emergency", "periodic", "interval", "rebalance", "manual")
+_CHUNK = 8 << 20
+
+
+class ManifestError(ValueError):
+    """A manifest is missing, unreadable, or not one this version understands."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FileRecord:
+    name: str  # relative to the step directory
+    size: int
+    crc32c: str  # 8 hex digits
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "size": self.size, "crc32c": self.crc32c}
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    step: int
+    reason: str
+    world_size: int
+    created_at: str  # ISO-8601, UTC, `Z`
+    files: tuple[FileRecord, ...]
+    notice: dict[str, Any] | None = None
+    versions: dict[str, str] = dataclasses.field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def file(self, name: str) -> FileRecord | None:
+        return next((f for f in self.files if f.name == name), None)
+
+    def to_bytes(self) -> bytes:
+        body = {
+            "format_version": self.format_version,
+            "step": self.step,
+            "reason": self.reason,
+            "notice": self.notice,
+            "world_size": self.world_size,
+            "created_at": self.created_at,
+            "total_bytes": self.total_bytes,
+            "files": [f.to_json() for f in self.files],
+            "versions": self.versions,
+        }
+        return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Manifest:
+        try:
+            body = json.loads(data)
+            if body["format_version"] != FORMAT_VERSION:
+                raise ManifestError(
+                    f"manifest format {body['format_version']} is not supported (expected {FORMAT_VERSION})"
+                )
+            files = tuple(FileRecord(str(f["name"]), int(f["size"]), str(f["crc32c"])) for f in body["files"])
+            for f in files:
+                if "/" in f.name or f.name in ("", ".", ".."):
+                    raise ManifestError(f"manifest lists an unsafe file name {f.name!r}")
+            return cls(
+                step=int(body["step"]),
+                reason=str(body["reason"]),
+                world_size=int(body["world_size"]),
+                created_at=str(body["created_at"]),
+                files=files,
+                notice=body.get("notice"),
+                versions=dict(body.get("versions") or {}),
+            )
+        except ManifestError:
+            raise
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ManifestError(f"malformed manifest: {exc}") from exc
+
+
+def crc32c_hex(data: bytes) -> str:
+    return f"{google_crc32c.value(data):08x}"
+
+
+def checksum_file(path: Path) -> FileRecord:
+    """Size and CRC32C of a file, read in chunks (never whole into memory)."""
+    crc = google_crc32c.Checksum()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc.update(chunk)
+            size += len(chunk)
+    return FileRecord(path.name, size, crc.hexdigest().decode())
+
+
+def check_file(path: Path, record: FileRecord) -> str | None:
+    """None when `path` matches the record, else a one-line description of what is wrong."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return f"{record.name}: missing"
+    if size != record.size:
+        return f"{record.name}: size {size} != {record.size} in the manifest"
+    actual = checksum_file(path)
+    if actual.crc32c != record.crc32c:
+        return f"{record.name}: crc32c {actual.crc32c} != {record.crc32c} in the manifest"
+    return None
+
+
+def versions() -> dict[str, str]:
+    import torch
+
+    return {"spotguard": _spotguard_version(), "torch": torch.__version__, "python": platform.python_version()}
+
+
+def _spotguard_version() -> str:
+    try:
+        return importlib.metadata.version("spotguard")
+    except importlib.metadata.PackageNotFoundError:  # running from a source checkout
+        import spotguard
+
+        return getattr(spotguard, "__version__", "unknown")

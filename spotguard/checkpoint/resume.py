@@ -1,0 +1,210 @@
+"""Load the newest good step into the user's state, falling back to older steps on any problem.
+
+Rank 0 lists the candidate steps. Before DCP reads a byte of a step, its files are
+checked against the manifest (size and CRC32C), and all ranks agree on the outcome
+before loading. With a separate local directory, each node's leader (LOCAL_RANK 0)
+makes sure a verified copy of the step is on its local disk, downloading it when
+needed, and every rank of the node reads from there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+from collections.abc import MutableMapping
+from pathlib import Path
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+from cloud_adapters.storage import LocalStore, ObjectStore, StoreError, fsync_dir, write_durably
+from spotguard.checkpoint.catalog import committed_manifests, dir_problems
+from spotguard.checkpoint.comm import FAILURES, Comm, describe
+from spotguard.checkpoint.commit import is_committed, set_aside
+from spotguard.checkpoint.errors import CheckpointError
+from spotguard.checkpoint.layout import DCP_METADATA_NAME, MANIFEST_NAME, manifest_key, sibling_name, step_dir_name
+from spotguard.checkpoint.manifest import Manifest, ManifestError, crc32c_hex
+from spotguard.checkpoint.state import load_from_dcp, to_dcp
+from spotguard.checkpoint.transfer import download
+
+log = logging.getLogger(__name__)
+
+LOCAL, SHARED, FOLLOW = "local", "shared", "follow"  # where a rank reads from; FOLLOW: as its node leader says
+
+
+class VerifiedReader(FileSystemReader):
+    """A DCP reader that trusts only what the manifest vouches for.
+
+    `.metadata` is a pickle: its bytes are checked against the manifest in memory
+    before unpickling, and every shard it points to must be a manifest file.
+    """
+
+    def __init__(self, path: Path, manifest: Manifest) -> None:
+        super().__init__(path)
+        self.manifest = manifest
+
+    def read_metadata(self) -> Any:  # no rank kwarg: DCP must not fall back to rank-local metadata
+        record = self.manifest.file(DCP_METADATA_NAME)
+        data = (Path(self.path) / DCP_METADATA_NAME).read_bytes()
+        if record is None or len(data) != record.size or crc32c_hex(data) != record.crc32c:
+            raise CheckpointError(f"{self.path}/{DCP_METADATA_NAME} does not match the manifest")
+        return pickle.loads(data)
+
+    def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        listed = {f.name for f in self.manifest.files}
+        unlisted = {info.relative_path for info in self.storage_data.values()} - listed
+        if unlisted:
+            raise CheckpointError(
+                f"{self.path}: DCP metadata points at files the manifest does not list: {sorted(unlisted)}"
+            )
+
+
+def load_newest(
+    state: MutableMapping[str, Any],
+    *,
+    remote: ObjectStore,
+    local_root: Path | None,
+    comm: Comm,
+    threads: int = 4,
+) -> int | None:
+    """Load the newest step that every rank can verify; return it, or None when there is none.
+
+    `local_root` is None when `remote` is a filesystem read directly; otherwise steps
+    are read from `local_root` (a newer committed local step wins over the remote one).
+    """
+    steps: list[int] | str | None = None
+    if comm.is_coordinator:
+        try:
+            steps = _candidate_steps(remote, local_root)
+        except FAILURES as exc:  # every rank must hear of it, or the others would wait for the list forever
+            steps = f"listing checkpoints in {remote.url} failed: {describe(exc)}"
+    steps = comm.broadcast(steps)
+    if isinstance(steps, str):
+        raise CheckpointError(steps)
+    for step in steps:
+        try:
+            where, why = _prepare(step, remote, local_root, comm, threads)
+        except FAILURES as exc:  # reported through the all_gather below, so ranks stay in step
+            where, why = None, f"{comm.host}: {describe(exc)}"
+        everyone = comm.all_gather((comm.host, where, why))
+        problems = _problems(everyone, local_root is not None)
+        if problems:
+            if comm.is_coordinator:
+                log.warning("skipping %s: %s", step_dir_name(step), "; ".join(problems))
+            continue
+        step_dir = (local_root if local_root is not None else Path(remote.url)) / step_dir_name(step)
+        _load(step_dir, state, comm)
+        if comm.is_coordinator:
+            log.info("resumed from %s (world size %d)", step_dir, comm.world_size)
+        return step
+    if comm.is_coordinator:
+        log.info("no usable checkpoint in %s%s", remote.url, f" or {local_root}" if local_root else "")
+    return None
+
+
+def _candidate_steps(remote: ObjectStore, local_root: Path | None) -> list[int]:
+    steps = {m.step for m in committed_manifests(remote)}
+    if local_root is not None:
+        steps |= {m.step for m in committed_manifests(LocalStore(local_root))}
+    return sorted(steps, reverse=True)
+
+
+def _problems(everyone: list[tuple[str, str | None, str | None]], per_node: bool) -> list[str]:
+    """The same verdict on every rank, from every rank's (host, where, why)."""
+    problems = [why or "unknown problem" for _, where, why in everyone if where is None]
+    if per_node:
+        ready = {host for host, where, _ in everyone if where == LOCAL}
+        problems += [
+            f"{host}: no rank with LOCAL_RANK=0 prepared the local copy" for host in {h for h, _, _ in everyone} - ready
+        ]
+    return problems
+
+
+def _prepare(
+    step: int, remote: ObjectStore, local_root: Path | None, comm: Comm, threads: int
+) -> tuple[str | None, str | None]:
+    """(where this rank can read `step` from, or None with the reason)."""
+    if local_root is None:
+        if not comm.is_coordinator:
+            return FOLLOW, None
+        why = _verify(Path(remote.url) / step_dir_name(step), step, threads)
+        return (SHARED, None) if why is None else (None, why)
+    if not comm.is_node_leader:
+        return FOLLOW, None
+    return _ensure_local(step, remote, local_root, comm.host, threads)
+
+
+def _verify(step_dir: Path, step: int, threads: int) -> str | None:
+    try:
+        manifest = Manifest.from_bytes((step_dir / MANIFEST_NAME).read_bytes())
+    except (OSError, ManifestError) as exc:
+        return f"{step_dir}: {exc}"
+    if manifest.step != step:
+        return f"{step_dir}: manifest says step {manifest.step}"
+    problems = dir_problems(step_dir, manifest, threads=threads)
+    return f"{step_dir}: " + "; ".join(problems) if problems else None
+
+
+def _ensure_local(
+    step: int, remote: ObjectStore, local_root: Path, host: str, threads: int
+) -> tuple[str | None, str | None]:
+    """Make `local_root/step-N` a verified copy, downloading it from `remote` when it is missing or damaged."""
+    final = local_root / step_dir_name(step)
+    if is_committed(final):
+        why = _verify(final, step, threads)
+        if why is None:
+            return LOCAL, None
+        log.warning("local copy is damaged (%s); fetching %s again from %s", why, step_dir_name(step), remote.url)
+    try:
+        raw = remote.get_bytes(manifest_key(step))
+        manifest = Manifest.from_bytes(raw)
+    except (StoreError, ManifestError) as exc:
+        return None, f"{host}: no good local copy of {step_dir_name(step)} and none in {remote.url}: {exc}"
+    scratch = local_root / sibling_name(step, "dl")
+    try:
+        scratch.mkdir(parents=True)
+        log.info(
+            "downloading %s (%d files, %.1f MB) from %s",
+            step_dir_name(step),
+            len(manifest.files),
+            manifest.total_bytes / 1e6,
+            remote.url,
+        )
+        download(
+            remote, [(f"{step_dir_name(step)}/{r.name}", scratch / r.name) for r in manifest.files], threads=threads
+        )
+        problems = dir_problems(scratch, manifest, threads=threads)
+        if problems:
+            return (
+                None,
+                f"{host}: download of {step_dir_name(step)} from {remote.url} does not match its manifest: "
+                + "; ".join(problems),
+            )
+        write_durably(scratch / MANIFEST_NAME, raw)  # last, as in a save
+        if final.exists():
+            set_aside(final, step)
+        os.rename(scratch, final)
+        fsync_dir(local_root)
+    except OSError as exc:
+        return None, f"{host}: download of {step_dir_name(step)} from {remote.url} failed: {exc}"
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return LOCAL, None
+
+
+def _load(step_dir: Path, state: MutableMapping[str, Any], comm: Comm) -> None:
+    try:
+        manifest = Manifest.from_bytes((step_dir / MANIFEST_NAME).read_bytes())
+        loaded = to_dcp(state)
+        reader = VerifiedReader(step_dir, manifest)
+        with comm.dcp_args() as dist_args:
+            dcp.load(loaded, storage_reader=reader, **dist_args)
+    except (TypeError, ValueError):
+        raise  # the state itself is wrong (e.g. an optimizer without its model): the message is the user's
+    except FAILURES as exc:
+        raise CheckpointError(f"loading {step_dir} failed: {describe(exc)}") from None
+    load_from_dcp(state, loaded)

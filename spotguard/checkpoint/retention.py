@@ -1,0 +1,63 @@
+"""Delete what is no longer needed: committed steps beyond `keep_last`, and stale leftovers.
+
+Only committed steps older than the newest `keep_last` committed ones are deleted, the
+manifest first (so a half-deleted step is simply uncommitted, never mistaken for good).
+Uncommitted leftovers on a filesystem (staging siblings, step directories without a
+manifest) are removed once they are older than STALE_AFTER_S, so a save that may still
+be writing one is never disturbed.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from pathlib import Path
+
+from cloud_adapters.storage import LocalStore, ObjectStore
+from spotguard.checkpoint.catalog import scan
+from spotguard.checkpoint.commit import is_committed
+from spotguard.checkpoint.layout import MANIFEST_NAME, manifest_key, parse_leftover, parse_step_dir, step_dir_name
+
+log = logging.getLogger(__name__)
+
+STALE_AFTER_S = 600.0
+
+
+def keep_last(store: ObjectStore, keep: int) -> list[int]:
+    """Delete committed steps older than the newest `keep` committed ones; return the deleted steps."""
+    if keep < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep}")
+    steps = scan(store)
+    committed = sorted((s for s, files in steps.items() if MANIFEST_NAME in files), reverse=True)
+    doomed = committed[keep:]
+    for step in doomed:
+        store.delete([manifest_key(step)])
+        if isinstance(store, LocalStore):
+            store.delete_tree(step_dir_name(step))
+        else:
+            store.delete([f"{step_dir_name(step)}/{name}" for name in steps[step] if name != MANIFEST_NAME])
+        log.info("retention: deleted %s/%s (keeping the newest %d)", store.url, step_dir_name(step), keep)
+    return doomed
+
+
+def remove_leftovers(root: Path, *, older_than_s: float = STALE_AFTER_S) -> list[str]:
+    """Remove stale staging/download siblings and manifest-less step directories under `root`."""
+    removed = []
+    if not root.is_dir():
+        return removed
+    now = time.time()
+    for entry in root.iterdir():
+        leftover = parse_leftover(entry.name) is not None
+        uncommitted = parse_step_dir(entry.name) is not None and not is_committed(entry)
+        if not (leftover or uncommitted) or not entry.is_dir():
+            continue
+        try:
+            age = now - entry.stat().st_mtime
+        except FileNotFoundError:
+            continue
+        if age >= older_than_s:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry.name)
+            log.info("retention: removed leftover %s (%.0f s old)", entry, age)
+    return removed

@@ -1,0 +1,30 @@
+"""Write one step's shards with DCP into a staging directory and checksum what this rank wrote."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+
+from spotguard.checkpoint.comm import Comm
+from spotguard.checkpoint.layout import DCP_METADATA_NAME, shard_prefix
+from spotguard.checkpoint.manifest import FileRecord, checksum_file
+
+
+def write_shards(stage_dir: Path, state_dict: dict[str, Any], comm: Comm, *, thread_count: int) -> list[FileRecord]:
+    """Save `state_dict` into `stage_dir` (all ranks together) and return this rank's files.
+
+    DCP's default planner de-duplicates replicated tensors (DDP) and spreads them over
+    the ranks, so each tensor is written once. Rank r writes `__r_*.distcp`; the
+    coordinator also writes `.metadata`.
+    """
+    # The stage directory is always fresh (random name), so nothing can be overwritten.
+    writer = FileSystemWriter(stage_dir, thread_count=thread_count, sync_files=True)
+    with comm.dcp_args() as dist_args:
+        dcp.save(state_dict, storage_writer=writer, **dist_args)
+    mine = sorted(p for p in stage_dir.iterdir() if p.name.startswith(shard_prefix(comm.rank)))
+    if comm.is_coordinator:
+        mine.append(stage_dir / DCP_METADATA_NAME)
+    return [checksum_file(p) for p in mine]

@@ -1,0 +1,81 @@
+"""User state <-> the flat dict `torch.distributed.checkpoint` saves and loads.
+
+Modules and optimizers go through DCP's state_dict helpers so that optimizer state is
+keyed by parameter name (not by id) and DDP's `module.` prefix disappears: a checkpoint
+from a DDP run loads into a plain module and back.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+
+def _is_stateful(value: Any) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+
+
+def _model_for(name: str, optim: torch.optim.Optimizer, state: Mapping[str, Any]) -> nn.Module:
+    """The module in `state` that owns every parameter `optim` updates."""
+    wanted = {id(p) for group in optim.param_groups for p in group["params"]}
+    for value in state.values():
+        if isinstance(value, nn.Module) and wanted <= {id(p) for p in value.parameters()}:
+            return value
+    raise ValueError(
+        f"state[{name!r}] is an optimizer whose parameters belong to no nn.Module in the state; "
+        "put the model it trains into the same state dict"
+    )
+
+
+def to_dcp(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The DCP state dict for `state` (tensors share storage with the live objects)."""
+    if not isinstance(state, Mapping):
+        raise TypeError(f"checkpoint state must be a dict, not {type(state).__name__}")
+    out: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, nn.Module):
+            out[key] = get_model_state_dict(value)
+        elif isinstance(value, torch.optim.Optimizer):
+            out[key] = get_optimizer_state_dict(_model_for(key, value, state), value)
+        elif _is_stateful(value):
+            out[key] = value.state_dict()
+        else:
+            out[key] = value
+    return out
+
+
+def load_from_dcp(state: MutableMapping[str, Any], loaded: Mapping[str, Any]) -> None:
+    """Push a state dict that `dcp.load` filled (built by `to_dcp(state)`) back into `state`."""
+    for key, value in state.items():
+        if isinstance(value, nn.Module):
+            set_model_state_dict(value, loaded[key])
+        elif isinstance(value, torch.optim.Optimizer):
+            set_optimizer_state_dict(_model_for(key, value, state), value, loaded[key])
+        elif _is_stateful(value):
+            value.load_state_dict(loaded[key])
+        elif isinstance(value, torch.Tensor):
+            if loaded[key] is not value:
+                value.copy_(loaded[key])
+        else:
+            state[key] = loaded[key]
+
+
+def copy_to_cpu(tree: Any) -> Any:
+    """A deep copy with every tensor copied to CPU memory: a snapshot training can no longer change."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, Mapping):
+        return {k: copy_to_cpu(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(copy_to_cpu(v) for v in tree)
+    return copy.deepcopy(tree)

@@ -1,0 +1,267 @@
+"""Guard: the one object a training loop touches.
+
+    with spotguard.Guard("s3://bucket/run-7") as guard:
+        start = guard.resume(state)
+        for step in range(start, total_steps):
+            train_step()
+            if guard.step(step, state):
+                break
+
+Entering starts the watcher (cloud metadata on each node's local rank 0, signals
+on every rank) and the broadcast listener; `step()` is a lock and a comparison
+until all ranks have agreed on a step to save at; at that step every rank saves
+its shards, the checkpoint is committed, and `step()` returns True. Leaving the
+block after an emergency save exits with `exit_code` (143) so schedulers requeue.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import warnings
+from collections.abc import Mapping, MutableMapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from cloud_adapters.detect import detect_cloud
+from cloud_adapters.notice import INTERRUPTION, REBALANCE, Notice
+from cloud_adapters.signals import SignalSource, parse_signal
+from cloud_adapters.sources import CLOUDS, cloud_sources
+from spotguard import topology
+from spotguard.agreement import Decision, StepAgreement
+from spotguard.broadcast import EMERGENCY, Broadcast, listener_store
+from spotguard.checkpoint import Checkpointer, SaveReport
+from spotguard.timeline import Timeline
+from spotguard.watcher import Watcher
+
+log = logging.getLogger(__name__)
+
+DEFAULT_EXIT_CODE = 143  # 128 + SIGTERM: what schedulers read as "terminated, restart me"
+
+
+class Guard:
+    """Watches for interruptions and saves every rank's state at one agreed step.
+
+    Args:
+        checkpoint_dir: where committed checkpoints live: a local or shared path, file://,
+            s3://bucket/prefix, gs://bucket/prefix or az://container/prefix.
+        cloud: "aws", "gcp", "azure", "none" (signals only) or "auto" (detect).
+        local_dir: fast local disk to stage saves in before uploading to an object store.
+        metadata_url: the metadata service (an emulator in tests); default from
+            SPOTGUARD_METADATA_URL, then the cloud's own variables, then the real address.
+        poll_interval: seconds between metadata polls (AWS, Azure; GCP uses a hanging GET).
+        save_interval_s: also save every this many seconds, in the background.
+        save_every: also save every this many steps, in the background.
+        keep_last: keep this many committed checkpoints (None keeps all).
+        signals: signals that mean "you are being stopped" (SIGTERM; add SIGUSR1 for Slurm --signal).
+        grace_s: deadline after a signal (torchrun SIGKILLs workers 30 s after SIGTERM).
+        exit_code: process exit code after an emergency save; None to return normally.
+        store: the torch.distributed Store to broadcast through (default: the default group's).
+        agreement_timeout_s: longest wait for all ranks to agree on a step.
+        save_on_rebalance: take a background save when AWS recommends a rebalance.
+    """
+
+    def __init__(
+        self,
+        checkpoint_dir: str,
+        cloud: str = "auto",
+        *,
+        local_dir: str | None = None,
+        metadata_url: str | None = None,
+        poll_interval: float = 1.0,
+        save_interval_s: float | None = None,
+        save_every: int | None = None,
+        keep_last: int | None = None,
+        signals: Sequence[str | int] = ("SIGTERM",),
+        grace_s: float = 25.0,
+        exit_code: int | None = DEFAULT_EXIT_CODE,
+        store: dist.Store | None = None,
+        agreement_timeout_s: float = 30.0,
+        save_on_rebalance: bool = True,
+        thread_count: int = 4,
+    ) -> None:
+        if cloud not in CLOUDS + ("none", "auto"):
+            raise ValueError(f"cloud must be one of {CLOUDS + ('none', 'auto')}, not {cloud!r}")
+        _require_positive(poll_interval=poll_interval, grace_s=grace_s, agreement_timeout_s=agreement_timeout_s,
+                          save_interval_s=save_interval_s, save_every=save_every, keep_last=keep_last,
+                          thread_count=thread_count)
+        self.checkpoint_dir = str(checkpoint_dir)
+        self.cloud = cloud
+        self.local_dir = local_dir
+        self.metadata_url = metadata_url
+        self.poll_interval = poll_interval
+        self.save_interval_s = save_interval_s
+        self.save_every = save_every
+        self.keep_last = keep_last
+        self.signals = tuple(parse_signal(s) for s in signals)
+        self.grace_s = grace_s
+        self.exit_code = exit_code
+        self.agreement_timeout_s = agreement_timeout_s
+        self.save_on_rebalance = save_on_rebalance
+        self.thread_count = thread_count
+        self._store = store
+
+        self.notice: Notice | None = None  # the interruption being handled, once one arrives
+        self.emergency_saved = False
+        self.last_save: SaveReport | None = None
+        self.timeline = Timeline()
+        self._entered = False
+        self._stop_timer = threading.Event()
+        self._agreement: StepAgreement | _NotEntered = _NotEntered()
+
+    # ---- lifecycle -------------------------------------------------------------
+    def __enter__(self) -> Guard:
+        self.topology = topology.current()
+        self._group = (dist.new_group(backend="gloo", timeout=timedelta(minutes=10))
+                       if self.topology.distributed else None)
+        self._ckpt = Checkpointer(self.checkpoint_dir, local_dir=self.local_dir, group=self._group,
+                                  keep_last=self.keep_last, thread_count=self.thread_count)
+        store = self._store or (dist.distributed_c10d._get_default_store() if self.topology.distributed
+                                else dist.HashStore())
+        prefix = topology.run_prefix()
+        listen_store = listener_store(store)  # the agreement runs on the listener thread too
+        self._broadcast = Broadcast(store, listen_store, prefix, self._on_event)
+        self._agreement = StepAgreement(listen_store, prefix, self.topology.rank, self.topology.world_size)
+        self._broadcast.start()
+        self._watcher = Watcher(self._sources(), self._on_notice, interval_s=self.poll_interval).start()
+        if self.save_interval_s and self.topology.is_coordinator:
+            threading.Thread(target=self._interval_timer, name="spotguard-interval", daemon=True).start()
+        self._entered = True
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        self._entered = False
+        self._stop_timer.set()
+        self._watcher.stop()
+        self._broadcast.stop()
+        try:
+            self._ckpt.wait()
+        except Exception:  # noqa: BLE001 - a failed background save is already logged; leave cleanly
+            log.exception("the last background checkpoint failed")
+        self._ckpt.close()
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
+        if self.emergency_saved and self.exit_code is not None and exc_type is None:
+            log.warning("emergency checkpoint done; exiting with code %d so the job is restarted", self.exit_code)
+            sys.exit(self.exit_code)
+
+    def _sources(self) -> list[Any]:
+        sources: list[Any] = []
+        if threading.current_thread() is threading.main_thread():
+            signals = SignalSource(self.signals, grace_s=self.grace_s)
+            signals.install()
+            sources.append(signals)
+        else:
+            warnings.warn("Guard entered outside the main thread: signals are not watched", stacklevel=3)
+        if self.topology.is_node_leader:
+            cloud = detect_cloud(self.metadata_url) if self.cloud == "auto" else self.cloud
+            sources += cloud_sources(cloud, self.metadata_url)
+        return sources
+
+    # ---- the training loop's calls ----------------------------------------------
+    def resume(self, state: MutableMapping[str, Any]) -> int:
+        """Load the newest committed checkpoint into `state`; returns the step to start from (0 if none)."""
+        self._require_entered("resume")
+        step = self._ckpt.resume(state)
+        if step is None:
+            self.timeline.add("fresh-start", checkpoint_dir=self.checkpoint_dir)
+            return 0
+        self._agreement.reset(step)
+        self.timeline.add("resumed", step=step, next_step=step + 1)
+        return step + 1
+
+    def step(self, step: int, state: Mapping[str, Any]) -> bool:
+        """Call after every training step; True once the emergency checkpoint of `step` is committed."""
+        due = self._agreement.reached(step)
+        if due:
+            return self._run_due(step, state, due)
+        if self.save_every and step % self.save_every == 0:
+            self._save(step, state, reason="periodic", wait=False)
+        return False
+
+    def save(self, step: int, state: Mapping[str, Any]) -> SaveReport | None:
+        """Save now, on demand. With several ranks, every rank must call it at the same step."""
+        self._require_entered("save")
+        return self._save(step, state, reason="manual", wait=True)
+
+    # ---- internals ---------------------------------------------------------------
+    def _run_due(self, step: int, state: Mapping[str, Any], due: list[Decision]) -> bool:
+        emergency = next((d for d in due if d.event["type"] == EMERGENCY), None)
+        if emergency is None:
+            self._save(step, state, reason=due[-1].event.get("reason", "periodic"), wait=False)
+            return False
+        notice = Notice.from_json(emergency.event["notice"])
+        self.timeline.add("save-start", step=step, reason="emergency")
+        report = self._save(step, state, reason="emergency", wait=True, notice=notice)
+        if report is None:
+            log.error("the emergency checkpoint of step %d failed; stopping anyway: resume will use the last "
+                      "committed checkpoint", step)
+        if self.topology.is_node_leader:
+            self._watcher.ack(notice)
+        self.emergency_saved = True
+        return True
+
+    def _save(self, step: int, state: Mapping[str, Any], *, reason: str, wait: bool,
+              notice: Notice | None = None) -> SaveReport | None:
+        try:
+            report = self._ckpt.save(step, state, reason=reason, notice=notice,
+                                     deadline=notice.deadline if notice else None, wait=wait)
+        except Exception:  # noqa: BLE001 - invariant 3: a failed save never crashes the training loop
+            log.exception("%s checkpoint of step %d failed", reason, step)
+            self.timeline.add("save-failed", step=step, reason=reason)
+            return None
+        if report is not None:
+            self.last_save = report
+            self.timeline.add("committed", step=step, reason=reason, mb=f"{report.bytes / 1e6:.1f}",
+                              mb_per_s=f"{report.bytes / 1e6 / max(report.write_s, 1e-9):.0f}",
+                              durable=report.durable, margin_s=_fmt(report.margin_s))
+        return report
+
+    def _on_notice(self, notice: Notice) -> None:
+        """Watcher thread: turn a notice into an event every rank sees."""
+        self.timeline.add("notice", source=notice.source, action=notice.action,
+                          deadline_in_s=_fmt(notice.seconds_left()))
+        if notice.kind == INTERRUPTION:
+            self._broadcast.publish_interruption(notice)
+        elif notice.kind == REBALANCE and self.save_on_rebalance:
+            self._broadcast.request_checkpoint("rebalance")
+
+    def _on_event(self, index: int, event: dict[str, Any]) -> None:
+        """Listener thread: agree with every rank on the step to act at."""
+        timeout = self.agreement_timeout_s
+        if event["type"] == EMERGENCY:
+            self.notice = Notice.from_json(event["notice"])
+            left = self.notice.seconds_left()
+            if left is not None:  # leave most of the window for the save itself
+                timeout = min(timeout, max(2.0, left / 4))
+        decision = self._agreement.agree(index, event, timeout)
+        if decision is not None:
+            self.timeline.add("agreed", step=decision.step, on=event["type"], ranks=self.topology.world_size)
+
+    def _interval_timer(self) -> None:
+        while not self._stop_timer.wait(self.save_interval_s):
+            self._broadcast.request_checkpoint("interval")
+
+    def _require_entered(self, what: str) -> None:
+        if not self._entered:
+            raise RuntimeError(f"Guard.{what}() needs the guard entered: use `with Guard(...) as guard:`")
+
+
+class _NotEntered:
+    """Stands in for the agreement until the guard is entered, so a misuse gets a clear error."""
+
+    def reached(self, step: int) -> list[Decision]:
+        raise RuntimeError("Guard.step() needs the guard entered: use `with Guard(...) as guard:`")
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.1f}"
+
+
+def _require_positive(**values: float | None) -> None:
+    for name, value in values.items():
+        if value is not None and value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")

@@ -1,0 +1,53 @@
+"""Where this process sits in the job: rank, world size, local rank, and the run's store."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+
+import torch.distributed as dist
+
+_instances = itertools.count()
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    rank: int
+    world_size: int
+    local_rank: int
+    distributed: bool
+
+    @property
+    def is_node_leader(self) -> bool:
+        """Local rank 0 polls the cloud for its node (metadata services throttle)."""
+        return self.local_rank == 0
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+
+def current() -> Topology:
+    """Read the process group, or the torchrun environment when there is none."""
+    if dist.is_available() and dist.is_initialized():
+        rank = dist.get_rank()
+        return Topology(rank, dist.get_world_size(), int(os.environ.get("LOCAL_RANK", rank)), True)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        raise RuntimeError(
+            f"WORLD_SIZE={world} but no torch.distributed process group is initialised: call "
+            "torch.distributed.init_process_group() before entering the Guard"
+        )
+    return Topology(0, 1, 0, False)
+
+
+def run_prefix() -> str:
+    """A store prefix unique to this run, this restart and this Guard.
+
+    torchrun keeps its store across worker restarts, so the restart count is part
+    of it; every rank creates its Guards in the same order, so the counter agrees.
+    """
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"spotguard/{run_id}/{restart}/{next(_instances)}/"

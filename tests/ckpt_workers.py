@@ -1,0 +1,245 @@
+"""Ranks of real gloo process groups on 127.0.0.1 for the checkpoint tests, and what both sides share.
+
+The tests start this file as `python tests/ckpt_workers.py SCENARIO ARGS_JSON`, one process
+per rank (see `launch`); the model, data and state dumps defined here are also imported by
+the tests to compute what a rank should have saved or loaded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+BIG_TENSORS = 8
+BIG_NUMEL = 4 << 20  # 8 x 16 MiB of float32: a 128 MiB state
+
+
+# -- shared by the tests and the workers ---------------------------------------------------------
+
+
+def make_model(seed: int = 0, width: int = 32, depth: int = 3) -> nn.Sequential:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.Tanh()]
+    return nn.Sequential(*layers)
+
+
+def train(model: nn.Module, optim: torch.optim.Optimizer, steps: range, rank: int = 0) -> None:
+    """Deterministic steps: the batch depends only on (step, rank)."""
+    width = next(model.parameters()).shape[1]
+    for step in steps:
+        gen = torch.Generator().manual_seed(1000 * step + rank)
+        x = torch.randn(8, width, generator=gen)
+        optim.zero_grad()
+        model(x).pow(2).mean().backward()
+        optim.step()
+
+
+def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out: dict[str, Any] = {}
+        for k, v in tree.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out
+    if isinstance(tree, (list, tuple)):
+        out = {}
+        for i, v in enumerate(tree):
+            out.update(flatten(v, f"{prefix}{i}."))
+        return out
+    return {prefix.rstrip("."): tree.detach().clone() if isinstance(tree, torch.Tensor) else tree}
+
+
+def snapshot(model: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+    """Model and optimizer state by parameter name (DDP prefix dropped), as plain values."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    return flatten({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)})
+
+
+def assert_same(actual: dict[str, Any], expected: dict[str, Any]) -> None:
+    """Bit-identical tensors, equal everything else, same keys."""
+    assert actual.keys() == expected.keys(), sorted(set(actual) ^ set(expected))
+    for key, want in expected.items():
+        got = actual[key]
+        if isinstance(want, torch.Tensor):
+            assert isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want), key
+        else:
+            assert got == want, (key, got, want)
+
+
+def big_state(step: int) -> dict[str, torch.Tensor]:
+    """A 128 MiB state whose values say which step they belong to."""
+    return {f"w{i}": torch.linspace(0, 1, BIG_NUMEL) + (100 * i + step) for i in range(BIG_TENSORS)}
+
+
+# -- launching ranks -------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(scenario: str, world_size: int, **args: Any) -> list[subprocess.Popen]:
+    """Start `world_size` ranks of `scenario` on one host (LOCAL_RANK = RANK)."""
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "GLOO_SOCKET_IFNAME": "lo",
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "OMP_NUM_THREADS": "1",
+        }
+        cmd = [sys.executable, str(Path(__file__)), scenario, json.dumps(args)]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def finish(procs: list[subprocess.Popen], timeout: float = 120) -> list[str]:
+    """Wait for every rank; kill all on timeout; fail with the ranks' output unless all exited 0."""
+    deadline = time.monotonic() + timeout
+    outputs = []
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            out, _ = proc.communicate()
+            raise AssertionError(f"rank timed out after {timeout}s:\n{out[-3000:]}") from None
+        outputs.append(out)
+    bad = [(i, p.returncode, out) for i, (p, out) in enumerate(zip(procs, outputs, strict=True)) if p.returncode != 0]
+    if bad:
+        raise AssertionError("\n".join(f"rank {i} exited {rc}:\n{out[-3000:]}" for i, rc, out in bad))
+    return outputs
+
+
+def run_ranks(scenario: str, world_size: int, timeout: float = 120, **args: Any) -> list[str]:
+    return finish(launch(scenario, world_size, **args), timeout)
+
+
+def kill_all(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate()
+
+
+# -- scenarios (run inside a rank) -----------------------------------------------------------------
+
+
+def _ddp_setup(seed: int, width: int, depth: int = 3):
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(make_model(seed, width, depth))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def ddp_train_save(group, rank: int, ckpt: str, local: str | None, out: str, save_at: list[int], steps: int) -> None:
+    """Train a DDP model with Adam; save at `save_at`; rank 0 dumps what each save holds."""
+    from spotguard.checkpoint import Checkpointer
+
+    model, optim = _ddp_setup(seed=0, width=32)
+    with Checkpointer(ckpt, local_dir=local, group=group) as ck:
+        for step in range(steps):
+            train(model, optim, range(step, step + 1), rank)
+            if step in save_at:
+                report = ck.save(step, {"model": model, "optim": optim, "step": step}, reason="periodic")
+                assert report is not None and report.durable, report
+                if rank == 0:
+                    torch.save(snapshot(model, optim), Path(out) / f"step-{step}.pt")
+
+
+def ddp_resume(group, rank: int, ckpt: str, local: str | None, out: str) -> None:
+    """Resume a fresh DDP model (different init) and dump what was loaded, per rank."""
+    from spotguard.checkpoint import Checkpointer
+
+    model, optim = _ddp_setup(seed=123, width=32)
+    state = {"model": model, "optim": optim, "step": -1}
+    with Checkpointer(ckpt, local_dir=local, group=group) as ck:
+        step = ck.resume(state)
+    torch.save(
+        {"step": step, "saved_step": state["step"], "state": snapshot(model, optim)},
+        Path(out) / f"resumed-rank{rank}.pt",
+    )
+
+
+def emergency_during_periodic(group, rank: int, ckpt: str, out: str) -> None:
+    """A periodic async save is in flight when the emergency save arrives; both must commit intact."""
+    from cloud_adapters.notice import INTERRUPTION, Notice, deadline_after, utc_now
+    from spotguard.checkpoint import Checkpointer
+
+    model, optim = _ddp_setup(seed=0, width=1024, depth=4)  # 16 MiB of weights, 48 MiB with Adam
+    train(model, optim, range(1), rank)
+    state = {"model": model, "optim": optim}
+    with Checkpointer(ckpt, group=group) as ck:
+        at_periodic = snapshot(model, optim)
+        ck.save(5, state, reason="periodic", wait=False)
+        periodic_in_flight = not (Path(ckpt) / "step-0000000005" / "spotguard.json").exists()
+        train(model, optim, range(1, 2), rank)  # training goes on while the periodic save writes
+        notice = Notice("aws", INTERRUPTION, "terminate", deadline_after(120), utc_now(), "test", "k1")
+        report = ck.save(6, state, reason="emergency", notice=notice, deadline=notice.deadline)
+    if rank == 0:
+        torch.save(at_periodic, Path(out) / "step-5.pt")
+        torch.save(snapshot(model, optim), Path(out) / "step-6.pt")
+        (Path(out) / "report.json").write_text(
+            json.dumps(
+                {"periodic_in_flight": periodic_in_flight, "durable": report.durable, "margin_s": report.margin_s}
+            )
+        )
+
+
+def big_save(group, rank: int, ckpt: str, out: str) -> None:
+    """Save step 1 of a 128 MiB state, then step 2 (the test kills a rank during it)."""
+    from spotguard.checkpoint import Checkpointer
+
+    state = big_state(1)
+    with Checkpointer(ckpt, group=group, thread_count=2) as ck:
+        ck.save(1, state, reason="periodic")
+        if rank == 0:
+            (Path(out) / "step-1.done").touch()
+        for tensor in state.values():
+            tensor.add_(1.0)
+        ck.save(2, state, reason="emergency")
+        if rank == 0:
+            (Path(out) / "step-2.done").touch()
+
+
+SCENARIOS = {f.__name__: f for f in (ddp_train_save, ddp_resume, emergency_during_periodic, big_save)}
+
+
+def main() -> None:
+    import torch.distributed as dist
+
+    scenario, args = sys.argv[1], json.loads(sys.argv[2])
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=60))  # as the Guard does
+    try:
+        SCENARIOS[scenario](group, dist.get_rank(), **args)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,310 @@
+"""Checkpoints in one process: round trip, manifest, verification, fallback, upload path, retention, async."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from cloud_adapters.notice import INTERRUPTION, Notice, deadline_after, utc_now
+from spotguard.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    list_checkpoints,
+    step_dir_name,
+    verify_checkpoint,
+)
+from tests.ckpt_workers import assert_same, make_model, snapshot, train
+
+
+def trained(optim_cls=torch.optim.Adam, steps=3, **optim_kwargs):
+    model = make_model(seed=0)
+    optim = optim_cls(model.parameters(), **(optim_kwargs or {"lr": 1e-2}))
+    train(model, optim, range(steps))
+    return model, optim
+
+
+def fresh(optim_cls=torch.optim.Adam, **optim_kwargs):
+    model = make_model(seed=99)
+    return model, optim_cls(model.parameters(), **(optim_kwargs or {"lr": 1e-2}))
+
+
+def save_steps(ckpt, steps, **kwargs) -> list[dict]:
+    """Save a training run at each of `steps`; what each step holds."""
+    model, optim = trained(steps=0)
+    held = []
+    with Checkpointer(str(ckpt), **kwargs) as ck:
+        for step in steps:
+            train(model, optim, range(step, step + 1))
+            ck.save(step, {"model": model, "optim": optim, "step": step}, reason="periodic")
+            held.append(snapshot(model, optim))
+    return held
+
+
+def resume_fresh(ckpt, **kwargs):
+    model, optim = fresh()
+    state = {"model": model, "optim": optim, "step": -1}
+    with Checkpointer(str(ckpt), **kwargs) as ck:
+        step = ck.resume(state)
+    return step, state, snapshot(model, optim)
+
+
+def flip_byte(path: Path, offset: int | None = None) -> None:
+    data = bytearray(path.read_bytes())
+    i = len(data) // 2 if offset is None else offset
+    data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def shard(step_dir: Path) -> Path:
+    return sorted(step_dir.glob("__0_*.distcp"))[0]
+
+
+@pytest.mark.parametrize(
+    "optim_cls,kwargs",
+    [(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}), (torch.optim.Adam, {"lr": 1e-2})],
+)
+def test_round_trip_restores_model_and_optimizer_bit_identically(tmp_path, optim_cls, kwargs):
+    model, optim = trained(optim_cls, **kwargs)
+    extra = torch.arange(6.0)
+    state = {"model": model, "optim": optim, "extra": extra, "epoch": 7}
+    with Checkpointer(str(tmp_path)) as ck:
+        report = ck.save(3, state, reason="manual")
+    assert report.durable and report.step == 3 and report.files >= 2 and report.bytes > 0
+    assert report.location == f"{tmp_path}/{step_dir_name(3)}"
+
+    model2, optim2 = fresh(optim_cls, **kwargs)
+    state2 = {"model": model2, "optim": optim2, "extra": torch.zeros(6), "epoch": 0}
+    assert Checkpointer(str(tmp_path)).resume(state2) == 3
+    assert_same(snapshot(model2, optim2), snapshot(model, optim))
+    assert torch.equal(state2["extra"], extra) and state2["epoch"] == 7
+    # Training on from both gives the same weights: the optimizer state was matched by parameter name.
+    train(model, optim, range(3, 5))
+    train(model2, optim2, range(3, 5))
+    assert_same(snapshot(model2, optim2), snapshot(model, optim))
+
+
+def test_manifest_records_every_file_with_size_and_crc32c(tmp_path):
+    model, optim = trained()
+    notice = Notice("gcp", INTERRUPTION, "preempt", deadline_after(30), utc_now(), "gcp:instance/preempted", "k")
+    with Checkpointer(f"file://{tmp_path}") as ck:
+        report = ck.save(
+            12, {"model": model, "optim": optim}, reason="emergency", notice=notice, deadline=notice.deadline
+        )
+    assert report.margin_s is not None and 0 < report.margin_s < 30
+    step_dir = tmp_path / "step-0000000012"
+    manifest = json.loads((step_dir / "spotguard.json").read_text())
+    assert manifest["step"] == 12 and manifest["reason"] == "emergency" and manifest["world_size"] == 1
+    assert manifest["notice"] == notice.to_json()
+    assert manifest["created_at"].endswith("Z")
+    assert set(manifest["versions"]) == {"spotguard", "torch", "python"}
+    assert manifest["versions"]["torch"] == torch.__version__
+    on_disk = {p.name: p for p in step_dir.iterdir() if p.name != "spotguard.json"}
+    assert {f["name"] for f in manifest["files"]} == set(on_disk) and ".metadata" in on_disk
+    import google_crc32c
+
+    for f in manifest["files"]:
+        data = on_disk[f["name"]].read_bytes()
+        assert f["size"] == len(data) and f["crc32c"] == f"{google_crc32c.value(data):08x}"
+    assert manifest["total_bytes"] == report.bytes == sum(f["size"] for f in manifest["files"])
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # the staging sibling was renamed
+
+
+def test_corrupt_shard_is_reported_and_resume_falls_back(tmp_path, caplog):
+    held = save_steps(tmp_path, [1, 2])
+    flip_byte(shard(tmp_path / "step-0000000002"))
+
+    results = {r.step: r for r in verify_checkpoint(str(tmp_path))}
+    assert results[1].ok and not results[2].ok
+    assert "crc32c" in results[2].problems[0] and "__0_" in results[2].problems[0]
+    assert [r.step for r in verify_checkpoint(str(tmp_path), step=2)] == [2]
+
+    step, state, loaded = resume_fresh(tmp_path)
+    assert step == 1 and state["step"] == 1
+    assert_same(loaded, held[0])
+    assert "skipping step-0000000002" in caplog.text and "crc32c" in caplog.text
+
+
+def test_truncated_shard_and_missing_file_fall_back(tmp_path):
+    held = save_steps(tmp_path, [1, 2, 3])
+    victim = shard(tmp_path / "step-0000000003")
+    victim.write_bytes(victim.read_bytes()[:-1])
+    shard(tmp_path / "step-0000000002").unlink()
+    listed = {i.step: i for i in list_checkpoints(str(tmp_path))}
+    assert not listed[3].committed and "size" in listed[3].problem
+    assert not listed[2].committed and "missing" in listed[2].problem
+    step, _, loaded = resume_fresh(tmp_path)
+    assert step == 1
+    assert_same(loaded, held[0])
+
+
+def test_tampered_metadata_pickle_is_never_unpickled(tmp_path):
+    held = save_steps(tmp_path, [1, 2])
+    canary = tmp_path / "unpickled"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.mkdir, (str(canary),))
+
+    metadata = tmp_path / "step-0000000002" / ".metadata"
+    evil = pickle.dumps(Evil())  # padded to the right size: only the checksum can tell
+    metadata.write_bytes(evil + b"\0" * (metadata.stat().st_size - len(evil)))
+    assert not verify_checkpoint(str(tmp_path), step=2)[0].ok
+    step, _, loaded = resume_fresh(tmp_path)
+    assert step == 1 and not canary.exists()
+    assert_same(loaded, held[0])
+
+
+def test_step_without_manifest_and_stray_staging_dirs_are_ignored(tmp_path):
+    held = save_steps(tmp_path, [1, 2])
+    (tmp_path / "step-0000000002" / "spotguard.json").unlink()
+    stray = tmp_path / ".step-0000000009.tmp-abcd"
+    stray.mkdir()
+    (stray / ".metadata").write_bytes(b"garbage")
+    listed = {i.step: i.committed for i in list_checkpoints(str(tmp_path))}
+    assert listed == {1: True, 2: False}
+    step, _, loaded = resume_fresh(tmp_path)
+    assert step == 1
+    assert_same(loaded, held[0])
+
+
+def test_empty_location_resumes_nothing(tmp_path):
+    model, optim = fresh()
+    assert Checkpointer(str(tmp_path / "none")).resume({"model": model, "optim": optim}) is None
+    assert list_checkpoints(str(tmp_path / "none")) == []
+
+
+def test_existing_committed_step_is_kept_not_overwritten(tmp_path, caplog):
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.save(4, {"t": torch.ones(3)}, reason="periodic")
+        report = ck.save(4, {"t": torch.zeros(3)}, reason="emergency")
+    assert report.durable
+    state = {"t": torch.empty(3)}
+    assert Checkpointer(str(tmp_path)).resume(state) == 4
+    assert torch.equal(state["t"], torch.ones(3))
+    assert "already committed" in caplog.text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-0000000004"]
+
+
+def test_async_save_keeps_the_values_at_save_time(tmp_path):
+    model, optim = trained()
+    t = torch.arange(1000.0)
+    state = {"model": model, "optim": optim, "t": t}
+    at_save = snapshot(model, optim)
+    with Checkpointer(str(tmp_path)) as ck:
+        assert ck.save(8, state, reason="periodic", wait=False) is None
+        t.add_(100.0)  # the caller goes on training while the save is written
+        train(model, optim, range(3, 6))
+        report = ck.wait(timeout=60)
+        assert report is not None and report.step == 8 and report.durable
+        assert ck.wait() is None
+    model2, optim2 = fresh()
+    state2 = {"model": model2, "optim": optim2, "t": torch.zeros(1000)}
+    assert Checkpointer(str(tmp_path)).resume(state2) == 8
+    assert torch.equal(state2["t"], torch.arange(1000.0))
+    assert_same(snapshot(model2, optim2), at_save)
+
+
+def test_upload_path_commits_locally_then_remotely(tmp_path):
+    remote, local = tmp_path / "remote", tmp_path / "local"
+    held = save_steps(remote, [1, 2], local_dir=str(local))
+    for root in (remote, local):
+        assert [(i.step, i.committed) for i in list_checkpoints(str(root))] == [(1, True), (2, True)]
+        assert all(r.ok for r in verify_checkpoint(str(root)))
+        assert not [p for p in root.iterdir() if p.name.startswith(".")]
+    assert (remote / "step-0000000002" / "spotguard.json").read_bytes() == (
+        local / "step-0000000002" / "spotguard.json"
+    ).read_bytes()
+
+    # Fresh VM: nothing local, the step is downloaded and verified.
+    fresh_local = tmp_path / "fresh"
+    step, _, loaded = resume_fresh(remote, local_dir=str(fresh_local))
+    assert step == 2
+    assert_same(loaded, held[1])
+    assert [(i.step, i.committed) for i in list_checkpoints(str(fresh_local))] == [(2, True)]
+
+    # Same step on both sides: the local copy is read, the remote one never fetched.
+    flip_byte(shard(remote / "step-0000000002"))
+    step, _, loaded = resume_fresh(remote, local_dir=str(local))
+    assert step == 2
+    assert_same(loaded, held[1])
+
+    # A damaged local copy is fetched again; a damaged remote copy then means falling back.
+    flip_byte(shard(local / "step-0000000002"))
+    step, _, loaded = resume_fresh(remote, local_dir=str(local))
+    assert step == 1
+    assert_same(loaded, held[0])
+
+
+def test_failed_upload_keeps_the_local_commit_and_it_wins_on_resume(tmp_path):
+    remote, local = tmp_path / "remote", tmp_path / "local"
+    remote.mkdir()
+    (remote / "step-0000000007").write_text("not a directory")  # every upload into it fails
+    t = torch.arange(10.0)
+    with Checkpointer(str(remote), local_dir=str(local)) as ck:
+        report = ck.save(7, {"t": t}, reason="emergency")
+    assert not report.durable and report.error and report.durable_at is None and report.margin_s is None
+    assert report.location == report.local_location == str(local / "step-0000000007")
+    assert not (remote / "step-0000000007").is_dir()
+    state = {"t": torch.zeros(10)}
+    assert Checkpointer(str(remote), local_dir=str(local)).resume(state) == 7
+    assert torch.equal(state["t"], t)
+
+
+def test_keep_last_deletes_only_older_committed_steps_and_stale_leftovers(tmp_path):
+    old = time.time() - 3600
+    stale_tmp = tmp_path / ".step-0000000001.tmp-0dd0"
+    fresh_tmp = tmp_path / ".step-0000000009.tmp-f5e5"
+    abandoned = tmp_path / "step-0000000000"
+    for d in (stale_tmp, fresh_tmp, abandoned):
+        d.mkdir(parents=True)
+    os.utime(stale_tmp, (old, old))
+    os.utime(abandoned, (old, old))
+    save_steps(tmp_path, [1, 2, 3, 4], keep_last=2)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    # A recent staging dir may belong to a save in progress: it stays.
+    assert names == [fresh_tmp.name, "step-0000000003", "step-0000000004"]
+
+
+def test_keep_last_applies_to_local_and_remote(tmp_path):
+    remote, local = tmp_path / "remote", tmp_path / "local"
+    save_steps(remote, [1, 2, 3], local_dir=str(local), keep_last=1)
+    for root in (remote, local):
+        assert [i.step for i in list_checkpoints(str(root))] == [3]
+
+
+def test_user_mistakes_get_one_line_errors(tmp_path):
+    model, optim = trained()
+    ck = Checkpointer(str(tmp_path))
+    with pytest.raises(ValueError, match="optimizer whose parameters belong to no nn.Module"):
+        ck.save(1, {"optim": optim}, reason="manual")
+    with pytest.raises(ValueError, match="reason must be one of"):
+        ck.save(1, {"model": model}, reason="because")
+    with pytest.raises(ValueError, match="step must be >= 0"):
+        ck.save(-1, {"model": model}, reason="manual")
+    with pytest.raises(ValueError, match="keep_last must be >= 1"):
+        Checkpointer(str(tmp_path), keep_last=0)
+    with pytest.raises(ValueError, match="unsupported checkpoint location"):
+        Checkpointer("ftp://host/x")
+    with pytest.raises(CheckpointError, match="loading .* failed"):
+        ck.save(1, {"t": torch.ones(3)}, reason="manual")
+        ck.resume({"t": torch.ones(4)})
+    ck.close()
+
+
+def test_a_failed_save_raises_and_commits_nothing(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the checkpoint directory should be")
+    ck = Checkpointer(str(blocker))
+    with pytest.raises(CheckpointError, match="step 3 failed, nothing committed"):
+        ck.save(3, {"t": torch.ones(3)}, reason="emergency")
+    ck.save(4, {"t": torch.ones(3)}, reason="periodic", wait=False)
+    with pytest.raises(CheckpointError, match="step 4 failed"):
+        ck.wait(timeout=60)
+    ck.close()
+    assert blocker.read_text().startswith("a file")

@@ -1,0 +1,89 @@
+"""Checkpoints across real gloo process groups: DDP save, resharding 2 -> 1 and 1 -> 2, emergency during periodic."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+import torch
+
+from spotguard.checkpoint import Checkpointer, list_checkpoints, verify_checkpoint
+from tests.ckpt_workers import assert_same, make_model, run_ranks, snapshot, train
+
+
+def resume_in_process(ckpt, width=32, depth=3, with_step=True, **kwargs):
+    """Resume at world size 1 (no process group) into a fresh model."""
+    model = make_model(seed=7, width=width, depth=depth)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    state = {"model": model, "optim": optim, **({"step": -1} if with_step else {})}
+    with Checkpointer(str(ckpt), **kwargs) as ck:
+        step = ck.resume(state)
+    return step, state, snapshot(model, optim)
+
+
+def test_ddp_save_uploads_writes_replicas_once_and_resumes_at_world_size_1(tmp_path):
+    remote, local, out = tmp_path / "remote", tmp_path / "local", tmp_path / "out"
+    out.mkdir()
+    run_ranks("ddp_train_save", 2, ckpt=str(remote), local=str(local), out=str(out), save_at=[2, 4], steps=5)
+
+    for root in (remote, local):
+        assert [(i.step, i.committed, i.world_size) for i in list_checkpoints(str(root))] == [
+            (2, True, 2),
+            (4, True, 2),
+        ]
+    assert all(r.ok for r in verify_checkpoint(str(remote)))
+
+    # DCP de-duplicated the replicated DDP tensors: each one is stored once, and both ranks wrote a share.
+    step_dir = remote / "step-0000000004"
+    metadata = pickle.loads((step_dir / ".metadata").read_bytes())  # verified above
+    fqns = [index.fqn for index in metadata.storage_data]
+    assert len(fqns) == len(set(fqns)) and "model.0.weight" in fqns and "optim.state.0.weight.exp_avg" in fqns
+    per_rank = {r: sum(p.stat().st_size for p in step_dir.glob(f"__{r}_*.distcp")) for r in (0, 1)}
+    assert per_rank[0] > 0 and per_rank[1] > 0
+    # Every shard byte belongs to exactly one stored item: a second copy of a replica would be unreferenced bytes.
+    assert sum(info.length for info in metadata.storage_data.values()) == sum(per_rank.values())
+    held = torch.load(out / "step-4.pt")
+
+    # A fresh VM with one process: download from the remote, verify, reshard 2 -> 1.
+    step, state, loaded = resume_in_process(remote, local_dir=str(tmp_path / "fresh"))
+    assert step == 4 and state["step"] == 4
+    assert_same(loaded, held)
+
+
+def test_single_process_checkpoint_resumes_on_two_ranks(tmp_path):
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    model = make_model(seed=0)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    train(model, optim, range(3))
+    with Checkpointer(str(ckpt)) as ck:
+        ck.save(3, {"model": model, "optim": optim, "step": 3}, reason="manual")
+
+    run_ranks("ddp_resume", 2, ckpt=str(ckpt), local=None, out=str(out))
+    for rank in (0, 1):
+        got = torch.load(out / f"resumed-rank{rank}.pt")
+        assert got["step"] == 3 and got["saved_step"] == 3
+        assert_same(got["state"], snapshot(model, optim))
+
+
+def test_emergency_save_during_periodic_save_on_two_ranks(tmp_path):
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    out.mkdir()
+    run_ranks("emergency_during_periodic", 2, ckpt=str(ckpt), out=str(out))
+
+    report = json.loads((out / "report.json").read_text())
+    assert report["periodic_in_flight"] and report["durable"] and 0 < report["margin_s"] < 120
+    listed = list_checkpoints(str(ckpt))
+    assert [(i.step, i.reason, i.committed) for i in listed] == [(5, "periodic", True), (6, "emergency", True)]
+    assert all(r.ok for r in verify_checkpoint(str(ckpt)))
+    manifest = json.loads((ckpt / "step-0000000006" / "spotguard.json").read_text())
+    assert manifest["notice"]["cloud"] == "aws" and manifest["world_size"] == 2
+
+    step, _, loaded = resume_in_process(ckpt, width=1024, depth=4, with_step=False)
+    assert step == 6
+    assert_same(loaded, torch.load(out / "step-6.pt"))
+    # The periodic save holds the values at the time it was asked for, not the ones training moved on to.
+    (ckpt / "step-0000000006" / "spotguard.json").unlink()
+    step, _, loaded = resume_in_process(ckpt, width=1024, depth=4, with_step=False)
+    assert step == 5
+    assert_same(loaded, torch.load(out / "step-5.pt"))

@@ -1,0 +1,146 @@
+"""The Guard in one process: signals and metadata notices end the loop with a committed
+checkpoint, background saves, and failures that never reach the training loop."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import spotguard
+from cloud_adapters.aws.emulator import AWSMetadataEmulator
+from cloud_adapters.gcp.emulator import GCPMetadataEmulator
+from spotguard.checkpoint import list_checkpoints
+
+
+def make_state():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    return {"model": model, "optim": torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)}
+
+
+def train(guard, state, steps=400, on_step=None, step_time=0.01):
+    """Run a loop like a user's; returns the step at which guard.step() said stop, or None."""
+    start = guard.resume(state)
+    for step in range(start, steps):
+        loss = state["model"](torch.ones(2, 8)).pow(2).sum()
+        state["optim"].zero_grad()
+        loss.backward()
+        state["optim"].step()
+        if on_step:
+            on_step(step)
+        time.sleep(step_time)
+        if guard.step(step, state):
+            return step
+    return None
+
+
+def committed(path):
+    return [(c.step, c.reason) for c in list_checkpoints(str(path)) if c.committed]
+
+
+def test_sigterm_ends_the_loop_with_a_committed_checkpoint(tmp_path):
+    state = make_state()
+    with spotguard.Guard(tmp_path, cloud="none", exit_code=None) as guard:
+        stopped = train(guard, state, on_step=lambda s: s == 5 and os.kill(os.getpid(), signal.SIGTERM))
+        assert guard.notice is not None and guard.notice.action == "SIGTERM"
+    assert stopped is not None and 5 <= stopped < 60
+    assert guard.emergency_saved
+    assert committed(tmp_path) == [(stopped, "emergency")]
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # handlers restored on exit
+
+    fresh = make_state()
+    with spotguard.Guard(tmp_path, cloud="none") as guard:
+        assert guard.resume(fresh) == stopped + 1
+    assert torch.equal(fresh["model"].weight, state["model"].weight)
+    assert torch.equal(fresh["optim"].state_dict()["state"][0]["momentum_buffer"],
+                       state["optim"].state_dict()["state"][0]["momentum_buffer"])
+
+
+def test_a_gcp_preemption_is_saved_well_before_its_deadline(tmp_path):
+    with GCPMetadataEmulator() as emu:
+        state = make_state()
+        with spotguard.Guard(tmp_path, cloud="gcp", metadata_url=emu.url, exit_code=None) as guard:
+            stopped = train(guard, state, on_step=lambda s: s == 10 and emu.raise_notice())
+    assert stopped is not None
+    assert guard.last_save.margin_s > 25  # GCP gives 30 s
+    events = [e.event for e in guard.timeline.entries]
+    assert events[events.index("notice"):] == ["notice", "agreed", "save-start", "committed"]
+
+
+def test_exit_code_after_an_emergency_save(tmp_path):
+    script = textwrap.dedent(f"""
+        import os, signal, time, torch, spotguard
+        model = torch.nn.Linear(2, 2)
+        with spotguard.Guard({str(tmp_path)!r}, cloud="none") as guard:
+            for step in range(1000):
+                time.sleep(0.01)
+                if step == 3:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                if guard.step(step, {{"model": model}}):
+                    break
+        print("not reached")
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 143, proc.stderr[-2000:]
+    assert "not reached" not in proc.stdout
+    assert [r for _, r in committed(tmp_path)] == ["emergency"]
+
+
+def test_metadata_down_never_touches_the_training_loop(tmp_path, caplog):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with spotguard.Guard(tmp_path, cloud="aws", metadata_url=dead, poll_interval=0.05, exit_code=None) as guard:
+        assert train(guard, make_state(), steps=60) is None
+    assert guard.notice is None
+    assert any("poll failed" in r.getMessage() for r in caplog.records)
+
+
+def test_a_failed_emergency_save_is_logged_and_still_stops_the_loop(tmp_path, caplog):
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the checkpoints should go")
+    with spotguard.Guard(blocker / "ckpt", cloud="none", exit_code=None) as guard:
+        stopped = train(guard, make_state(), on_step=lambda s: s == 2 and os.kill(os.getpid(), signal.SIGTERM))
+    assert stopped is not None
+    assert guard.last_save is None
+    assert any("emergency checkpoint" in r.getMessage() and "failed" in r.getMessage() for r in caplog.records)
+
+
+def test_background_saves_every_n_steps_with_retention(tmp_path):
+    with spotguard.Guard(tmp_path, cloud="none", save_every=10, keep_last=2) as guard:
+        assert train(guard, make_state(), steps=45, step_time=0) is None
+    assert committed(tmp_path) == [(30, "periodic"), (40, "periodic")]
+
+
+def test_interval_saves_and_rebalance_saves_are_agreed_then_taken_in_the_background(tmp_path):
+    with AWSMetadataEmulator() as emu:
+        with spotguard.Guard(tmp_path, cloud="aws", metadata_url=emu.url, poll_interval=0.05,
+                             save_interval_s=0.5) as guard:
+            train(guard, make_state(), steps=150, on_step=lambda s: s == 100 and emu.raise_notice(kind="rebalance"))
+    reasons = [r for _, r in committed(tmp_path)]
+    assert "interval" in reasons and "rebalance" in reasons
+    assert not guard.emergency_saved
+
+
+def test_misuse_gets_clear_errors(tmp_path, monkeypatch):
+    guard = spotguard.Guard(tmp_path, cloud="none")
+    with pytest.raises(RuntimeError, match="needs the guard entered"):
+        guard.step(0, {})
+    with pytest.raises(RuntimeError, match="needs the guard entered"):
+        guard.resume({})
+    with pytest.raises(ValueError, match="cloud must be one of"):
+        spotguard.Guard(tmp_path, cloud="mars")
+    with pytest.raises(ValueError, match="poll_interval must be positive"):
+        spotguard.Guard(tmp_path, poll_interval=0)
+    with pytest.raises(ValueError, match="unknown signal"):
+        spotguard.Guard(tmp_path, signals=["SIGNOPE"])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        with spotguard.Guard(tmp_path, cloud="none"):
+            pass
