@@ -17,6 +17,7 @@ block after an emergency save exits with `exit_code` (143) so schedulers requeue
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import warnings
@@ -34,7 +35,7 @@ from spotguard import topology
 from spotguard.agreement import Decision, StepAgreement
 from spotguard.broadcast import EMERGENCY, Broadcast, listener_store
 from spotguard.checkpoint import Checkpointer, SaveReport
-from spotguard.timeline import Timeline
+from spotguard.timeline import Timeline, seconds
 from spotguard.watcher import Watcher
 
 log = logging.getLogger(__name__)
@@ -118,7 +119,8 @@ class Guard:
         self._group = (dist.new_group(backend="gloo", timeout=timedelta(minutes=10))
                        if self.topology.distributed else None)
         self._ckpt = Checkpointer(self.checkpoint_dir, local_dir=self.local_dir, group=self._group,
-                                  keep_last=self.keep_last, thread_count=self.thread_count)
+                                  keep_last=self.keep_last, thread_count=self.thread_count,
+                                  on_event=self.timeline.add)
         store = self._store or (dist.distributed_c10d._get_default_store() if self.topology.distributed
                                 else dist.HashStore())
         prefix = topology.run_prefix()
@@ -146,6 +148,11 @@ class Guard:
             dist.destroy_process_group(self._group)
         if self.emergency_saved and self.exit_code is not None and exc_type is None:
             log.warning("emergency checkpoint done; exiting with code %d so the job is restarted", self.exit_code)
+            if self.last_save is not None and not self.last_save.durable:
+                # Uploads abandoned at the deadline may still hold SDK threads that a normal
+                # exit would wait for; the VM is going away, so leave now.
+                logging.shutdown()
+                os._exit(self.exit_code)
             sys.exit(self.exit_code)
 
     def _sources(self) -> list[Any]:
@@ -215,15 +222,12 @@ class Guard:
             return None
         if report is not None:
             self.last_save = report
-            self.timeline.add("committed", step=step, reason=reason, mb=f"{report.bytes / 1e6:.1f}",
-                              mb_per_s=f"{report.bytes / 1e6 / max(report.write_s, 1e-9):.0f}",
-                              durable=report.durable, margin_s=_fmt(report.margin_s))
         return report
 
     def _on_notice(self, notice: Notice) -> None:
         """Watcher thread: turn a notice into an event every rank sees."""
         self.timeline.add("notice", source=notice.source, action=notice.action,
-                          deadline_in_s=_fmt(notice.seconds_left()))
+                          deadline_in_s=seconds(notice.seconds_left()))
         if notice.kind == INTERRUPTION:
             self._broadcast.publish_interruption(notice)
         elif notice.kind == REBALANCE and self.save_on_rebalance:
@@ -255,10 +259,6 @@ class _NotEntered:
 
     def reached(self, step: int) -> list[Decision]:
         raise RuntimeError("Guard.step() needs the guard entered: use `with Guard(...) as guard:`")
-
-
-def _fmt(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.1f}"
 
 
 def _require_positive(**values: float | None) -> None:

@@ -70,7 +70,7 @@ def test_a_gcp_preemption_is_saved_well_before_its_deadline(tmp_path):
     assert stopped is not None
     assert guard.last_save.margin_s > 25  # GCP gives 30 s
     events = [e.event for e in guard.timeline.entries]
-    assert events[events.index("notice"):] == ["notice", "agreed", "save-start", "committed"]
+    assert events[events.index("notice"):] == ["notice", "agreed", "save-start", "committed", "durable"]
 
 
 def test_exit_code_after_an_emergency_save(tmp_path):

@@ -19,7 +19,7 @@ import logging
 import shutil
 import tempfile
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
@@ -39,8 +39,16 @@ from spotguard.checkpoint.resume import load_newest
 from spotguard.checkpoint.save import write_shards
 from spotguard.checkpoint.state import copy_to_cpu, to_dcp
 from spotguard.checkpoint.transfer import upload
+from spotguard.progress import TransferProgress
+from spotguard.timeline import seconds
 
 log = logging.getLogger(__name__)
+
+# Kept free before a deadline: the manifest upload and the process exit happen in it.
+DEADLINE_RESERVE_S = 3.0
+
+# Called on rank 0 as a save goes: ("committed" | "upload-plan" | "durable" | "not-durable", details).
+SaveEvents = Callable[..., Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,6 +92,7 @@ class Checkpointer:
         group: dist.ProcessGroup | None = None,
         keep_last: int | None = None,
         thread_count: int = 4,
+        on_event: SaveEvents | None = None,
     ) -> None:
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
@@ -110,6 +119,8 @@ class Checkpointer:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spotguard-ckpt")
         self._pending: Future | None = None
         self.last_report: SaveReport | None = None
+        self.on_event = on_event
+        self.upload_bytes_per_s: float | None = None  # measured on earlier uploads, for the deadline plan
 
     # -- public API -------------------------------------------------------------------------
 
@@ -214,10 +225,14 @@ class Checkpointer:
             if commit["error"]:
                 raise CheckpointError(f"checkpoint of step {step} failed, nothing committed: {commit['error']}")
             final = Path(commit["path"])
+            self._emit("committed", step=step, at=str(final), mb=f"{commit['bytes'] / 1e6:.1f}",
+                       mb_per_s=f"{commit['bytes'] / 1e6 / max(t_written - t0, 1e-9):.0f}")
             durable, upload_error, durable_at = self.local_root is None, None, committed_at
             if self.local_root is not None:
-                durable, upload_error = self._upload(step, commit, records, stage, final)
+                durable, upload_error = self._upload(step, commit, records, stage, final, deadline)
                 durable_at = utc_now() if durable else None
+                if durable and not commit["remote_has_it"]:
+                    self.upload_bytes_per_s = commit["bytes"] / max(time.monotonic() - t_committed, 1e-9)
         finally:
             # A copy that was not committed here (failed, or another node's partial copy) is abandoned.
             if comm.is_node_leader and stage.exists():
@@ -240,6 +255,10 @@ class Checkpointer:
             local_location=str(final) if self.local_root is not None else None,
             error=upload_error,
         )
+        if report.durable:
+            self._emit("durable", step=step, at=report.location, margin_s=seconds(report.margin_s))
+        else:
+            self._emit("not-durable", step=step, local_copy=str(final), why=upload_error)
         self._retain()
         self.last_report = report
         if comm.is_coordinator:
@@ -293,10 +312,24 @@ class Checkpointer:
             return False
 
     def _upload(
-        self, step: int, commit: dict[str, Any], records: list[FileRecord], stage: Path, final: Path
+        self, step: int, commit: dict[str, Any], records: list[FileRecord], stage: Path, final: Path,
+        deadline: datetime | None,
     ) -> tuple[bool, str | None]:
-        """Every rank uploads its files, then rank 0 the manifest, create-only. (durable, error)."""
+        """Every rank uploads its files, then rank 0 the manifest, create-only. (durable, error).
+
+        With a deadline, the upload uses the whole window but never goes past it: what is
+        unfinished `DEADLINE_RESERVE_S` before it is abandoned, no manifest is written, and the
+        committed local copy is what remains.
+        """
         comm = self.comm
+        cutoff = None
+        if deadline is not None:
+            left = (deadline - utc_now()).total_seconds() - DEADLINE_RESERVE_S
+            cutoff = time.monotonic() + left
+            if hasattr(self.remote, "retry_deadline_s"):  # retries must not outlive the window either
+                self.remote.retry_deadline_s = max(0.0, min(self.remote.retry_deadline_s, left))
+            if comm.is_coordinator:
+                self._plan(step, commit["bytes"], left)
         if commit["remote_has_it"]:
             if comm.is_coordinator:
                 log.warning("step %d is already committed in %s; not uploading it again", step, self.remote.url)
@@ -313,7 +346,9 @@ class Checkpointer:
                 ((stage / r.name) if (stage / r.name).exists() else (final / r.name), f"{step_dir_name(step)}/{r.name}")
                 for r in mine
             ]
-            upload(self.remote, items, threads=self.thread_count)
+            progress = TransferProgress(f"uploading {step_dir_name(step)} (rank {comm.rank})",
+                                        sum(p.stat().st_size for p, _ in items), every_s=5.0)
+            upload(self.remote, items, threads=self.thread_count, deadline=cutoff, progress=progress)
         except Exception as exc:
             error = f"rank {comm.rank}: {exc}"
         errors = comm.gather(error)
@@ -337,6 +372,28 @@ class Checkpointer:
                 )
         outcome = comm.broadcast(outcome)
         return outcome is None, outcome
+
+    def _plan(self, step: int, nbytes: int, window_s: float) -> None:
+        """Log (and report) how long the upload should take against the time left."""
+        rate = self.upload_bytes_per_s
+        expected = nbytes / rate if rate else None
+        detail = {"step": step, "mb": f"{nbytes / 1e6:.1f}", "window_s": seconds(window_s),
+                  "expected_s": seconds(expected), "expected_margin_s": seconds(window_s - expected if expected else None)}
+        self._emit("upload-plan", **detail)
+        if expected is None:
+            log.info("uploading %s (%.1f MB) to %s within %.1f s; no upload measured yet to estimate from",
+                     step_dir_name(step), nbytes / 1e6, self.remote.url, window_s)
+        elif expected > window_s:
+            log.warning("uploading %s (%.1f MB) should take %.1f s at %.0f MB/s but only %.1f s are left: trying, "
+                        "and keeping the committed local copy if it does not finish", step_dir_name(step),
+                        nbytes / 1e6, expected, rate / 1e6, window_s)
+        else:
+            log.info("uploading %s (%.1f MB) to %s: expected %.1f s at %.0f MB/s, %.1f s margin",
+                     step_dir_name(step), nbytes / 1e6, self.remote.url, expected, rate / 1e6, window_s - expected)
+
+    def _emit(self, event: str, **detail: Any) -> None:
+        if self.on_event is not None and self.comm.is_coordinator:
+            self.on_event(event, **detail)
 
     def _retain(self) -> None:
         """Retention after a commit; a failure here is logged, never raised."""
