@@ -1,0 +1,204 @@
+"""Checkpoints in Amazon S3 (or any S3-compatible server) through boto3.
+
+Credentials, region and endpoint are resolved the boto3 way: environment
+(`AWS_ACCESS_KEY_ID`, `AWS_PROFILE`, `AWS_ENDPOINT_URL`, `AWS_DEFAULT_REGION`, ...),
+config files, or the instance profile. Large files go up as multipart uploads
+whose parts travel in parallel; every request carries a CRC32 checksum.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+
+import boto3
+from boto3.s3.transfer import ProgressCallbackInvoker, TransferConfig, create_transfer_manager
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError, ConnectionError as BotoConnectionError
+from botocore.exceptions import HTTPClientError, ReadTimeoutError
+
+from cloud_adapters.retry import DEFAULT_RETRY_DEADLINE_S, RETRYABLE_STATUS, ProgressLedger, RetryingStore, one_line
+from cloud_adapters.storage import AlreadyExists, NotFound, ObjectInfo, Progress, StoreError
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+DELETE_BATCH = 1000  # DeleteObjects takes at most 1000 keys
+CHECKSUM = "CRC32"  # CRC32C needs awscrt; CRC32 is computed by botocore itself
+_TRANSIENT_CODES = frozenset(
+    {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestTimeTooSkewed",
+     "InternalError", "ServiceUnavailable", "BadDigest",
+     "ConditionalRequestConflict"}  # a concurrent conditional write was in flight: S3 asks to retry
+)  # fmt: skip
+_NOT_FOUND_CODES = frozenset({"NoSuchKey", "404", "NotFound"})
+
+
+class S3Store(RetryingStore):
+    """`s3://BUCKET[/PREFIX]`: keys are relative to PREFIX."""
+
+    scheme = "s3"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        part_size: int = 64 * MiB,
+        max_concurrency: int = 10,
+        retry_deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
+    ) -> None:
+        super().__init__(url, retry_deadline_s=retry_deadline_s)
+        self.part_size = part_size
+        # Endpoint (AWS_ENDPOINT_URL[_S3]), region and credentials: botocore resolves them itself.
+        self.client = boto3.session.Session().client(
+            "s3",
+            config=Config(
+                retries={"mode": "standard", "max_attempts": 3},  # per request, parts included
+                connect_timeout=5,
+                read_timeout=60,
+                max_pool_connections=max_concurrency + 4,
+                tcp_keepalive=True,
+            ),
+        )
+        self.transfer_config = TransferConfig(
+            multipart_threshold=part_size,
+            multipart_chunksize=part_size,
+            max_concurrency=max_concurrency,
+            use_threads=True,
+            preferred_transfer_client="classic",
+        )
+        self._manager = None
+        self._manager_lock = threading.Lock()
+
+    # ---- ObjectStore ----------------------------------------------------------------
+    def put_file(self, local_path: str | Path, key: str, *, progress: Progress | None = None) -> None:
+        ledger = ProgressLedger(progress)
+        self._call(
+            f"upload {key} to",
+            lambda: self._transfer().upload(
+                str(local_path), self.bucket, self._name(key),
+                extra_args={"ChecksumAlgorithm": CHECKSUM},
+                subscribers=[ProgressCallbackInvoker(ledger)],
+            ).result(),
+            progress=ledger,
+        )  # fmt: skip
+
+    def put_bytes(self, key: str, data: bytes, *, create_only: bool = False) -> None:
+        extra = {"IfNoneMatch": "*"} if create_only else {}  # S3 conditional write: 412 if the key exists
+        self._call(
+            f"write {key} to",
+            lambda: self.client.put_object(
+                Bucket=self.bucket, Key=self._name(key), Body=data, ChecksumAlgorithm=CHECKSUM, **extra
+            ),
+        )
+
+    def get_file(self, key: str, local_path: str | Path, *, progress: Progress | None = None) -> None:
+        ledger = ProgressLedger(progress)
+        self._call(
+            f"download {key} from",
+            lambda: self._transfer().download(
+                self.bucket, self._name(key), str(local_path),
+                extra_args={"ChecksumMode": "ENABLED"},
+                subscribers=[ProgressCallbackInvoker(ledger)],
+            ).result(),
+            progress=ledger,
+        )  # fmt: skip
+
+    def get_bytes(self, key: str) -> bytes:
+        def get() -> bytes:
+            answer = self.client.get_object(Bucket=self.bucket, Key=self._name(key), ChecksumMode="ENABLED")
+            return answer["Body"].read()
+
+        return self._call(f"read {key} from", get)
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        def listing() -> list[ObjectInfo]:
+            pages = self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self._list_prefix(prefix)
+            )
+            return [ObjectInfo(self._key(o["Key"]), o["Size"]) for page in pages for o in page.get("Contents", [])]
+
+        return sorted(self._call(f"list {prefix!r} in", listing), key=lambda o: o.key)
+
+    def exists(self, key: str) -> bool:
+        try:
+            self._call(f"look up {key} in", lambda: self.client.head_object(Bucket=self.bucket, Key=self._name(key)))
+        except NotFound:
+            return False
+        return True
+
+    def delete(self, keys: Iterable[str]) -> None:
+        names = [self._name(k) for k in keys]
+        for start in range(0, len(names), DELETE_BATCH):
+            batch = names[start : start + DELETE_BATCH]
+            answer = self._call(
+                f"delete {len(batch)} objects from",
+                lambda batch=batch: self.client.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": [{"Key": n} for n in batch], "Quiet": True}
+                ),
+            )
+            if errors := answer.get("Errors"):
+                first = errors[0]
+                raise StoreError(
+                    f"delete from {self.url}: {len(errors)} objects not deleted, "
+                    f"e.g. {first.get('Key')}: {first.get('Code')} {first.get('Message', '')}".rstrip()
+                )
+
+    # ---- S3 specifics ---------------------------------------------------------------
+    def abort_multipart_uploads(self, prefix: str = "") -> int:
+        """Abort unfinished multipart uploads under `prefix` (their parts cost storage); returns how many."""
+
+        def abort() -> int:
+            pages = self.client.get_paginator("list_multipart_uploads").paginate(
+                Bucket=self.bucket, Prefix=self._list_prefix(prefix)
+            )
+            count = 0
+            for page in pages:
+                for upload in page.get("Uploads", []):
+                    self.client.abort_multipart_upload(
+                        Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                    )
+                    count += 1
+            return count
+
+        count = self._call(f"abort multipart uploads under {prefix!r} in", abort)
+        if count:
+            log.info("aborted %d unfinished multipart uploads under %s/%s", count, self.url, prefix)
+        return count
+
+    def close(self) -> None:
+        """Stop the transfer threads (they also stop when the process exits)."""
+        with self._manager_lock:
+            if self._manager is not None:
+                self._manager.shutdown()
+                self._manager = None
+
+    def _transfer(self):
+        """One transfer manager per store: parts of all concurrent files share its thread pool."""
+        with self._manager_lock:
+            if self._manager is None:
+                self._manager = create_transfer_manager(self.client, self.transfer_config)
+            return self._manager
+
+    # ---- errors ---------------------------------------------------------------------
+    def _is_transient(self, exc: BaseException) -> bool:
+        if isinstance(exc, ClientError):
+            code = exc.response.get("Error", {}).get("Code", "")
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            return code in _TRANSIENT_CODES or status in RETRYABLE_STATUS
+        return isinstance(exc, (BotoConnectionError, HTTPClientError, ReadTimeoutError))
+
+    def _translate(self, exc: BaseException, what: str) -> StoreError:
+        if isinstance(exc, ClientError):
+            code = exc.response.get("Error", {}).get("Code", "")
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+            if code in _NOT_FOUND_CODES:
+                return NotFound(f"{what}: no such key")
+            if code == "PreconditionFailed" or status == 412:
+                return AlreadyExists(f"{what}: the key already exists")
+            if code == "NoSuchBucket":
+                return StoreError(f"{what}: bucket {self.bucket!r} does not exist")
+        if isinstance(exc, (ClientError, BotoCoreError)):
+            return StoreError(f"{what}: {one_line(exc)}")
+        return StoreError(f"{what}: unexpected {one_line(exc)}")

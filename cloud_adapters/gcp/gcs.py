@@ -1,0 +1,173 @@
+"""Checkpoints in Google Cloud Storage through google-cloud-storage.
+
+Credentials come from Application Default Credentials (the VM's service account,
+`GOOGLE_APPLICATION_CREDENTIALS`, gcloud). With `STORAGE_EMULATOR_HOST` set the
+store talks to that emulator anonymously (project from `GOOGLE_CLOUD_PROJECT`).
+
+Large files go up as resumable uploads in `part_size` chunks, each verified with
+CRC32C. GCS's parallel XML multipart API (transfer_manager.upload_chunks_concurrently)
+is not used: gcp-storage-emulator does not implement it, so it could not be tested;
+parallelism comes from uploading several files at once.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import requests
+from google.api_core import exceptions as gexc
+from google.auth.credentials import AnonymousCredentials
+from google.auth.exceptions import DefaultCredentialsError, TransportError
+from google.cloud import storage
+from google.resumable_media.common import DataCorruption, InvalidResponse
+
+from cloud_adapters.retry import DEFAULT_RETRY_DEADLINE_S, RETRYABLE_STATUS, ProgressLedger, RetryingStore, one_line
+from cloud_adapters.storage import AlreadyExists, NotFound, ObjectInfo, Progress, StoreError
+
+MiB = 1 << 20
+CHUNK_ALIGN = 256 * 1024  # resumable upload chunks must be multiples of 256 KiB
+TIMEOUT = (5, 60)  # (connect, read) seconds per request
+CHECKSUM = "crc32c"
+
+
+class GCSStore(RetryingStore):
+    """`gs://BUCKET[/PREFIX]`: keys are relative to PREFIX."""
+
+    scheme = "gs"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        part_size: int = 64 * MiB,
+        max_concurrency: int = 8,
+        retry_deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
+    ) -> None:
+        super().__init__(url, retry_deadline_s=retry_deadline_s)
+        if part_size <= 0 or part_size % CHUNK_ALIGN:
+            raise ValueError(f"GCS part_size must be a positive multiple of 256 KiB, got {part_size}")
+        self.part_size = part_size
+        self.max_concurrency = max_concurrency
+        self._emulated = bool(os.environ.get("STORAGE_EMULATOR_HOST"))
+        if self._emulated:  # the library reads the variable itself; an emulator needs no credentials
+            project = os.environ.get("GOOGLE_CLOUD_PROJECT", "emulator")
+            self.client = storage.Client(project=project, credentials=AnonymousCredentials())
+        else:
+            try:
+                self.client = storage.Client()  # Application Default Credentials
+            except DefaultCredentialsError as exc:
+                raise StoreError(f"{self.url}: no Google credentials found ({one_line(exc)})") from exc
+        self._bucket = self.client.bucket(self.bucket)
+
+    def _blob(self, key: str, *, chunked: bool = False) -> storage.Blob:
+        # Only uploads are chunked: a chunked download cannot verify CRC32C, a single-stream one does.
+        return self._bucket.blob(self._name(key), chunk_size=self.part_size if chunked else None)
+
+    # ---- ObjectStore ----------------------------------------------------------------
+    def put_file(self, local_path: str | Path, key: str, *, progress: Progress | None = None) -> None:
+        ledger = ProgressLedger(progress)
+
+        def upload() -> None:
+            with _CountingFile(local_path, "rb", ledger) as f:
+                size = os.fstat(f.fileno()).st_size
+                self._blob(key, chunked=True).upload_from_file(
+                    f, size=size, checksum=CHECKSUM, timeout=TIMEOUT, retry=None  # retries are ours, bounded
+                )
+
+        self._call(f"upload {key} to", upload, progress=ledger)
+
+    def put_bytes(self, key: str, data: bytes, *, create_only: bool = False) -> None:
+        # if_generation_match=0: GCS creates the object only if no live generation exists (412 otherwise).
+        # gcp-storage-emulator ignores preconditions, so there a lookup first keeps the contract (racy,
+        # but the emulator is single-user); real GCS enforces it atomically on the write itself.
+        def write() -> None:
+            blob = self._blob(key)
+            if create_only and self._emulated and blob.exists(timeout=TIMEOUT, retry=None):
+                raise AlreadyExists(f"write {key} to {self.url}: the key already exists")
+            blob.upload_from_string(
+                data, if_generation_match=0 if create_only else None, checksum=CHECKSUM, timeout=TIMEOUT, retry=None
+            )
+
+        self._call(f"write {key} to", write)
+
+    def get_file(self, key: str, local_path: str | Path, *, progress: Progress | None = None) -> None:
+        ledger = ProgressLedger(progress)
+
+        def download(tmp: str) -> None:
+            with _CountingFile(tmp, "wb", ledger) as f:
+                self._blob(key).download_to_file(f, checksum=CHECKSUM, timeout=TIMEOUT, retry=None)
+
+        self._call(f"download {key} from", lambda: self._download_into(local_path, download), progress=ledger)
+
+    def get_bytes(self, key: str) -> bytes:
+        return self._call(
+            f"read {key} from",
+            lambda: self._blob(key).download_as_bytes(checksum=CHECKSUM, timeout=TIMEOUT, retry=None),
+        )
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        def listing() -> list[ObjectInfo]:
+            blobs = self.client.list_blobs(self.bucket, prefix=self._list_prefix(prefix), timeout=TIMEOUT, retry=None)
+            return [ObjectInfo(self._key(b.name), int(b.size or 0)) for b in blobs]
+
+        return sorted(self._call(f"list {prefix!r} in", listing), key=lambda o: o.key)
+
+    def exists(self, key: str) -> bool:
+        return self._call(f"look up {key} in", lambda: self._blob(key).exists(timeout=TIMEOUT, retry=None))
+
+    def delete(self, keys: Iterable[str]) -> None:
+        def delete_one(key: str) -> None:
+            try:
+                self._call(f"delete {key} from", lambda: self._blob(key).delete(timeout=TIMEOUT, retry=None))
+            except NotFound:
+                pass  # already gone is what we wanted
+
+        with ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="gcs-delete") as pool:
+            list(pool.map(delete_one, keys))
+
+    # ---- errors ---------------------------------------------------------------------
+    def _bucket_exists(self) -> bool:
+        try:
+            return self._bucket.exists(timeout=TIMEOUT, retry=None)
+        except Exception:  # noqa: BLE001 - cannot tell; report the key as missing
+            return True
+
+    def _is_transient(self, exc: BaseException) -> bool:
+        if isinstance(exc, gexc.GoogleAPICallError):
+            return exc.code in RETRYABLE_STATUS
+        if isinstance(exc, InvalidResponse):
+            return getattr(exc.response, "status_code", 0) in RETRYABLE_STATUS
+        return isinstance(exc, (requests.ConnectionError, requests.Timeout, TransportError, DataCorruption))
+
+    def _translate(self, exc: BaseException, what: str) -> StoreError:
+        if isinstance(exc, gexc.NotFound):
+            # A 404 does not say whether the object or the bucket is missing; a missing bucket must not
+            # read as "no checkpoint yet", so ask (only on this error path).
+            if not self._bucket_exists():
+                return StoreError(f"{what}: bucket {self.bucket!r} does not exist")
+            return NotFound(f"{what}: no such key")
+        if isinstance(exc, gexc.PreconditionFailed):
+            return AlreadyExists(f"{what}: the key already exists")
+        return StoreError(f"{what}: {one_line(exc)}")
+
+
+class _CountingFile(io.FileIO):
+    """A file that reports every byte read or written to a progress callback."""
+
+    def __init__(self, path: str | Path, mode: str, progress: Callable[[int], None]) -> None:
+        super().__init__(path, mode)
+        self._progress = progress
+
+    def read(self, size: int = -1) -> bytes:
+        data = super().read(size)
+        self._progress(len(data))
+        return data
+
+    def write(self, data) -> int:
+        n = super().write(data)
+        self._progress(n)
+        return n
