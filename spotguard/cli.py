@@ -202,9 +202,10 @@ def _ls(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     from spotguard.checkpoint import verify_checkpoint
+    from spotguard.progress import cli_progress
 
     location, step = split_step(args.location)
-    results = verify_checkpoint(location, step)
+    results = verify_checkpoint(location, step, progress=cli_progress)
     if not results:
         print(f"no checkpoints in {args.location}")
         return 1

@@ -62,3 +62,17 @@ def test_demo_runs_end_to_end(tmp_path):
     assert "final weights identical to the uninterrupted run: YES" in out.stdout
     for event in ("notice", "agreed", "save-start", "committed"):
         assert f" {event} " in out.stdout
+
+
+def test_ls_and_verify_a_bucket_show_progress(storage_servers, monkeypatch, tmp_path):
+    from tests.conftest import backend_for
+
+    backend = backend_for("s3", storage_servers, monkeypatch, tmp_path)
+    with Checkpointer(backend.url, local_dir=str(tmp_path / "stage")) as ckpt:
+        ckpt.save(7, {"w": torch.arange(250_000, dtype=torch.float32)}, reason="manual")
+    listed = cli("ls", backend.url)
+    assert listed.returncode == 0 and "manual" in listed.stdout and "yes" in listed.stdout
+    checked = cli("verify", f"{backend.url}/step-0000000007")
+    assert checked.returncode == 0, checked.stderr[-2000:]
+    assert "step 7: OK" in checked.stdout
+    assert "verifying step-0000000007: 1.0 / 1.0 MB (100%)" in checked.stderr

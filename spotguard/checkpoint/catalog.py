@@ -6,14 +6,18 @@ import dataclasses
 import logging
 import tempfile
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from cloud_adapters.storage import LocalStore, ObjectInfo, ObjectStore, StoreError, open_store
 from spotguard.checkpoint.layout import MANIFEST_NAME, manifest_key, parse_step_dir, step_dir_name
 from spotguard.checkpoint.manifest import Manifest, ManifestError, check_file
+from spotguard.progress import TransferProgress
 
 log = logging.getLogger(__name__)
+
+ProgressFactory = Callable[[str, int], TransferProgress]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +132,8 @@ def list_checkpoints(location: str) -> list[CheckpointInfo]:
     return out
 
 
-def verify_step(store: ObjectStore, step: int, *, threads: int = 4) -> list[str]:
+def verify_step(store: ObjectStore, step: int, *, threads: int = 4,
+                progress: ProgressFactory | None = None) -> list[str]:
     """Problems with `step` (empty when every file matches the manifest's size and CRC32C)."""
     try:
         manifest = read_manifest(store, step)
@@ -140,12 +145,13 @@ def verify_step(store: ObjectStore, step: int, *, threads: int = 4) -> list[str]
     if problems:
         return problems
     # A remote object is checked by downloading it to scratch space, a few files at a time.
+    shown = progress(f"verifying {step_dir_name(step)}", manifest.total_bytes) if progress else None
     with tempfile.TemporaryDirectory(prefix="spotguard-verify-") as scratch:
 
         def check(record) -> str | None:
             local = Path(scratch) / record.name
             try:
-                store.get_file(f"{step_dir_name(step)}/{record.name}", local)
+                store.get_file(f"{step_dir_name(step)}/{record.name}", local, progress=shown)
                 return check_file(local, record)
             except StoreError as exc:
                 return f"{record.name}: {exc}"
@@ -153,15 +159,22 @@ def verify_step(store: ObjectStore, step: int, *, threads: int = 4) -> list[str]
                 local.unlink(missing_ok=True)
 
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="spotguard-verify") as pool:
-            return [p for p in pool.map(check, manifest.files) if p]
+            problems = [p for p in pool.map(check, manifest.files) if p]
+    if shown:
+        shown.finish()
+    return problems
 
 
-def verify_checkpoint(location: str, step: int | None = None) -> list[VerifyResult]:
-    """Check one step, or every step directory at `location`; each result lists its problems."""
+def verify_checkpoint(location: str, step: int | None = None, *,
+                      progress: ProgressFactory | None = None) -> list[VerifyResult]:
+    """Check one step, or every step directory at `location`; each result lists its problems.
+
+    `progress(label, total_bytes)` makes a progress reporter for each remote step downloaded.
+    """
     store = open_store(location)
     steps = [step] if step is not None else sorted(scan(store))
     results = []
     for s in steps:
-        problems = verify_step(store, s)
+        problems = verify_step(store, s, progress=progress)
         results.append(VerifyResult(s, not problems, problems, f"{store.url}/{step_dir_name(s)}"))
     return results
