@@ -14,6 +14,7 @@ import pytest
 
 from cloud_adapters.aws.emulator import AWSMetadataEmulator
 from spotguard.checkpoint import list_checkpoints
+from tests.conftest import backend_for
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 40
@@ -50,6 +51,7 @@ def reference(tmp_path_factory):
 
 
 def resume_and_compare(ckpt, tmp_path, reference, extra=()):
+    """Resume in new processes (with `extra`, e.g. an empty --local-dir: a fresh VM) and finish."""
     code, err = finish(torchrun(ckpt, out=tmp_path / "resumed.json", extra=extra))
     assert code == 0, err[-3000:]
     resumed = json.loads((tmp_path / "resumed.json").read_text())
@@ -58,11 +60,17 @@ def resume_and_compare(ckpt, tmp_path, reference, extra=()):
     return resumed
 
 
-def test_aws_interruption_at_a_random_step_resumes_bit_identical(tmp_path, reference):
-    ckpt = tmp_path / "ckpt"
+@pytest.mark.parametrize("kind", ["local", "s3", "gcs"])
+def test_aws_interruption_at_a_random_step_resumes_bit_identical(kind, tmp_path, reference, storage_servers,
+                                                                  monkeypatch):
+    backend = backend_for(kind, storage_servers, monkeypatch, tmp_path)
+    ckpt = backend.url if kind != "local" else tmp_path / "ckpt"
+    # With a bucket, each "VM" stages on its own local disk; the replacement starts empty.
+    vm1 = ["--local-dir", str(tmp_path / "vm1")] if kind != "local" else []
+    vm2 = ["--local-dir", str(tmp_path / "vm2")] if kind != "local" else []
     at = random.Random().randint(2, 25)
     with AWSMetadataEmulator() as emu:
-        proc = torchrun(ckpt, cloud="aws", env={"SPOTGUARD_METADATA_URL": emu.url})
+        proc = torchrun(ckpt, cloud="aws", env={"SPOTGUARD_METADATA_URL": emu.url}, extra=vm1)
         wait_for_step(proc, at)
         emu.raise_notice()
         code, err = finish(proc)
@@ -70,7 +78,7 @@ def test_aws_interruption_at_a_random_step_resumes_bit_identical(tmp_path, refer
     committed = [c for c in list_checkpoints(str(ckpt)) if c.committed]
     assert len(committed) == 1 and committed[0].reason == "emergency", err[-3000:]
     assert at <= committed[0].step < STEPS - 1
-    resumed = resume_and_compare(ckpt, tmp_path, reference)
+    resumed = resume_and_compare(ckpt, tmp_path, reference, extra=vm2)
     assert resumed["start"] == committed[0].step + 1
 
 
