@@ -70,11 +70,12 @@ class EventLog:
 class Broadcast:
     """Publishes events through `store` and runs this rank's listener on `listen_store`
     (see `listener_store`), which hands each event to `on_event(index, event)` on the
-    listener thread, in log order.
+    listener thread, in log order. The listener checks the log every `poll_s`: 50 ms keeps
+    delivery well under 100 ms for a fraction of a percent of one core.
     """
 
     def __init__(self, store: dist.Store, listen_store: dist.Store, prefix: str,
-                 on_event: Callable[[int, dict[str, Any]], None], *, poll_s: float = 0.02) -> None:
+                 on_event: Callable[[int, dict[str, Any]], None], *, poll_s: float = 0.05) -> None:
         self.log = EventLog(store, prefix)
         self._listen_log = EventLog(listen_store, prefix)
         self.on_event = on_event

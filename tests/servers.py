@@ -140,6 +140,7 @@ class FaultProxy:
         self.url = f"http://127.0.0.1:{self.port}"
         self.seen: list[tuple[str, str, dict[str, str]]] = []  # (method, path?query, headers) of every request
         self.faulted = 0
+        self.slow_s = 0.0  # delay before forwarding each request: a slow network or server
         self._fault: Fault | None = None
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
@@ -187,6 +188,8 @@ class FaultProxy:
             self.seen.append((request.method, request.path_qs, dict(request.headers)))
         if fault := self._take_fault():
             return web.Response(status=fault.status, body=fault.body, headers=fault.headers)
+        if self.slow_s:
+            await asyncio.sleep(self.slow_s)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
         async with self._session.request(
             request.method, self.upstream + request.path_qs, headers=headers, data=body,

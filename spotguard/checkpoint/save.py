@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -27,4 +28,6 @@ def write_shards(stage_dir: Path, state_dict: dict[str, Any], comm: Comm, *, thr
     mine = sorted(p for p in stage_dir.iterdir() if p.name.startswith(shard_prefix(comm.rank)))
     if comm.is_coordinator:
         mine.append(stage_dir / DCP_METADATA_NAME)
-    return [checksum_file(p) for p in mine]
+    # Checksum the files in parallel while they are still in the page cache (the pass is ~15 % of a save).
+    with ThreadPoolExecutor(max_workers=thread_count, thread_name_prefix="spotguard-crc") as pool:
+        return list(pool.map(checksum_file, mine))
