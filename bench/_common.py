@@ -43,8 +43,15 @@ class Ranks:
         self.procs: list[subprocess.Popen] = []
         self.logs = [log_dir / f"rank{rank}.log" for rank in range(world_size)]
         for rank in range(world_size):
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), PYTHONUNBUFFERED="1")
+            env = dict(
+                os.environ,
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                PYTHONUNBUFFERED="1",
+            )
             with open(self.logs[rank], "w") as log:
                 self.procs.append(subprocess.Popen(
                     [sys.executable, script, "--worker", *args], env=env, text=True, stderr=log,
@@ -94,6 +101,26 @@ def init_worker() -> tuple[int, int]:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     return dist.get_rank(), dist.get_world_size()
+
+
+WIDTH = 4096  # one layer: a 4096x4096 weight + bias, times 3 with AdamW's two moments
+
+
+def build_state(gb: float) -> tuple[Any, Any, int, int]:
+    """A replicated DDP model of `gb` GB with AdamW state (after one real step, so the moments
+    exist): (model, optimizer, layers, bytes)."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    layers = max(1, round(gb * 1e9 / (3 * 4 * (WIDTH * WIDTH + WIDTH))))
+    torch.manual_seed(0)
+    model = DDP(torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers))))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model(torch.randn(2, WIDTH)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    nbytes = sum(t.numel() * t.element_size() for t in model.parameters()) * 3
+    return model, optimizer, layers, nbytes
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

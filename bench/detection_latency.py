@@ -113,8 +113,9 @@ def start_naive_gcp_poller(interval_s: float) -> Starter:
 
         def loop() -> None:
             while not stop.is_set():
-                answer = session.get(f"{url}/computeMetadata/v1/instance/preempted",
-                                     headers={"Metadata-Flavor": "Google"}, timeout=5)
+                answer = session.get(
+                    f"{url}/computeMetadata/v1/instance/preempted", headers={"Metadata-Flavor": "Google"}, timeout=5
+                )
                 if answer.text.strip() == "TRUE":
                     on_detect()
                     return
@@ -135,19 +136,28 @@ def start_naive_gcp_poller(interval_s: float) -> Starter:
 
 def targets(clouds: list[str], interval_s: float) -> list[Target]:
     rows = [
-        Target(cloud, cloud, "hanging GET" if cloud == "gcp" else f"poll every {interval_s:g} s",
-               HANGING_GET_GOAL_MS if cloud == "gcp" else interval_s * 1000 + POLL_SLACK_MS,
-               AZURE_SETTLE_S if cloud == "azure" else SETTLE_S, start_watcher(cloud, interval_s))
+        Target(
+            cloud,
+            cloud,
+            "hanging GET" if cloud == "gcp" else f"poll every {interval_s:g} s",
+            HANGING_GET_GOAL_MS if cloud == "gcp" else interval_s * 1000 + POLL_SLACK_MS,
+            AZURE_SETTLE_S if cloud == "azure" else SETTLE_S,
+            start_watcher(cloud, interval_s),
+        )
         for cloud in clouds
     ]
     if "gcp" in clouds:
-        rows.append(Target(NAIVE, "gcp", f"naive poll every {interval_s:g} s", None, SETTLE_S,
-                           start_naive_gcp_poller(interval_s)))
+        rows.append(
+            Target(
+                NAIVE, "gcp", f"naive poll every {interval_s:g} s", None, SETTLE_S, start_naive_gcp_poller(interval_s)
+            )
+        )
     return rows
 
 
-def measure_once(emulator: MetadataEmulator, target: Target, interval_s: float, timeout_s: float,
-                 rng: random.Random) -> float | None:
+def measure_once(
+    emulator: MetadataEmulator, target: Target, interval_s: float, timeout_s: float, rng: random.Random
+) -> float | None:
     """One trial's latency in ms, or None when nothing was detected within `timeout_s`."""
     detected = threading.Event()
     stamps: list[float] = []
@@ -169,8 +179,9 @@ def measure_once(emulator: MetadataEmulator, target: Target, interval_s: float, 
         emulator.clear()
 
 
-def run_target(target: Target, trials: int, interval_s: float, timeout_s: float,
-               rng: random.Random) -> list[float | None]:
+def run_target(
+    target: Target, trials: int, interval_s: float, timeout_s: float, rng: random.Random
+) -> list[float | None]:
     """Latencies in ms of up to `trials` trials; a trailing None when a notice never arrived."""
     emulator = EMULATORS[target.cloud]()
     emulator.start()
@@ -179,8 +190,9 @@ def run_target(target: Target, trials: int, interval_s: float, timeout_s: float,
         for i in range(trials):
             samples.append(measure_once(emulator, target, interval_s, timeout_s, rng))
             if samples[-1] is None:  # a hang is a bug, not a slow sample: more trials would only wait it out again
-                log.error("%s trial %d: no notice within %g s; skipping the remaining trials", target.name, i + 1,
-                          timeout_s)
+                log.error(
+                    "%s trial %d: no notice within %g s; skipping the remaining trials", target.name, i + 1, timeout_s
+                )
                 break
         return samples
     finally:
@@ -236,8 +248,10 @@ def print_table(rows: list[dict[str, Any]], ratio: dict[str, float] | None) -> N
     for line in lines:
         print("  ".join(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths))))
     if ratio:
-        print(f"naive GCP poller / spotguard hanging GET: median {ratio['median_ms']:.0f}x, "
-              f"p99 {ratio['p99_ms']:.0f}x, max {ratio['max_ms']:.0f}x slower")
+        print(
+            f"naive GCP poller / spotguard hanging GET: median {ratio['median_ms']:.0f}x, "
+            f"p99 {ratio['p99_ms']:.0f}x, max {ratio['max_ms']:.0f}x slower"
+        )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -245,8 +259,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--trials", type=int, default=30, help="trials per cloud, at least 20 (default 30)")
     parser.add_argument("--interval", type=float, default=1.0, help="poll interval in seconds (default 1.0)")
     parser.add_argument("--clouds", default=",".join(CLOUDS), help="comma-separated subset of aws,gcp,azure")
-    parser.add_argument("--timeout", type=float, default=10.0,
-                        help="seconds a trial waits for the callback before it counts as a hang (default 10)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=10.0,
+        help="seconds a trial waits for the callback before it counts as a hang (default 10)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random phases (default 0)")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
     parser.add_argument("--verbose", action="store_true", help="show the watcher's log (one line per notice)")
@@ -289,8 +307,10 @@ def main(argv: list[str] | None = None) -> int:
             "python": platform.python_version(), "rows": rows, "naive_gcp_over_ours": ratio,
         }, indent=2))  # fmt: skip
     else:
-        print(f"detection latency, notice raised -> callback; {args.trials} trials each, interval {args.interval:g} s, "
-              f"seed {args.seed}, {os.cpu_count()} CPUs, {elapsed:.0f} s")
+        print(
+            f"detection latency, notice raised -> callback; {args.trials} trials each, interval {args.interval:g} s, "
+            f"seed {args.seed}, {os.cpu_count()} CPUs, {elapsed:.0f} s"
+        )
         print_table(rows, ratio)
     missed = [row["name"] for row in rows if row["missed"]]
     failed = [row["name"] for row in rows if row["result"] == "FAIL"]

@@ -31,14 +31,18 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import Ranks, init_worker, report, table
+from _common import WIDTH, Ranks, build_state, init_worker, report, table
 
-WIDTH = 4096  # one layer: a 4096x4096 weight + bias, times 3 with AdamW's two moments
 BLOCK = 16 << 20
 STEP_S = 0.01  # the stand-in for a training step while waiting for the notice (+ a 1-element all-reduce)
 GCP_DEADLINE_S = 30.0
-DISK_1, DISK_2, TORCH_SAVE, DCP, SPOTGUARD = ("disk, 1 writer", "disk, 2 writers", "rank-0 torch.save + fsync",
-                                             "DCP save (FileSystemWriter defaults)", "spotguard emergency save")
+DISK_1, DISK_2, TORCH_SAVE, DCP, SPOTGUARD = (
+    "disk, 1 writer",
+    "disk, 2 writers",
+    "rank-0 torch.save + fsync",
+    "DCP save (FileSystemWriter defaults)",
+    "spotguard emergency save",
+)
 METHODS = (DISK_1, DISK_2, TORCH_SAVE, DCP, SPOTGUARD)
 
 
@@ -61,8 +65,11 @@ def run(args: argparse.Namespace) -> None:
             for msg in ranks.messages():
                 if msg.get("event") == "built":
                     state = msg
-                    print(f"state: {msg['bytes'] / 1e9:.2f} GB per rank ({msg['layers']} layers of "
-                          f"{WIDTH}x{WIDTH} + AdamW), built in {msg['build_s']:.1f} s", flush=True)
+                    print(
+                        f"state: {msg['bytes'] / 1e9:.2f} GB per rank ({msg['layers']} layers of "
+                        f"{WIDTH}x{WIDTH} + AdamW), built in {msg['build_s']:.1f} s",
+                        flush=True,
+                    )
                 elif msg.get("event") == "looping":  # the ranks are in their loop: preempt them
                     time.sleep(0.3)
                     raised[msg["round"]] = time.time()
@@ -84,29 +91,50 @@ def summarize(runs: list[dict], state: dict) -> None:
     rate = {m: r["bytes"] / r["seconds"] / 1e9 for m, r in best.items()}
     limit = max(rate[DISK_1], rate[DISK_2])
     base = best[TORCH_SAVE]["seconds"]
-    rows = [[m, f"{r['bytes'] / 1e9:.2f}", f"{r['seconds']:.2f}", f"{rate[m]:.2f}", f"{rate[m] / limit:.2f}",
-             f"{base / r['seconds']:.2f}x"] for m, r in best.items()]
-    print(f"\nfastest of {len(runs) // len(METHODS)} rounds per method; state {state['bytes'] / 1e9:.2f} GB "
-          "replicated on 2 ranks (DCP and spotguard write each tensor once, split over the ranks)")
+    rows = [
+        [
+            m,
+            f"{r['bytes'] / 1e9:.2f}",
+            f"{r['seconds']:.2f}",
+            f"{rate[m]:.2f}",
+            f"{rate[m] / limit:.2f}",
+            f"{base / r['seconds']:.2f}x",
+        ]
+        for m, r in best.items()
+    ]
+    print(
+        f"\nfastest of {len(runs) // len(METHODS)} rounds per method; state {state['bytes'] / 1e9:.2f} GB "
+        "replicated on 2 ranks (DCP and spotguard write each tensor once, split over the ranks)"
+    )
     print(table(["method", "GB written", "seconds", "GB/s", "vs disk limit", "speed vs torch.save"], rows))
 
     ours = best[SPOTGUARD]
     save = ours["report"]
     latencies = [r["latency_s"] for r in runs if r["method"] == SPOTGUARD]
-    print(f"\nspotguard SaveReport (fastest round): {ours['bytes'] / 1e6:.0f} MB in {save['files']} files, "
-          f"write {save['write_s']:.2f} s (DCP write + fsync + CRC32C), commit {save['commit_s']:.2f} s, "
-          f"{ours['bytes'] / 1e6 / save['write_s']:.0f} MB/s over write_s")
-    print(f"re-checksumming rank 0's {ours['crc_mb']:.0f} MB of shards (page cache warm): "
-          f"{ours['crc_s']:.2f} s = {ours['crc_mb'] / max(ours['crc_s'], 1e-9):.0f} MB/s")
-    print("notice -> committed (raise on the emulator -> guard.step() True), per round: "
-          + ", ".join(f"{s:.2f} s" for s in latencies)
-          + f"; worst {max(latencies):.2f} s leaves {GCP_DEADLINE_S - max(latencies):.1f} s of GCP's "
-          f"{GCP_DEADLINE_S:.0f} s")
-    print("  fastest round, seconds after the raise: "
-          + ", ".join(f"{event} {at - ours['raised_at']:+.3f}" for event, at in ours["events"]))
+    print(
+        f"\nspotguard SaveReport (fastest round): {ours['bytes'] / 1e6:.0f} MB in {save['files']} files, "
+        f"write {save['write_s']:.2f} s (DCP write + fsync + CRC32C), commit {save['commit_s']:.2f} s, "
+        f"{ours['bytes'] / 1e6 / save['write_s']:.0f} MB/s over write_s"
+    )
+    print(
+        f"re-checksumming rank 0's {ours['crc_mb']:.0f} MB of shards (page cache warm): "
+        f"{ours['crc_s']:.2f} s = {ours['crc_mb'] / max(ours['crc_s'], 1e-9):.0f} MB/s"
+    )
+    print(
+        "notice -> committed (raise on the emulator -> guard.step() True), per round: "
+        + ", ".join(f"{s:.2f} s" for s in latencies)
+        + f"; worst {max(latencies):.2f} s leaves {GCP_DEADLINE_S - max(latencies):.1f} s of GCP's "
+        f"{GCP_DEADLINE_S:.0f} s"
+    )
+    print(
+        "  fastest round, seconds after the raise: "
+        + ", ".join(f"{event} {at - ours['raised_at']:+.3f}" for event, at in ours["events"])
+    )
     vs_disk, vs_torch = rate[SPOTGUARD] / limit, base / ours["seconds"]
-    print(f"goal >= 0.8 of the disk limit: {vs_disk:.2f} ({'met' if vs_disk >= 0.8 else 'MISSED'}); "
-          f"goal >= 1.5x rank-0 torch.save: {vs_torch:.2f}x ({'met' if vs_torch >= 1.5 else 'MISSED'})")
+    print(
+        f"goal >= 0.8 of the disk limit: {vs_disk:.2f} ({'met' if vs_disk >= 0.8 else 'MISSED'}); "
+        f"goal >= 1.5x rank-0 torch.save: {vs_torch:.2f}x ({'met' if vs_torch >= 1.5 else 'MISSED'})"
+    )
 
 
 # ---- one rank ------------------------------------------------------------------------------
@@ -115,7 +143,6 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     import spotguard
     from spotguard.checkpoint.manifest import checksum_file
@@ -123,15 +150,8 @@ def worker(args: argparse.Namespace) -> None:
     rank, world = init_worker()
     work = Path(args.dir)
     started = time.perf_counter()
-    layers = max(1, round(args.gb * 1e9 / (3 * 4 * (WIDTH * WIDTH + WIDTH))))
-    torch.manual_seed(0)
-    model = DDP(torch.nn.Sequential(*(torch.nn.Linear(WIDTH, WIDTH) for _ in range(layers))))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model(torch.randn(2, WIDTH)).square().mean().backward()  # one real step: AdamW's moments exist
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    model, optimizer, layers, nbytes = build_state(args.gb)
     state = {"model": model, "optim": optimizer}
-    nbytes = sum(t.numel() * t.element_size() for t in model.parameters()) * 3
     if rank == 0:
         report(event="built", bytes=nbytes, layers=layers, build_s=time.perf_counter() - started)
     block = os.urandom(BLOCK)  # incompressible; reused, the disk does not deduplicate

@@ -62,8 +62,10 @@ def single_process(calls: int, rounds: int) -> None:
         ["guard.step(step, state)", f"{ours:.0f} ({statistics.median(times['guard.step']):.0f})"],
         ["difference (guard.step's own cost)", f"{ours - base:.0f}"],
     ]))  # fmt: skip
-    print(f"goal < 1000 ns per call: guard.step {ours:.0f} ns ({'met' if ours < 1000 else 'MISSED'}), "
-          f"its own cost {ours - base:.0f} ns ({'met' if ours - base < 1000 else 'MISSED'})")
+    print(
+        f"goal < 1000 ns per call: guard.step {ours:.0f} ns ({'met' if ours < 1000 else 'MISSED'}), "
+        f"its own cost {ours - base:.0f} ns ({'met' if ours - base < 1000 else 'MISSED'})"
+    )
 
 
 # ---- 2. two ranks ----------------------------------------------------------------------
@@ -80,20 +82,39 @@ def distributed(args: argparse.Namespace) -> None:
         polls = emulator.requests_seen
     wall = _Paired(ranks_blocks[0], "wall_s")
     rows = [["wall clock, rank 0", *wall.cells()]]
-    rows += [[f"CPU time, rank {r}" + (" (polls IMDS)" if r == 0 else ""), *_Paired(blocks, "cpu_s").cells()]
-             for r, blocks in enumerate(ranks_blocks)]
-    print(f"\n2. two ranks (gloo, DDP, CPU, 1 compute thread each): {args.blocks} ABBA block pairs x "
-          f"{args.block_steps} steps, MLP width {args.width}, batch {args.batch}; the guard served "
-          f"{polls} IMDS requests (1 s polling) while entered")
-    print(table(["per training step", "without Guard (µs)", "with Guard (µs)", "overhead (µs, ± 2 s.e.)",
-                 "overhead (%)", "fastest quarter: diff (µs)"], rows))
+    rows += [
+        [f"CPU time, rank {r}" + (" (polls IMDS)" if r == 0 else ""), *_Paired(blocks, "cpu_s").cells()]
+        for r, blocks in enumerate(ranks_blocks)
+    ]
+    print(
+        f"\n2. two ranks (gloo, DDP, CPU, 1 compute thread each): {args.blocks} ABBA block pairs x "
+        f"{args.block_steps} steps, MLP width {args.width}, batch {args.batch}; the guard served "
+        f"{polls} IMDS requests (1 s polling) while entered"
+    )
+    print(
+        table(
+            [
+                "per training step",
+                "without Guard (µs)",
+                "with Guard (µs)",
+                "overhead (µs, ± 2 s.e.)",
+                "overhead (%)",
+                "fastest quarter: diff (µs)",
+            ],
+            rows,
+        )
+    )
     own = [statistics.mean(b["threads_cpu_s"] * 1e6 for b in blocks if b["guarded"]) for blocks in ranks_blocks]
-    print("of which spotguard's own threads (watcher, listener), CPU µs per step: "
-          + ", ".join(f"rank {r} {us:.1f}" for r, us in enumerate(own)))
+    print(
+        "of which spotguard's own threads (watcher, listener), CPU µs per step: "
+        + ", ".join(f"rank {r} {us:.1f}" for r, us in enumerate(own))
+    )
     print("paired wall-clock differences, µs per step, in block order:", " ".join(f"{d:+.0f}" for d in wall.diffs))
     verdict = "met" if wall.high_pct < 0.5 else "MISSED" if wall.low_pct >= 0.5 else "not resolved at this noise"
-    print(f"goal < 0.5 % of a ~10 ms step (wall clock): {wall.pct:.2f} % "
-          f"(95 % interval {wall.low_pct:.2f} .. {wall.high_pct:.2f} %): {verdict}")
+    print(
+        f"goal < 0.5 % of a ~10 ms step (wall clock): {wall.pct:.2f} % "
+        f"(95 % interval {wall.low_pct:.2f} .. {wall.high_pct:.2f} %): {verdict}"
+    )
 
 
 class _Paired:
@@ -128,8 +149,11 @@ def _fastest_quarter(values: list[float]) -> float:
 
 def _guard_threads_cpu_s() -> float:
     """CPU seconds used so far by this process's spotguard threads (watcher, listener)."""
-    return sum(time.clock_gettime(time.pthread_getcpuclockid(t.ident)) for t in threading.enumerate()
-               if t.name.startswith("spotguard") and t.ident is not None)
+    return sum(
+        time.clock_gettime(time.pthread_getcpuclockid(t.ident))
+        for t in threading.enumerate()
+        if t.name.startswith("spotguard") and t.ident is not None
+    )
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -181,8 +205,9 @@ def worker(args: argparse.Namespace) -> None:
         return {"guarded": with_guard, "wall_s": wall / n, "cpu_s": cpu / n, "threads_cpu_s": own / n}
 
     plain(0, 30)  # warm up allocator and gloo buffers
-    blocks = [block(with_guard) for b in range(args.blocks)
-              for with_guard in ((False, True) if b % 2 == 0 else (True, False))]  # ABBA against drift
+    blocks = [
+        block(with_guard) for b in range(args.blocks) for with_guard in ((False, True) if b % 2 == 0 else (True, False))
+    ]  # ABBA against drift
     every_rank: list = [None] * dist.get_world_size()
     dist.all_gather_object(every_rank, blocks)
     if rank == 0:

@@ -43,7 +43,7 @@ def _probes() -> dict[str, Callable[..., bool]]:
 
 
 def detect_cloud(metadata_url: str | None = None, dmi_dir: Path = DMI_DIR, timeout_s: float = 0.3) -> str:
-    """"aws", "gcp", "azure" or "none" (no cloud found: signals only)."""
+    """ "aws", "gcp", "azure" or "none" (no cloud found: signals only)."""
     cloud = from_dmi(dmi_dir)
     if cloud:
         log.info("cloud detected from DMI: %s", cloud)

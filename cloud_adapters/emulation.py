@@ -258,7 +258,9 @@ class MetadataEmulator:
     async def _control_fault(self, request: web.Request) -> web.Response:
         body = await request.json()
         try:
-            self.set_fault(body.get("mode"), body.get("count"), float(body.get("delay_s", 2.0)), int(body.get("status", 500)))
+            self.set_fault(
+                body.get("mode"), body.get("count"), float(body.get("delay_s", 2.0)), int(body.get("status", 500))
+            )
         except ValueError as exc:
             return web.json_response({"ok": False, "error": str(exc)}, status=400)
         return web.json_response({"ok": True})

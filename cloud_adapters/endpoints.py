@@ -1,9 +1,12 @@
-"""Where a metadata service lives: flag, then SPOTGUARD_METADATA_URL, then the cloud's own variable."""
+"""Where a metadata service lives (flag, then SPOTGUARD_METADATA_URL, then the cloud's own
+variable) and the HTTP session every metadata client uses to reach it."""
 
 from __future__ import annotations
 
 import os
 from urllib.parse import urlsplit
+
+import requests
 
 METADATA_URL_ENV = "SPOTGUARD_METADATA_URL"
 
@@ -33,3 +36,15 @@ def resolve_metadata_url(explicit: str | None, ecosystem_var: str | None, defaul
         if candidate:
             return normalise_base_url(candidate)
     return default
+
+
+def metadata_session(headers: dict[str, str] | None = None) -> requests.Session:
+    """A session that goes to the metadata service directly.
+
+    Metadata services are link-local and refuse proxied requests (X-Forwarded-For), so
+    proxy variables and .netrc from the environment are never used.
+    """
+    session = requests.Session()
+    session.trust_env = False
+    session.headers.update(headers or {})
+    return session

@@ -44,8 +44,9 @@ class SignalSource:
     name = "signal"
     blocking = True
 
-    def __init__(self, signals: tuple[signal.Signals, ...] = DEFAULT_SIGNALS, grace_s: float = 25.0,
-                 wait_s: float = 1.0) -> None:
+    def __init__(
+        self, signals: tuple[signal.Signals, ...] = DEFAULT_SIGNALS, grace_s: float = 25.0, wait_s: float = 1.0
+    ) -> None:
         self.signals = tuple(signals)
         self.grace_s = grace_s
         self.wait_s = wait_s
@@ -83,9 +84,13 @@ class SignalSource:
     def _make_notice(self, sig: signal.Signals) -> Notice:
         now = utc_now()
         return Notice(
-            cloud="signal", kind=INTERRUPTION, action=sig.name,
-            deadline=deadline_after(self.grace_s, now), detected_at=now,
-            source=f"signal:{sig.name}", key=f"signal:{sig.name}:{now.timestamp():.3f}",
+            cloud="signal",
+            kind=INTERRUPTION,
+            action=sig.name,
+            deadline=deadline_after(self.grace_s, now),
+            detected_at=now,
+            source=f"signal:{sig.name}",
+            key=f"signal:{sig.name}:{now.timestamp():.3f}",
             detail={"signal": int(sig), "grace_s": self.grace_s},
         )
 

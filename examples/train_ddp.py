@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
 import time
 
@@ -26,8 +27,9 @@ import spotguard
 
 def build_model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64),
-                               torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)
+    )
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,8 +48,11 @@ def digest(module: torch.nn.Module) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint-dir", default=os.environ.get("SPOTGUARD_CHECKPOINT_DIR"),
-                        help="where checkpoints go (default: $SPOTGUARD_CHECKPOINT_DIR)")
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=os.environ.get("SPOTGUARD_CHECKPOINT_DIR"),
+        help="where checkpoints go (default: $SPOTGUARD_CHECKPOINT_DIR)",
+    )
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--cloud", default="auto", choices=["auto", "aws", "gcp", "azure", "none"])
     parser.add_argument("--local-dir", help="fast local staging disk (for bucket checkpoint dirs)")
@@ -58,6 +63,7 @@ def main() -> None:
     if not args.checkpoint_dir:
         parser.error("--checkpoint-dir or SPOTGUARD_CHECKPOINT_DIR is required")
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
         dist.init_process_group("gloo")
@@ -67,8 +73,9 @@ def main() -> None:
     optimizer = torch.optim.AdamW(net.parameters(), lr=3e-3)
     state = {"model": net, "optim": optimizer}
 
-    with spotguard.Guard(args.checkpoint_dir, cloud=args.cloud, local_dir=args.local_dir,
-                         save_every=args.save_every) as guard:
+    with spotguard.Guard(
+        args.checkpoint_dir, cloud=args.cloud, local_dir=args.local_dir, save_every=args.save_every
+    ) as guard:
         start = guard.resume(state)
         for step in range(start, args.steps):
             x, y = batch(step, rank)

@@ -38,8 +38,9 @@ class Decision:
 
 
 class StepAgreement:
-    def __init__(self, store: dist.Store, prefix: str, rank: int, world_size: int, *,
-                 last_step: int = -1, poll_s: float = 0.002) -> None:
+    def __init__(
+        self, store: dist.Store, prefix: str, rank: int, world_size: int, *, last_step: int = -1, poll_s: float = 0.002
+    ) -> None:
         self.store = store
         self.prefix = prefix
         self.rank = rank
@@ -78,14 +79,24 @@ class StepAgreement:
             decided = self.store.compare_set(f"{base}decision", "", proposal).decode()
             elapsed_ms = (time.monotonic() - started) * 1000
             if decided == ABORT:
-                log.error("round %d: not every rank answered within %.1f s (a rank is gone?); no save in this "
-                          "round, resume will use the last committed checkpoint", round_id, timeout_s)
+                log.error(
+                    "round %d: not every rank answered within %.1f s (a rank is gone?); no save in this "
+                    "round, resume will use the last committed checkpoint",
+                    round_id,
+                    timeout_s,
+                )
                 return None
             decision = Decision(round_id, int(decided), event)
             self._pending.append(decision)
             self._pending.sort(key=lambda d: d.step)
-            log.info("round %d: all %d ranks agreed on step %d (%s) in %.1f ms", round_id, self.world_size,
-                     decision.step, event.get("type"), elapsed_ms)
+            log.info(
+                "round %d: all %d ranks agreed on step %d (%s) in %.1f ms",
+                round_id,
+                self.world_size,
+                decision.step,
+                event.get("type"),
+                elapsed_ms,
+            )
             return decision
 
     def _wait_for(self, keys: list[str], timeout_s: float) -> bool:

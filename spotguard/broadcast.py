@@ -74,8 +74,15 @@ class Broadcast:
     delivery well under 100 ms for a fraction of a percent of one core.
     """
 
-    def __init__(self, store: dist.Store, listen_store: dist.Store, prefix: str,
-                 on_event: Callable[[int, dict[str, Any]], None], *, poll_s: float = 0.05) -> None:
+    def __init__(
+        self,
+        store: dist.Store,
+        listen_store: dist.Store,
+        prefix: str,
+        on_event: Callable[[int, dict[str, Any]], None],
+        *,
+        poll_s: float = 0.05,
+    ) -> None:
         self.log = EventLog(store, prefix)
         self._listen_log = EventLog(listen_store, prefix)
         self.on_event = on_event

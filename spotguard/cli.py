@@ -16,6 +16,7 @@ from cloud_adapters.endpoints import normalise_base_url
 from cloud_adapters.notice import Notice
 from cloud_adapters.signals import parse_signal
 from cloud_adapters.sources import CLOUDS
+from cloud_adapters.storage import StoreError
 
 log = logging.getLogger("spotguard")
 
@@ -68,11 +69,19 @@ def build_parser() -> argparse.ArgumentParser:
     watch.add_argument("--interval", type=_positive, default=1.0, help="seconds between polls (default 1)")
     watch.add_argument("--json", action="store_true", help="one JSON object per line")
     watch.add_argument("--once", action="store_true", help="exit 0 after the first interruption")
-    watch.add_argument("--signals", type=_signals, default=("SIGTERM",),
-                       help="comma-separated signals that count as an interruption (default SIGTERM)")
+    watch.add_argument(
+        "--signals",
+        type=_signals,
+        default=("SIGTERM",),
+        help="comma-separated signals that count as an interruption (default SIGTERM)",
+    )
     watch.add_argument("--grace", type=_positive, default=25.0, help="deadline after a signal, seconds")
-    watch.add_argument("--exec", dest="exec_cmd", metavar="CMD",
-                       help="run CMD (a shell command) per notice, with the notice as JSON in SPOTGUARD_NOTICE")
+    watch.add_argument(
+        "--exec",
+        dest="exec_cmd",
+        metavar="CMD",
+        help="run CMD (a shell command) per notice, with the notice as JSON in SPOTGUARD_NOTICE",
+    )
 
     sim = sub.add_parser("simulate", help="run a cloud's metadata emulator on localhost")
     sim.add_argument("--cloud", choices=CLOUDS, required=True)
@@ -96,14 +105,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet = args.command == "demo"  # the demo prints its own timeline; its logs go to files
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING if quiet else logging.INFO,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     handler = {"watch": _watch, "simulate": _simulate, "demo": _demo, "ls": _ls, "verify": _verify}[args.command]
     try:
         return handler(args)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, StoreError) as exc:  # a user's input or environment: one line, no traceback
         print(f"spotguard {args.command}: {exc}", file=sys.stderr)
         return 2
 
@@ -194,9 +207,11 @@ def _ls(args: argparse.Namespace) -> int:
         return 0
     print(f"{'STEP':>10}  {'REASON':<10} {'SIZE':>10} {'FILES':>5}  {'COMMITTED':<9}  CREATED")
     for row in rows:
-        print(f"{row.step:>10}  {row.reason or '-':<10} {_size(row.size):>10} {row.files:>5}  "
-              f"{'yes' if row.committed else 'NO':<9}  {row.created_at or '-'}"
-              + (f"  ({row.problem})" if row.problem else ""))
+        print(
+            f"{row.step:>10}  {row.reason or '-':<10} {_size(row.size):>10} {row.files:>5}  "
+            f"{'yes' if row.committed else 'NO':<9}  {row.created_at or '-'}"
+            + (f"  ({row.problem})" if row.problem else "")
+        )
     return 0
 
 

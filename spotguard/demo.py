@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -38,20 +39,40 @@ def _say(text: str) -> None:
 class _Run:
     """One launch of all ranks; rank 0's progress lines are read to time the notice."""
 
-    def __init__(self, name: str, ckpt_dir: Path, world_size: int, cloud: str, metadata_url: str,
-                 result: Path) -> None:
+    def __init__(self, name: str, ckpt_dir: Path, world_size: int, cloud: str, metadata_url: str, result: Path) -> None:
         port = _free_port()
         self.name = name
         self.procs = []
         ckpt_dir.parent.mkdir(parents=True, exist_ok=True)
         for rank in range(world_size):
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                       LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), PYTHONUNBUFFERED="1")
-            cmd = [sys.executable, "-m", "spotguard.demo", "--worker", str(ckpt_dir), "--cloud", cloud,
-                   "--metadata-url", metadata_url, "--result", str(result)]
+            env = dict(
+                os.environ,
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                PYTHONUNBUFFERED="1",
+            )
+            cmd = [
+                sys.executable,
+                "-m",
+                "spotguard.demo",
+                "--worker",
+                str(ckpt_dir),
+                "--cloud",
+                cloud,
+                "--metadata-url",
+                metadata_url,
+                "--result",
+                str(result),
+            ]
             log = open(ckpt_dir.parent / f"{name.replace(' ', '')}-rank{rank}.log", "w")  # noqa: SIM115
-            self.procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
-                                               stderr=log, text=True))
+            self.procs.append(
+                subprocess.Popen(
+                    cmd, env=env, stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL, stderr=log, text=True
+                )
+            )
 
     def wait_for_step(self, step: int, timeout_s: float = 120) -> None:
         deadline = time.monotonic() + timeout_s
@@ -84,8 +105,10 @@ def run_demo(directory: str | None = None, *, world_size: int = 2, cloud: str = 
         for line in r1["timeline"]:
             _say(f"    {line}")
 
-        _say("run 2: a replacement VM resumes from the newest committed checkpoint; beside it, a reference run "
-             "of the same training that is never interrupted")
+        _say(
+            "run 2: a replacement VM resumes from the newest committed checkpoint; beside it, a reference run "
+            "of the same training that is never interrupted"
+        )
         emulator.clear()
         second = _Run("run 2", work / "ckpt", world_size, cloud, emulator.url, work / "run2.json")
         ref = _Run("reference", work / "reference-ckpt", world_size, cloud, emulator.url, work / "ref.json")
@@ -96,8 +119,10 @@ def run_demo(directory: str | None = None, *, world_size: int = 2, cloud: str = 
         _say(f"  run 2 resumed at step {r2['start']}, finished step {STEPS - 1}, exit codes {codes2}")
 
     same = r2["digest"] == r3["digest"]
-    _say(f"final weights identical to the uninterrupted run: {'YES' if same else 'NO'} "
-         f"(sha256 {r2['digest'][:16]}... vs {r3['digest'][:16]}...)")
+    _say(
+        f"final weights identical to the uninterrupted run: {'YES' if same else 'NO'} "
+        f"(sha256 {r2['digest'][:16]}... vs {r3['digest'][:16]}...)"
+    )
     _say(f"demo finished in {time.monotonic() - started:.1f} s; inspect with: spotguard ls {work / 'ckpt'}")
     ok = same and all(c == 143 for c in codes) and all(c == 0 for c in codes2)
     return 0 if ok else 1
@@ -120,6 +145,7 @@ def _worker(ckpt_dir: str, cloud: str, metadata_url: str, result: str) -> None:
 
     import spotguard
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(0)
@@ -141,8 +167,9 @@ def _worker(ckpt_dir: str, cloud: str, metadata_url: str, result: str) -> None:
             if guard.step(step, state):
                 break
         if rank == 0:
-            Path(result).write_text(json.dumps({"start": start, "digest": _digest(model),
-                                                "timeline": guard.timeline.format().splitlines()}))
+            Path(result).write_text(
+                json.dumps({"start": start, "digest": _digest(model), "timeline": guard.timeline.format().splitlines()})
+            )
 
 
 if __name__ == "__main__":

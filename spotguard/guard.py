@@ -86,9 +86,15 @@ class Guard:
     ) -> None:
         if cloud not in CLOUDS + ("none", "auto"):
             raise ValueError(f"cloud must be one of {CLOUDS + ('none', 'auto')}, not {cloud!r}")
-        _require_positive(poll_interval=poll_interval, grace_s=grace_s, agreement_timeout_s=agreement_timeout_s,
-                          save_interval_s=save_interval_s, save_every=save_every, keep_last=keep_last,
-                          thread_count=thread_count)
+        _require_positive(
+            poll_interval=poll_interval,
+            grace_s=grace_s,
+            agreement_timeout_s=agreement_timeout_s,
+            save_interval_s=save_interval_s,
+            save_every=save_every,
+            keep_last=keep_last,
+            thread_count=thread_count,
+        )
         self.checkpoint_dir = str(checkpoint_dir)
         self.cloud = cloud
         self.local_dir = local_dir
@@ -116,13 +122,20 @@ class Guard:
     # ---- lifecycle -------------------------------------------------------------
     def __enter__(self) -> Guard:
         self.topology = topology.current()
-        self._group = (dist.new_group(backend="gloo", timeout=timedelta(minutes=10))
-                       if self.topology.distributed else None)
-        self._ckpt = Checkpointer(self.checkpoint_dir, local_dir=self.local_dir, group=self._group,
-                                  keep_last=self.keep_last, thread_count=self.thread_count,
-                                  on_event=self.timeline.add)
-        store = self._store or (dist.distributed_c10d._get_default_store() if self.topology.distributed
-                                else dist.HashStore())
+        self._group = (
+            dist.new_group(backend="gloo", timeout=timedelta(minutes=10)) if self.topology.distributed else None
+        )
+        self._ckpt = Checkpointer(
+            self.checkpoint_dir,
+            local_dir=self.local_dir,
+            group=self._group,
+            keep_last=self.keep_last,
+            thread_count=self.thread_count,
+            on_event=self.timeline.add,
+        )
+        store = self._store or (
+            dist.distributed_c10d._get_default_store() if self.topology.distributed else dist.HashStore()
+        )
         prefix = topology.run_prefix()
         listen_store = listener_store(store)  # the agreement runs on the listener thread too
         self._broadcast = Broadcast(store, listen_store, prefix, self._on_event)
@@ -204,18 +217,23 @@ class Guard:
         self.timeline.add("save-start", step=step, reason="emergency")
         report = self._save(step, state, reason="emergency", wait=True, notice=notice)
         if report is None:
-            log.error("the emergency checkpoint of step %d failed; stopping anyway: resume will use the last "
-                      "committed checkpoint", step)
+            log.error(
+                "the emergency checkpoint of step %d failed; stopping anyway: resume will use the last "
+                "committed checkpoint",
+                step,
+            )
         if self.topology.is_node_leader:
             self._watcher.ack(notice)
         self.emergency_saved = True
         return True
 
-    def _save(self, step: int, state: Mapping[str, Any], *, reason: str, wait: bool,
-              notice: Notice | None = None) -> SaveReport | None:
+    def _save(
+        self, step: int, state: Mapping[str, Any], *, reason: str, wait: bool, notice: Notice | None = None
+    ) -> SaveReport | None:
         try:
-            report = self._ckpt.save(step, state, reason=reason, notice=notice,
-                                     deadline=notice.deadline if notice else None, wait=wait)
+            report = self._ckpt.save(
+                step, state, reason=reason, notice=notice, deadline=notice.deadline if notice else None, wait=wait
+            )
         except Exception:  # noqa: BLE001 - invariant 3: a failed save never crashes the training loop
             log.exception("%s checkpoint of step %d failed", reason, step)
             self.timeline.add("save-failed", step=step, reason=reason)
@@ -226,8 +244,9 @@ class Guard:
 
     def _on_notice(self, notice: Notice) -> None:
         """Watcher thread: turn a notice into an event every rank sees."""
-        self.timeline.add("notice", source=notice.source, action=notice.action,
-                          deadline_in_s=seconds(notice.seconds_left()))
+        self.timeline.add(
+            "notice", source=notice.source, action=notice.action, deadline_in_s=seconds(notice.seconds_left())
+        )
         if notice.kind == INTERRUPTION:
             self._broadcast.publish_interruption(notice)
         elif notice.kind == REBALANCE and self.save_on_rebalance:

@@ -42,8 +42,10 @@ class TransferProgress:
     def line(self, now: float | None = None) -> str:
         elapsed = max((now or time.monotonic()) - self._started, 1e-9)
         pct = f" ({100 * self.done / self.total:.0f}%)" if self.total else ""
-        return (f"{self.label}: {self.done / 1e6:.1f} / {self.total / 1e6:.1f} MB{pct}, "
-                f"{self.done / 1e6 / elapsed:.0f} MB/s")
+        return (
+            f"{self.label}: {self.done / 1e6:.1f} / {self.total / 1e6:.1f} MB{pct}, "
+            f"{self.done / 1e6 / elapsed:.0f} MB/s"
+        )
 
     def _report(self, now: float, final: bool = False) -> None:
         text = self.line(now)

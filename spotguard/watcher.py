@@ -30,8 +30,14 @@ class Watcher:
     the others.
     """
 
-    def __init__(self, sources: Sequence[NoticeSource], on_notice: Callable[[Notice], None], *,
-                 interval_s: float = 1.0, max_backoff_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        sources: Sequence[NoticeSource],
+        on_notice: Callable[[Notice], None],
+        *,
+        interval_s: float = 1.0,
+        max_backoff_s: float = 30.0,
+    ) -> None:
         if interval_s <= 0:
             raise ValueError(f"poll interval must be positive, got {interval_s}")
         self.sources = list(sources)
@@ -45,8 +51,9 @@ class Watcher:
 
     def start(self) -> Watcher:
         for source in self.sources:
-            thread = threading.Thread(target=self._run, args=(source,), name=f"spotguard-watch-{source.name}",
-                                      daemon=True)
+            thread = threading.Thread(
+                target=self._run, args=(source,), name=f"spotguard-watch-{source.name}", daemon=True
+            )
             thread.start()
             self._threads.append(thread)
         log.info("watching %s", ", ".join(s.name for s in self.sources) or "nothing")
@@ -116,12 +123,21 @@ class Watcher:
                 return
             self._seen[notice.key] = source
         if notice.deadline is not None and utc_now() - notice.deadline > STALE_AFTER:
-            log.warning("ignoring a stale notice from %s: its deadline %s passed more than %s ago",
-                        notice.source, notice.deadline.isoformat(), STALE_AFTER)
+            log.warning(
+                "ignoring a stale notice from %s: its deadline %s passed more than %s ago",
+                notice.source,
+                notice.deadline.isoformat(),
+                STALE_AFTER,
+            )
             return
         left = notice.seconds_left()
-        log.warning("%s notice from %s: action=%s, deadline in %s", notice.kind, notice.source, notice.action,
-                    "unknown" if left is None else f"{left:.1f} s")
+        log.warning(
+            "%s notice from %s: action=%s, deadline in %s",
+            notice.kind,
+            notice.source,
+            notice.action,
+            "unknown" if left is None else f"{left:.1f} s",
+        )
         try:
             self.on_notice(notice)
         except Exception:  # noqa: BLE001 - a broken callback must not kill the watcher

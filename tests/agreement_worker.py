@@ -43,11 +43,10 @@ def main(rank, world, port, trials, seed, gone_trial):
         if gone:  # this rank "died": it never listens, never answers
             print(json.dumps({"trial": trial, "rank": rank, "step": "gone"}), flush=True)
             continue
-        agreement_box = []
-        broadcast = Broadcast(store, listen_store, prefix, lambda i, e: agreement_box[0].agree(i, e, timeout_s=1.0),
-                              poll_s=0.005)
         agreement = StepAgreement(listen_store, prefix, rank, world)
-        agreement_box.append(agreement)
+        broadcast = Broadcast(
+            store, listen_store, prefix, lambda i, e, a=agreement: a.agree(i, e, timeout_s=1.0), poll_s=0.005
+        )
         broadcast.start()
         if rank == publisher:
             now = utc_now()

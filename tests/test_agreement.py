@@ -17,9 +17,24 @@ def free_port():
 
 def run_ranks(world, trials, seed, gone_trial=-1):
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "tests.agreement_worker", str(rank), str(world), str(port),
-                               str(trials), str(seed), str(gone_trial)], stdout=subprocess.PIPE, text=True)
-             for rank in range(world)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.agreement_worker",
+                str(rank),
+                str(world),
+                str(port),
+                str(trials),
+                str(seed),
+                str(gone_trial),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world)
+    ]
     outputs = [p.communicate(timeout=240)[0] for p in procs]
     assert [p.returncode for p in procs] == [0] * world
     by_trial = collections.defaultdict(dict)

@@ -143,7 +143,9 @@ def test_maintenance_earliest_active_event_skipping_canceled(emu, sources):
     emu.raise_notice(kind="maintenance", code="instance-stop", in_s=3600)
     emu.raise_notice(kind="maintenance", code="system-reboot", in_s=600)
     emu.raise_notice(kind="maintenance", code="instance-retirement", in_s=60, state="canceled")
-    body = requests.get(emu.url + "/latest/meta-data/" + MAINTENANCE, headers={TOKEN: new_token(emu.url)}, timeout=5).text
+    body = requests.get(
+        emu.url + "/latest/meta-data/" + MAINTENANCE, headers={TOKEN: new_token(emu.url)}, timeout=5
+    ).text
     assert re.search(r'"NotBefore": "\d{1,2} [A-Z][a-z]{2} \d{4} \d\d:\d\d:\d\d GMT"', body)
     notice = sources[MAINTENANCE].poll()
     assert (notice.kind, notice.action) == ("maintenance", "system-reboot")
@@ -184,7 +186,11 @@ def test_deadline_in_the_past_is_still_a_notice(emu, sources):
         (REBALANCE, '{"noticeTime": "yesterday"}', "unparseable ISO-8601 time"),
         (REBALANCE, "{}", "missing field 'noticeTime'"),
         (MAINTENANCE, "{}", "expected a JSON array"),
-        (MAINTENANCE, '[{"Code": "system-reboot", "NotBefore": "2019-01-21T09:00:43Z", "State": "active"}]', "unparseable RFC 1123 time"),
+        (
+            MAINTENANCE,
+            '[{"Code": "system-reboot", "NotBefore": "2019-01-21T09:00:43Z", "State": "active"}]',
+            "unparseable RFC 1123 time",
+        ),
         (MAINTENANCE, '[{"Code": "system-reboot", "NotBefore": "21 Jan 2019 09:00:43 GMT"}]', "missing field 'State'"),
         (MAINTENANCE, '["system-reboot"]', "expected every event to be a JSON object"),
         (ASG, '{"state": "Terminated"}', "unexpected lifecycle state"),
@@ -243,7 +249,9 @@ def test_token_renewed_before_it_expires(emu, monkeypatch):
 # ---- the emulator is as strict as IMDS ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("ttl, status", [(None, 400), ("0", 400), ("21601", 400), ("-5", 400), ("abc", 400), ("1", 200), ("21600", 200)])
+@pytest.mark.parametrize(
+    "ttl, status", [(None, 400), ("0", 400), ("21601", 400), ("-5", 400), ("abc", 400), ("1", 200), ("21600", 200)]
+)
 def test_token_ttl_header_rules(emu, ttl, status):
     headers = {} if ttl is None else {TTL: ttl}
     resp = requests.put(emu.url + "/latest/api/token", headers=headers, timeout=5)
@@ -314,7 +322,15 @@ def test_slow_token_request_hints_at_the_hop_limit(emu, sources):
         sources[SPOT].poll()
 
 
-@pytest.mark.parametrize("path, what", [(SPOT, "malformed JSON"), (REBALANCE, "malformed JSON"), (MAINTENANCE, "malformed JSON"), (ASG, "unexpected lifecycle state")])
+@pytest.mark.parametrize(
+    "path, what",
+    [
+        (SPOT, "malformed JSON"),
+        (REBALANCE, "malformed JSON"),
+        (MAINTENANCE, "malformed JSON"),
+        (ASG, "unexpected lifecycle state"),
+    ],
+)
 def test_malformed_answer(emu, sources, path, what):
     sources[path].poll()
     emu.set_fault("malformed", count=1)

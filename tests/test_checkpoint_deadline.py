@@ -28,8 +28,9 @@ def test_an_upload_that_cannot_finish_is_abandoned_at_the_deadline(storage_serve
     backend, proxy = slow_s3(storage_servers, monkeypatch, tmp_path, slow_s=4.0)
     events = []
     try:
-        with Checkpointer(backend.url, local_dir=str(tmp_path / "vm"),
-                          on_event=lambda e, **d: events.append((e, d))) as ckpt:
+        with Checkpointer(
+            backend.url, local_dir=str(tmp_path / "vm"), on_event=lambda e, **d: events.append((e, d))
+        ) as ckpt:
             deadline = utc_now() + timedelta(seconds=9)
             started = time.monotonic()
             report = ckpt.save(3, state(), reason="emergency", deadline=deadline)
@@ -53,8 +54,9 @@ def test_the_plan_uses_the_throughput_measured_on_earlier_uploads(storage_server
     backend, proxy = slow_s3(storage_servers, monkeypatch, tmp_path, slow_s=0.2)
     events = []
     try:
-        with Checkpointer(backend.url, local_dir=str(tmp_path / "vm"),
-                          on_event=lambda e, **d: events.append((e, d))) as ckpt:
+        with Checkpointer(
+            backend.url, local_dir=str(tmp_path / "vm"), on_event=lambda e, **d: events.append((e, d))
+        ) as ckpt:
             ckpt.save(1, state(), reason="periodic")
             assert ckpt.upload_bytes_per_s > 0
             report = ckpt.save(2, state(), reason="emergency", deadline=utc_now() + timedelta(seconds=60))

@@ -11,8 +11,9 @@ from spotguard.checkpoint import Checkpointer
 
 
 def cli(*args, timeout=120):
-    return subprocess.run([sys.executable, "-m", "spotguard.cli", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "spotguard.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture

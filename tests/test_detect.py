@@ -11,21 +11,25 @@ from cloud_adapters.detect import detect_cloud, from_dmi
 from cloud_adapters.gcp.emulator import GCPMetadataEmulator
 
 
-@pytest.mark.parametrize("files,cloud", [
-    ({"sys_vendor": "Amazon EC2\n", "product_name": "g5.xlarge"}, "aws"),
-    ({"sys_vendor": "Google\n", "product_name": "Google Compute Engine\n"}, "gcp"),
-    ({"sys_vendor": "Microsoft Corporation\n", "chassis_asset_tag": "7783-7084-3265-9085-8269-3286-77\n"}, "azure"),
-    ({"sys_vendor": "Microsoft Corporation\n", "chassis_asset_tag": "None\n"}, None),  # plain Hyper-V
-    ({"sys_vendor": "QEMU\n"}, None),
-])
+@pytest.mark.parametrize(
+    "files,cloud",
+    [
+        ({"sys_vendor": "Amazon EC2\n", "product_name": "g5.xlarge"}, "aws"),
+        ({"sys_vendor": "Google\n", "product_name": "Google Compute Engine\n"}, "gcp"),
+        ({"sys_vendor": "Microsoft Corporation\n", "chassis_asset_tag": "7783-7084-3265-9085-8269-3286-77\n"}, "azure"),
+        ({"sys_vendor": "Microsoft Corporation\n", "chassis_asset_tag": "None\n"}, None),  # plain Hyper-V
+        ({"sys_vendor": "QEMU\n"}, None),
+    ],
+)
 def test_dmi(tmp_path, files, cloud):
     for name, text in files.items():
         (tmp_path / name).write_text(text)
     assert from_dmi(tmp_path) == cloud
 
 
-@pytest.mark.parametrize("emulator_cls,cloud", [(AWSMetadataEmulator, "aws"), (GCPMetadataEmulator, "gcp"),
-                                                (AzureMetadataEmulator, "azure")])
+@pytest.mark.parametrize(
+    "emulator_cls,cloud", [(AWSMetadataEmulator, "aws"), (GCPMetadataEmulator, "gcp"), (AzureMetadataEmulator, "azure")]
+)
 def test_probe_when_dmi_says_nothing(tmp_path, emulator_cls, cloud):
     with emulator_cls() as emu:
         assert detect_cloud(emu.url, dmi_dir=tmp_path) == cloud

@@ -199,15 +199,21 @@ def test_metadata_flavor_header_required(emulator: GCPMetadataEmulator, raw: req
     assert answer.status_code == 200 and answer.text == "FALSE"
     assert answer.headers["Metadata-Flavor"] == "Google" and answer.headers["ETag"]
     assert answer.headers["Content-Type"].startswith("application/text")
-    upcoming = raw.get(emulator.url + "/computeMetadata/v1/instance/upcoming-maintenance", headers={"Metadata-Flavor": "Google"})
+    upcoming = raw.get(
+        emulator.url + "/computeMetadata/v1/instance/upcoming-maintenance", headers={"Metadata-Flavor": "Google"}
+    )
     assert upcoming.status_code == 404
 
 
 def test_stale_etag_answers_at_once(emulator: GCPMetadataEmulator, raw: requests.Session) -> None:
     url = emulator.url + "/computeMetadata/v1/instance/preempted"
     started = time.monotonic()
-    answer = raw.get(url, params={"wait_for_change": "true", "last_etag": "0000", "timeout_sec": 30},
-                     headers={"Metadata-Flavor": "Google"}, timeout=5)
+    answer = raw.get(
+        url,
+        params={"wait_for_change": "true", "last_etag": "0000", "timeout_sec": 30},
+        headers={"Metadata-Flavor": "Google"},
+        timeout=5,
+    )
     assert answer.text == "FALSE" and time.monotonic() - started < 1
 
 
@@ -228,7 +234,9 @@ def test_persistent_500_raises(emulator: GCPMetadataEmulator, preempted: Preempt
     assert emulator.requests_seen == 1  # only 503 is retried
 
 
-def test_malformed_answer_raises(emulator: GCPMetadataEmulator, preempted: PreemptionSource, maintenance: MaintenanceSource) -> None:
+def test_malformed_answer_raises(
+    emulator: GCPMetadataEmulator, preempted: PreemptionSource, maintenance: MaintenanceSource
+) -> None:
     emulator.set_fault("malformed")
     with pytest.raises(NoticeSourceError, match="expected TRUE or FALSE"):
         preempted.poll()
@@ -263,7 +271,9 @@ def test_refused_port_raises() -> None:
 # ---- control endpoint, endpoint resolution, probe ----------------------------------------
 
 
-def test_control_endpoint_with_delay(emulator: GCPMetadataEmulator, preempted: PreemptionSource, raw: requests.Session) -> None:
+def test_control_endpoint_with_delay(
+    emulator: GCPMetadataEmulator, preempted: PreemptionSource, raw: requests.Session
+) -> None:
     assert preempted.poll() is None
     answer = raw.post(emulator.url + "/_spotguard/notice", json={"kind": "preempt", "after_s": 0.3}, timeout=5)
     assert answer.json() == {"ok": True, "after_s": 0.3}

@@ -58,8 +58,10 @@ def test_sigterm_ends_the_loop_with_a_committed_checkpoint(tmp_path):
     with spotguard.Guard(tmp_path, cloud="none") as guard:
         assert guard.resume(fresh) == stopped + 1
     assert torch.equal(fresh["model"].weight, state["model"].weight)
-    assert torch.equal(fresh["optim"].state_dict()["state"][0]["momentum_buffer"],
-                       state["optim"].state_dict()["state"][0]["momentum_buffer"])
+    assert torch.equal(
+        fresh["optim"].state_dict()["state"][0]["momentum_buffer"],
+        state["optim"].state_dict()["state"][0]["momentum_buffer"],
+    )
 
 
 def test_a_gcp_preemption_is_saved_well_before_its_deadline(tmp_path):
@@ -70,7 +72,7 @@ def test_a_gcp_preemption_is_saved_well_before_its_deadline(tmp_path):
     assert stopped is not None
     assert guard.last_save.margin_s > 25  # GCP gives 30 s
     events = [e.event for e in guard.timeline.entries]
-    assert events[events.index("notice"):] == ["notice", "agreed", "save-start", "committed", "durable"]
+    assert events[events.index("notice") :] == ["notice", "agreed", "save-start", "committed", "durable"]
 
 
 def test_exit_code_after_an_emergency_save(tmp_path):
@@ -120,8 +122,9 @@ def test_background_saves_every_n_steps_with_retention(tmp_path):
 
 def test_interval_saves_and_rebalance_saves_are_agreed_then_taken_in_the_background(tmp_path):
     with AWSMetadataEmulator() as emu:
-        with spotguard.Guard(tmp_path, cloud="aws", metadata_url=emu.url, poll_interval=0.05,
-                             save_interval_s=0.5) as guard:
+        with spotguard.Guard(
+            tmp_path, cloud="aws", metadata_url=emu.url, poll_interval=0.05, save_interval_s=0.5
+        ) as guard:
             train(guard, make_state(), steps=150, on_step=lambda s: s == 100 and emu.raise_notice(kind="rebalance"))
     reasons = [r for _, r in committed(tmp_path)]
     assert "interval" in reasons and "rebalance" in reasons

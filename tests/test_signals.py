@@ -13,8 +13,12 @@ from cloud_adapters.signals import SignalSource, parse_signal
 
 
 def start_watch(*flags):
-    proc = subprocess.Popen([sys.executable, "-m", "spotguard.cli", "watch", "--cloud", "none", "--json", *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spotguard.cli", "watch", "--cloud", "none", "--json", *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     # The handler is installed before "watching" is logged.
     for line in proc.stderr:
         if "watching" in line:
@@ -68,8 +72,10 @@ def test_source_in_process_records_only_and_restores_handlers():
     assert signal.getsignal(signal.SIGUSR2) == before
 
 
-@pytest.mark.parametrize("text,expected", [("SIGTERM", signal.SIGTERM), ("usr1", signal.SIGUSR1),
-                                           ("15", signal.SIGTERM), (10, signal.SIGUSR1)])
+@pytest.mark.parametrize(
+    "text,expected",
+    [("SIGTERM", signal.SIGTERM), ("usr1", signal.SIGUSR1), ("15", signal.SIGTERM), (10, signal.SIGUSR1)],
+)
 def test_parse_signal(text, expected):
     assert parse_signal(text) == expected
 

@@ -92,7 +92,9 @@ def tf_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def tf_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A scratch copy of terraform/, so no .terraform dirs or state land in the repository."""
     dest = tmp_path_factory.mktemp("tf") / "terraform"
-    shutil.copytree(TERRAFORM_DIR, dest, ignore=shutil.ignore_patterns(".terraform", "*.tfstate*", ".terraform.lock.hcl"))
+    shutil.copytree(
+        TERRAFORM_DIR, dest, ignore=shutil.ignore_patterns(".terraform", "*.tfstate*", ".terraform.lock.hcl")
+    )
     return dest
 
 
@@ -156,7 +158,7 @@ def test_cloud_module_wires_startup_for_its_cloud(cloud: str) -> None:
     assert unquote(startup["source"]) == f"../{STARTUP_MODULE}"
     assert unquote(startup["cloud"]) == cloud
     assert startup["checkpoint_dir"] == "${local.checkpoint_dir}"
-    checkpoint_dir = next(l["checkpoint_dir"] for l in module_blocks(module_dir, "locals") if "checkpoint_dir" in l)
+    checkpoint_dir = next(b["checkpoint_dir"] for b in module_blocks(module_dir, "locals") if "checkpoint_dir" in b)
     assert unquote(checkpoint_dir).startswith(f"{CHECKPOINT_SCHEMES[cloud]}://")
 
 
@@ -167,7 +169,10 @@ def test_terraform_fmt_is_canonical(tf_env: dict[str, str]) -> None:
     if terraform_cli():
         done = subprocess.run(
             [terraform_cli(), "fmt", "-check", "-recursive", "-diff", str(TERRAFORM_DIR)],
-            env=tf_env, capture_output=True, text=True, timeout=60,
+            env=tf_env,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         retcode, out = done.returncode, done.stdout + done.stderr
     else:
@@ -209,10 +214,7 @@ def test_aws_module_validates_and_plans_spot_settings(tf_copy: Path, tf_env: dic
 
 def test_every_checkov_skip_has_a_reason() -> None:
     skips = [
-        (path, line.strip())
-        for path in tf_files()
-        for line in path.read_text().splitlines()
-        if "checkov:skip" in line
+        (path, line.strip()) for path in tf_files() for line in path.read_text().splitlines() if "checkov:skip" in line
     ]
     assert skips
     for path, line in skips:
@@ -222,16 +224,30 @@ def test_every_checkov_skip_has_a_reason() -> None:
 @pytest.mark.skipif(not CHECKOV.exists(), reason="checkov not installed: run .ci/install-terraform-tools")
 def test_checkov_finds_no_failed_check(tmp_path: Path) -> None:
     done = subprocess.run(
-        [str(CHECKOV), "-d", str(TERRAFORM_DIR), "--framework", "terraform", "--skip-download",
-         "--quiet", "--compact", "-o", "json"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=240,
+        [
+            str(CHECKOV),
+            "-d",
+            str(TERRAFORM_DIR),
+            "--framework",
+            "terraform",
+            "--skip-download",
+            "--quiet",
+            "--compact",
+            "-o",
+            "json",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
         env={**os.environ, "BC_SKIP_MAPPING": "TRUE", "CHECKOV_RUN_SCA_PACKAGE_SCAN_V2": "false"},
     )
     reports = json.loads(done.stdout)
     reports = reports if isinstance(reports, list) else [reports]
     failed = [
         f"{c['check_id']} {c['resource']} ({c['file_path']})"
-        for r in reports for c in r.get("results", {}).get("failed_checks", [])
+        for r in reports
+        for c in r.get("results", {}).get("failed_checks", [])
     ]
     assert not failed, "checkov failed checks:\n" + "\n".join(failed)
     summary = reports[0]["summary"]
@@ -250,7 +266,7 @@ def startup_scripts(tf_copy: Path, tf_env: dict[str, str], tmp_path_factory: pyt
     root = tmp_path_factory.mktemp("render")
     calls = "\n".join(
         f"""module "{cloud}" {{
-  source         = "{tf_copy / 'modules' / STARTUP_MODULE}"
+  source         = "{tf_copy / "modules" / STARTUP_MODULE}"
   cloud          = "{cloud}"
   job_name       = "llm-run"
   checkpoint_dir = "{CHECKPOINT_SCHEMES[cloud]}://ckpt-bucket/llm-run"
@@ -326,6 +342,10 @@ def test_startup_torchrun_command_matches_torchrun(startup_scripts: dict[str, Pa
     assert args.max_restarts == 2
     assert args.training_script == "examples/train_ddp.py"
     assert args.training_script_args == [
-        "--checkpoint-dir", f"{CHECKPOINT_SCHEMES[cloud]}://ckpt-bucket/llm-run",
-        "--steps", "100", "--note", "it's quoted",
+        "--checkpoint-dir",
+        f"{CHECKPOINT_SCHEMES[cloud]}://ckpt-bucket/llm-run",
+        "--steps",
+        "100",
+        "--note",
+        "it's quoted",
     ]

@@ -21,13 +21,36 @@ STEPS = 40
 
 
 def torchrun(ckpt, out=None, cloud="none", env=None, extra=()):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", "0", str(ROOT / "examples" / "train_ddp.py"), "--checkpoint-dir", str(ckpt),
-           "--steps", str(STEPS), "--cloud", cloud, "--step-time", "0.05", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "0",
+        str(ROOT / "examples" / "train_ddp.py"),
+        "--checkpoint-dir",
+        str(ckpt),
+        "--steps",
+        str(STEPS),
+        "--cloud",
+        cloud,
+        "--step-time",
+        "0.05",
+        *extra,
+    ]
     if out:
         cmd += ["--out", str(out)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})}, start_new_session=True)
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
 
 
 def wait_for_step(proc, step):
@@ -61,8 +84,9 @@ def resume_and_compare(ckpt, tmp_path, reference, extra=()):
 
 
 @pytest.mark.parametrize("kind", ["local", "s3", "gcs"])
-def test_aws_interruption_at_a_random_step_resumes_bit_identical(kind, tmp_path, reference, storage_servers,
-                                                                  monkeypatch):
+def test_aws_interruption_at_a_random_step_resumes_bit_identical(
+    kind, tmp_path, reference, storage_servers, monkeypatch
+):
     backend = backend_for(kind, storage_servers, monkeypatch, tmp_path)
     ckpt = backend.url if kind != "local" else tmp_path / "ckpt"
     # With a bucket, each "VM" stages on its own local disk; the replacement starts empty.

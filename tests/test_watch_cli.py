@@ -12,13 +12,20 @@ from cloud_adapters.azure.emulator import AzureMetadataEmulator
 from cloud_adapters.gcp.emulator import GCPMetadataEmulator
 
 EMULATORS = {"aws": AWSMetadataEmulator, "gcp": GCPMetadataEmulator, "azure": AzureMetadataEmulator}
-ADVISORY = {"aws": {"kind": "rebalance"}, "gcp": {"kind": "maintenance", "event": "MIGRATE_ON_HOST_MAINTENANCE"},
-            "azure": {"event_type": "Freeze", "not_before_in_s": 60}}
+ADVISORY = {
+    "aws": {"kind": "rebalance"},
+    "gcp": {"kind": "maintenance", "event": "MIGRATE_ON_HOST_MAINTENANCE"},
+    "azure": {"event_type": "Freeze", "not_before_in_s": 60},
+}
 
 
 def watch(*args):
-    return subprocess.Popen([sys.executable, "-m", "spotguard.cli", "watch", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "spotguard.cli", "watch", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_until_polled(emu, timeout_s=20):
@@ -64,20 +71,30 @@ def test_exec_runs_a_command_per_notice(tmp_path):
     target = tmp_path / "notice.json"
     with AWSMetadataEmulator() as emu:
         emu.raise_notice()
-        proc = watch("--cloud", "aws", "--metadata-url", emu.url, "--once", "--exec",
-                     f'printf "%s" "$SPOTGUARD_NOTICE" > {target}')
+        proc = watch(
+            "--cloud",
+            "aws",
+            "--metadata-url",
+            emu.url,
+            "--once",
+            "--exec",
+            f'printf "%s" "$SPOTGUARD_NOTICE" > {target}',
+        )
         proc.communicate(timeout=30)
     assert json.loads(target.read_text())["action"] == "terminate"
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--cloud", "mars"], "invalid choice"),
-    (["--interval", "0"], "must be positive"),
-    (["--interval", "soon"], "not a number"),
-    (["--metadata-url", "ftp://x"], "must look like http://HOST[:PORT]"),
-    (["--metadata-url", "http://127.0.0.1:99999"], "invalid port"),
-    (["--signals", "SIGNOPE"], "unknown signal"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--cloud", "mars"], "invalid choice"),
+        (["--interval", "0"], "must be positive"),
+        (["--interval", "soon"], "not a number"),
+        (["--metadata-url", "ftp://x"], "must look like http://HOST[:PORT]"),
+        (["--metadata-url", "http://127.0.0.1:99999"], "invalid port"),
+        (["--signals", "SIGNOPE"], "unknown signal"),
+    ],
+)
 def test_bad_flags_get_a_one_line_error(args, message):
     proc = watch(*args)
     _, err = proc.communicate(timeout=30)

@@ -35,8 +35,9 @@ def watch(sources, interval_s=0.05, **kw):
     return Watcher(sources, got.put, interval_s=interval_s, max_backoff_s=0.2, **kw), got
 
 
-@pytest.mark.parametrize("emulator_cls,cloud", [(AWSMetadataEmulator, "aws"), (GCPMetadataEmulator, "gcp"),
-                                                (AzureMetadataEmulator, "azure")])
+@pytest.mark.parametrize(
+    "emulator_cls,cloud", [(AWSMetadataEmulator, "aws"), (GCPMetadataEmulator, "gcp"), (AzureMetadataEmulator, "azure")]
+)
 def test_each_cloud_reports_an_interruption_once(emulator_cls, cloud):
     with emulator_cls() as emu:
         watcher, got = watch(cloud_sources(cloud, emu.url), interval_s=0.1)

@@ -130,7 +130,9 @@ class AWSMetadataEmulator(MetadataEmulator):
             self.in_asg = True
             self._lifecycle_state = "Terminated"
         elif kind == "maintenance":
-            self._events.append(self._maintenance_event(params.get("code", "system-reboot"), when, params.get("state", "active")))
+            self._events.append(
+                self._maintenance_event(params.get("code", "system-reboot"), when, params.get("state", "active"))
+            )
         else:
             raise ValueError(f"AWS notice kind must be one of {NOTICE_KINDS}, not {kind!r}")
 
@@ -159,7 +161,9 @@ class AWSMetadataEmulator(MetadataEmulator):
         if code not in MAINTENANCE_CODES:
             raise ValueError(f"maintenance code must be one of {sorted(MAINTENANCE_CODES)}, not {code!r}")
         not_after = deadline_after(MAINTENANCE_WINDOW_S, not_before)
-        description = MAINTENANCE_CODES[code] if state == "active" else f"[{state.capitalize()}] {MAINTENANCE_CODES[code]}"
+        description = (
+            MAINTENANCE_CODES[code] if state == "active" else f"[{state.capitalize()}] {MAINTENANCE_CODES[code]}"
+        )
         return {
             "NotBefore": _event_time(not_before),
             "Code": code,
@@ -213,7 +217,7 @@ class AWSMetadataEmulator(MetadataEmulator):
         if path in leaves:
             return web.Response(text=leaves[path], content_type="text/plain")
         prefix = path + "/" if path else ""
-        entries = sorted({_child(leaf[len(prefix):]) for leaf in leaves if leaf.startswith(prefix)})
+        entries = sorted({_child(leaf[len(prefix) :]) for leaf in leaves if leaf.startswith(prefix)})
         if not entries:
             return _error(404)
         return web.Response(text="\n".join(entries), content_type="text/plain")

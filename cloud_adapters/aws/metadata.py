@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import requests
 
-from cloud_adapters.endpoints import resolve_metadata_url
+from cloud_adapters.endpoints import metadata_session, resolve_metadata_url
 from cloud_adapters.notice import (
     INTERRUPTION,
     MAINTENANCE,
@@ -57,7 +57,9 @@ ASG_TERMINATE_GRACE_S = 120.0
 INACTIVE_EVENT_STATES = ("completed", "canceled")
 _LIFECYCLE_STATE = re.compile(r"^[A-Za-z]+(:[A-Za-z]+)?$")  # InService, Terminated, Warmed:Running...
 # The useful part of a requests/urllib3 connection error, e.g. "[Errno 111] Connection refused".
-_TRANSPORT_CAUSE = re.compile(r"\[Errno -?\d+\] [^'\")]+|Remote end closed connection without response|Connection reset by peer")
+_TRANSPORT_CAUSE = re.compile(
+    r"\[Errno -?\d+\] [^'\")]+|Remote end closed connection without response|Connection reset by peer"
+)
 _JSON_TYPE_NAMES = {dict: "object", list: "array"}
 
 
@@ -73,12 +75,6 @@ def _transport_error(what: str, exc: requests.RequestException, timeout_s: float
         cause = _TRANSPORT_CAUSE.search(str(exc))
         reason = cause.group(0).strip() if cause else type(exc).__name__
     return NoticeSourceError(f"{what} failed: {reason}")
-
-
-def _session() -> requests.Session:
-    session = requests.Session()
-    session.trust_env = False  # IMDS is link-local: never through HTTP(S)_PROXY, never with .netrc
-    return session
 
 
 def _fetch_token(session: requests.Session, base_url: str, timeout_s: float) -> tuple[str, float]:
@@ -110,7 +106,7 @@ class IMDSClient:
     def __init__(self, base_url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.base_url = base_url
         self.timeout_s = timeout_s
-        self._session = _session()
+        self._session = metadata_session()
         self._lock = threading.Lock()  # one token fetch at a time, and requests.Session is not thread-safe
         self._token: str | None = None
         self._token_renew_at = 0.0  # time.monotonic() after which the token is renewed
@@ -169,10 +165,18 @@ class _IMDSSource:
     def parse(self, body: str, now: datetime) -> Notice | None:
         raise NotImplementedError
 
-    def _notice(self, kind: str, action: str, deadline: datetime | None, now: datetime, key: str, detail: dict[str, Any]) -> Notice:
+    def _notice(
+        self, kind: str, action: str, deadline: datetime | None, now: datetime, key: str, detail: dict[str, Any]
+    ) -> Notice:
         return Notice(
-            cloud="aws", kind=kind, action=action, deadline=deadline, detected_at=now,
-            source=self.name, key=f"{self.name}:{key}", detail=detail,
+            cloud="aws",
+            kind=kind,
+            action=action,
+            deadline=deadline,
+            detected_at=now,
+            source=self.name,
+            key=f"{self.name}:{key}",
+            detail=detail,
         )
 
     def _error(self, what: str, body: str) -> NoticeSourceError:
@@ -276,13 +280,18 @@ class MaintenanceSource(_IMDSSource):
 def notice_sources(metadata_url: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> list[NoticeSource]:
     """The AWS sources, most urgent first, sharing one IMDS client and token."""
     client = IMDSClient(resolve_metadata_url(metadata_url, ENDPOINT_ENV, DEFAULT_URL), timeout_s)
-    return [SpotInstanceActionSource(client), ASGLifecycleSource(client), RebalanceSource(client), MaintenanceSource(client)]
+    return [
+        SpotInstanceActionSource(client),
+        ASGLifecycleSource(client),
+        RebalanceSource(client),
+        MaintenanceSource(client),
+    ]
 
 
 def probe(metadata_url: str | None = None, timeout_s: float = 0.3) -> bool:
     """True when an IMDSv2 token PUT succeeds at the resolved endpoint (cloud detection)."""
     base_url = resolve_metadata_url(metadata_url, ENDPOINT_ENV, DEFAULT_URL)
-    with _session() as session:
+    with metadata_session() as session:
         try:
             _fetch_token(session, base_url, timeout_s)
         except NoticeSourceError as exc:

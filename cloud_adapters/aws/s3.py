@@ -14,13 +14,34 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import boto3
-from boto3.s3.transfer import ProgressCallbackInvoker, TransferConfig, create_transfer_manager
+from boto3.s3.transfer import (
+    ProgressCallbackInvoker,
+    TransferConfig,
+    create_transfer_manager,
+)
 from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError, ConnectionError as BotoConnectionError
-from botocore.exceptions import HTTPClientError, ReadTimeoutError
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    HTTPClientError,
+    ReadTimeoutError,
+)
+from botocore.exceptions import ConnectionError as BotoConnectionError
 
-from cloud_adapters.retry import DEFAULT_RETRY_DEADLINE_S, RETRYABLE_STATUS, ProgressLedger, RetryingStore, one_line
-from cloud_adapters.storage import AlreadyExists, NotFound, ObjectInfo, Progress, StoreError
+from cloud_adapters.retry import (
+    DEFAULT_RETRY_DEADLINE_S,
+    RETRYABLE_STATUS,
+    ProgressLedger,
+    RetryingStore,
+    one_line,
+)
+from cloud_adapters.storage import (
+    AlreadyExists,
+    NotFound,
+    ObjectInfo,
+    Progress,
+    StoreError,
+)
 
 log = logging.getLogger(__name__)
 

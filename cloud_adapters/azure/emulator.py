@@ -25,8 +25,16 @@ DEFAULT_VM_NAME = "spotguard-vm-0"
 EVENT_TYPES = ("Freeze", "Reboot", "Redeploy", "Preempt", "Terminate")
 SCHEDULED_EVENTS_VERSIONS = ("2017-11-01", "2019-01-01", "2019-08-01", "2020-07-01")
 INSTANCE_VERSIONS = (
-    "2017-08-01", "2018-10-01", "2019-06-01", "2020-06-01", "2020-09-01",
-    "2020-10-01", "2021-01-01", "2021-02-01", "2021-05-01", "2021-12-13",
+    "2017-08-01",
+    "2018-10-01",
+    "2019-06-01",
+    "2020-06-01",
+    "2020-09-01",
+    "2020-10-01",
+    "2021-01-01",
+    "2021-02-01",
+    "2021-05-01",
+    "2021-12-13",
 )
 RATE_LIMIT_PER_S = 5
 
@@ -94,8 +102,13 @@ class AzureMetadataEmulator(MetadataEmulator):
         `not_before` sets the raw NotBefore text (to feed clients odd values).
         """
         params = _event_params(
-            {"event_type": event_type, "resources": resources, "not_before_in_s": not_before_in_s,
-             "event_id": event_id, "not_before": not_before}
+            {
+                "event_type": event_type,
+                "resources": resources,
+                "not_before_in_s": not_before_in_s,
+                "event_id": event_id,
+                "not_before": not_before,
+            }
         )
         super().raise_notice(**params)
         return params["event_id"]
@@ -187,10 +200,15 @@ class AzureMetadataEmulator(MetadataEmulator):
         newest = list(reversed(versions[-3:]))
         version = request.query.get("api-version")
         if not version:
-            return _error(400, "Bad request. api-version was not specified in the request", **{"newest-versions": newest})
+            return _error(
+                400, "Bad request. api-version was not specified in the request", **{"newest-versions": newest}
+            )
         if version not in versions:
-            return _error(400, "Bad request. api-version is invalid or was not specified in the request",
-                          **{"newest-versions": newest})
+            return _error(
+                400,
+                "Bad request. api-version is invalid or was not specified in the request",
+                **{"newest-versions": newest},
+            )
         return None
 
     async def _get_events(self, request: web.Request) -> web.Response:

@@ -18,7 +18,7 @@ from typing import Any
 
 import requests
 
-from cloud_adapters.endpoints import normalise_base_url, resolve_metadata_url
+from cloud_adapters.endpoints import metadata_session, normalise_base_url, resolve_metadata_url
 from cloud_adapters.notice import (
     INTERRUPTION,
     MAINTENANCE,
@@ -51,14 +51,6 @@ MIN_REQUEST_INTERVAL_S = 0.25
 INTERRUPTING_EVENTS = ("Preempt", "Terminate")
 
 
-def _metadata_session() -> requests.Session:
-    session = requests.Session()
-    session.headers.update(METADATA_HEADERS)
-    # IMDS must be reached directly: a proxy from the environment would forward (and IMDS rejects) the call.
-    session.trust_env = False
-    return session
-
-
 def _error_for(response: requests.Response, what: str) -> NoticeSourceError:
     """A one-line error for an answer that is not a success."""
     if response.status_code == 429:
@@ -87,7 +79,7 @@ class ScheduledEventsSource:
         self.timeout_s = timeout_s
         self.prime_timeout_s = prime_timeout_s
         self._vm_name = vm_name
-        self._session = _metadata_session()
+        self._session = metadata_session(METADATA_HEADERS)
         self._events_url = f"{self.base_url}{SCHEDULED_EVENTS_PATH}"
         self._lock = threading.Lock()  # one request at a time, spaced for the rate limit
         self._last_request = 0.0
@@ -176,7 +168,11 @@ class ScheduledEventsSource:
         if event_id not in self._seen:
             log.info(
                 "Azure scheduled event %s: %s %s for %s, NotBefore %r",
-                event_id, event.get("EventStatus"), event_type, vm_name, event.get("NotBefore"),
+                event_id,
+                event.get("EventStatus"),
+                event_type,
+                vm_name,
+                event.get("NotBefore"),
             )
         first_seen, known_deadline = self._seen.get(event_id, (now, None))
         interrupting = event_type in INTERRUPTING_EVENTS
@@ -221,7 +217,7 @@ def notice_sources(metadata_url: str | None = None) -> list[NoticeSource]:
 def probe(metadata_url: str | None = None, timeout_s: float = 0.3) -> bool:
     """True when an Azure IMDS answers instance metadata at the resolved endpoint."""
     base_url = resolve_metadata_url(metadata_url, None, DEFAULT_METADATA_URL)
-    with _metadata_session() as session:
+    with metadata_session(METADATA_HEADERS) as session:
         try:
             response = session.get(
                 f"{base_url}{INSTANCE_PATH}", params={"api-version": INSTANCE_API_VERSION}, timeout=timeout_s

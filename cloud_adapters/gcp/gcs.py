@@ -75,7 +75,11 @@ class GCSStore(RetryingStore):
             with _CountingFile(local_path, "rb", ledger) as f:
                 size = os.fstat(f.fileno()).st_size
                 self._blob(key, chunked=True).upload_from_file(
-                    f, size=size, checksum=CHECKSUM, timeout=TIMEOUT, retry=None  # retries are ours, bounded
+                    f,
+                    size=size,
+                    checksum=CHECKSUM,
+                    timeout=TIMEOUT,
+                    retry=None,  # retries are ours, bounded
                 )
 
         self._call(f"upload {key} to", upload, progress=ledger)

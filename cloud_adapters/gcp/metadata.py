@@ -20,7 +20,7 @@ from typing import Any
 
 import requests
 
-from cloud_adapters.endpoints import resolve_metadata_url
+from cloud_adapters.endpoints import metadata_session, resolve_metadata_url
 from cloud_adapters.notice import (
     INTERRUPTION,
     MAINTENANCE,
@@ -62,7 +62,7 @@ def notice_sources(metadata_url: str | None = None) -> list[NoticeSource]:
 def probe(metadata_url: str | None = None, timeout_s: float = 0.3) -> bool:
     """True when a GCE metadata server answers `instance/id` and says `Metadata-Flavor: Google`."""
     base_url = resolve_metadata_url(metadata_url, HOST_ENV, DEFAULT_URL)
-    with _session() as session:
+    with metadata_session(FLAVOR_HEADERS) as session:
         try:
             answer = session.get(base_url + METADATA_PATH + "instance/id", timeout=timeout_s)
         except requests.RequestException:
@@ -70,17 +70,11 @@ def probe(metadata_url: str | None = None, timeout_s: float = 0.3) -> bool:
     return answer.status_code == 200 and answer.headers.get("Metadata-Flavor") == "Google"
 
 
-def _session() -> requests.Session:
-    session = requests.Session()
-    session.headers.update(FLAVOR_HEADERS)
-    # The metadata server is link-local and refuses proxied requests (X-Forwarded-For): never use a proxy.
-    session.trust_env = False
-    return session
-
-
 def _require_ok(answer: requests.Response, path: str) -> requests.Response:
     if answer.status_code != 200:
-        raise NoticeSourceError(f"GCE metadata {path} answered HTTP {answer.status_code}: {answer.text.strip()[:200]!r}")
+        raise NoticeSourceError(
+            f"GCE metadata {path} answered HTTP {answer.status_code}: {answer.text.strip()[:200]!r}"
+        )
     return answer
 
 
@@ -109,7 +103,7 @@ class _MetadataKeySource:
         self.name = f"gcp:{self.key_path}"
         self.hang_timeout_s = int(hang_timeout_s)
         self.request_timeout_s = request_timeout_s
-        self._session = _session()
+        self._session = metadata_session(FLAVOR_HEADERS)
         self._polled = False
         self._etag: str | None = None
         self._since: tuple[str, datetime] | None = None  # (value, first seen) of the current notice
@@ -153,7 +147,9 @@ class _MetadataKeySource:
             time.sleep(RETRY_503_SLEEP_S)
         return answer
 
-    def _notice(self, kind: str, action: str, deadline: datetime | None, detected_at: datetime, **detail: Any) -> Notice:
+    def _notice(
+        self, kind: str, action: str, deadline: datetime | None, detected_at: datetime, **detail: Any
+    ) -> Notice:
         return Notice(
             cloud="gcp",
             kind=kind,

@@ -132,8 +132,9 @@ def list_checkpoints(location: str) -> list[CheckpointInfo]:
     return out
 
 
-def verify_step(store: ObjectStore, step: int, *, threads: int = 4,
-                progress: ProgressFactory | None = None) -> list[str]:
+def verify_step(
+    store: ObjectStore, step: int, *, threads: int = 4, progress: ProgressFactory | None = None
+) -> list[str]:
     """Problems with `step` (empty when every file matches the manifest's size and CRC32C)."""
     try:
         manifest = read_manifest(store, step)
@@ -165,8 +166,9 @@ def verify_step(store: ObjectStore, step: int, *, threads: int = 4,
     return problems
 
 
-def verify_checkpoint(location: str, step: int | None = None, *,
-                      progress: ProgressFactory | None = None) -> list[VerifyResult]:
+def verify_checkpoint(
+    location: str, step: int | None = None, *, progress: ProgressFactory | None = None
+) -> list[VerifyResult]:
     """Check one step, or every step directory at `location`; each result lists its problems.
 
     `progress(label, total_bytes)` makes a progress reporter for each remote step downloaded.

@@ -225,8 +225,13 @@ class Checkpointer:
             if commit["error"]:
                 raise CheckpointError(f"checkpoint of step {step} failed, nothing committed: {commit['error']}")
             final = Path(commit["path"])
-            self._emit("committed", step=step, at=str(final), mb=f"{commit['bytes'] / 1e6:.1f}",
-                       mb_per_s=f"{commit['bytes'] / 1e6 / max(t_written - t0, 1e-9):.0f}")
+            self._emit(
+                "committed",
+                step=step,
+                at=str(final),
+                mb=f"{commit['bytes'] / 1e6:.1f}",
+                mb_per_s=f"{commit['bytes'] / 1e6 / max(t_written - t0, 1e-9):.0f}",
+            )
             durable, upload_error, durable_at = self.local_root is None, None, committed_at
             if self.local_root is not None:
                 durable, upload_error = self._upload(step, commit, records, stage, final, deadline)
@@ -312,7 +317,12 @@ class Checkpointer:
             return False
 
     def _upload(
-        self, step: int, commit: dict[str, Any], records: list[FileRecord], stage: Path, final: Path,
+        self,
+        step: int,
+        commit: dict[str, Any],
+        records: list[FileRecord],
+        stage: Path,
+        final: Path,
         deadline: datetime | None,
     ) -> tuple[bool, str | None]:
         """Every rank uploads its files, then rank 0 the manifest, create-only. (durable, error).
@@ -346,8 +356,11 @@ class Checkpointer:
                 ((stage / r.name) if (stage / r.name).exists() else (final / r.name), f"{step_dir_name(step)}/{r.name}")
                 for r in mine
             ]
-            progress = TransferProgress(f"uploading {step_dir_name(step)} (rank {comm.rank})",
-                                        sum(p.stat().st_size for p, _ in items), every_s=5.0)
+            progress = TransferProgress(
+                f"uploading {step_dir_name(step)} (rank {comm.rank})",
+                sum(p.stat().st_size for p, _ in items),
+                every_s=5.0,
+            )
             upload(self.remote, items, threads=self.thread_count, deadline=cutoff, progress=progress)
         except Exception as exc:
             error = f"rank {comm.rank}: {exc}"
@@ -377,19 +390,42 @@ class Checkpointer:
         """Log (and report) how long the upload should take against the time left."""
         rate = self.upload_bytes_per_s
         expected = nbytes / rate if rate else None
-        detail = {"step": step, "mb": f"{nbytes / 1e6:.1f}", "window_s": seconds(window_s),
-                  "expected_s": seconds(expected), "expected_margin_s": seconds(window_s - expected if expected else None)}
+        detail = {
+            "step": step,
+            "mb": f"{nbytes / 1e6:.1f}",
+            "window_s": seconds(window_s),
+            "expected_s": seconds(expected),
+            "expected_margin_s": seconds(window_s - expected if expected else None),
+        }
         self._emit("upload-plan", **detail)
         if expected is None:
-            log.info("uploading %s (%.1f MB) to %s within %.1f s; no upload measured yet to estimate from",
-                     step_dir_name(step), nbytes / 1e6, self.remote.url, window_s)
+            log.info(
+                "uploading %s (%.1f MB) to %s within %.1f s; no upload measured yet to estimate from",
+                step_dir_name(step),
+                nbytes / 1e6,
+                self.remote.url,
+                window_s,
+            )
         elif expected > window_s:
-            log.warning("uploading %s (%.1f MB) should take %.1f s at %.0f MB/s but only %.1f s are left: trying, "
-                        "and keeping the committed local copy if it does not finish", step_dir_name(step),
-                        nbytes / 1e6, expected, rate / 1e6, window_s)
+            log.warning(
+                "uploading %s (%.1f MB) should take %.1f s at %.0f MB/s but only %.1f s are left: trying, "
+                "and keeping the committed local copy if it does not finish",
+                step_dir_name(step),
+                nbytes / 1e6,
+                expected,
+                rate / 1e6,
+                window_s,
+            )
         else:
-            log.info("uploading %s (%.1f MB) to %s: expected %.1f s at %.0f MB/s, %.1f s margin",
-                     step_dir_name(step), nbytes / 1e6, self.remote.url, expected, rate / 1e6, window_s - expected)
+            log.info(
+                "uploading %s (%.1f MB) to %s: expected %.1f s at %.0f MB/s, %.1f s margin",
+                step_dir_name(step),
+                nbytes / 1e6,
+                self.remote.url,
+                expected,
+                rate / 1e6,
+                window_s - expected,
+            )
 
     def _emit(self, event: str, **detail: Any) -> None:
         if self.on_event is not None and self.comm.is_coordinator:

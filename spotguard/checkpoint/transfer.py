@@ -52,14 +52,20 @@ def _run_all(jobs: list[Callable[[], None]], threads: int, deadline: float | Non
         raise OSError(f"{len(errors)} of {len(jobs)} transfers failed: " + "; ".join(errors[:3]))
 
 
-def upload(store: ObjectStore, items: Iterable[tuple[Path, str]], *, threads: int, deadline: float | None = None,
-           progress: Progress | None = None) -> None:
+def upload(
+    store: ObjectStore,
+    items: Iterable[tuple[Path, str]],
+    *,
+    threads: int,
+    deadline: float | None = None,
+    progress: Progress | None = None,
+) -> None:
     """Upload each (local file, key) pair in parallel, by `deadline` (time.monotonic) if given."""
-    _run_all([lambda p=path, k=key: store.put_file(p, k, progress=progress) for path, key in items], threads,
-             deadline)
+    _run_all([lambda p=path, k=key: store.put_file(p, k, progress=progress) for path, key in items], threads, deadline)
 
 
-def download(store: ObjectStore, items: Iterable[tuple[str, Path]], *, threads: int,
-             progress: Progress | None = None) -> None:
+def download(
+    store: ObjectStore, items: Iterable[tuple[str, Path]], *, threads: int, progress: Progress | None = None
+) -> None:
     """Download each (key, local file) pair in parallel."""
     _run_all([lambda k=key, p=path: store.get_file(k, p, progress=progress) for key, path in items], threads, None)
