@@ -43,3 +43,21 @@ def test_object_store_round_trip(cloud_backend, tmp_path):
     with Checkpointer(url, local_dir=str(tmp_path / "fresh2")) as ck:
         assert ck.resume({"model": model2, "optim": optim2}) == 2
     assert_same(snapshot(model2, optim2), held[2])
+
+
+def test_abandoned_uploads_are_removed_after_the_next_commit(storage_servers, monkeypatch, tmp_path):
+    import boto3
+
+    from tests.conftest import backend_for
+
+    backend = backend_for("s3", storage_servers, monkeypatch, tmp_path)
+    store = backend.store()
+    # What a VM killed mid-upload leaves: some finished objects and an unfinished multipart upload.
+    (tmp_path / "part").write_bytes(b"x" * 1000)
+    store.put_file(tmp_path / "part", "step-0000000005/__0_0.distcp")
+    client = boto3.client("s3")
+    client.create_multipart_upload(Bucket=backend.bucket, Key="run-7/step-0000000005/__1_0.distcp")
+    with Checkpointer(backend.url, local_dir=str(tmp_path / "vm")) as ckpt:
+        ckpt.save(9, {"w": torch.ones(10)}, reason="periodic")
+    assert [c.step for c in list_checkpoints(backend.url)] == [9]
+    assert not client.list_multipart_uploads(Bucket=backend.bucket).get("Uploads")

@@ -452,3 +452,8 @@ class Checkpointer:
                     retention.remove_leftovers(root)
             except Exception as exc:
                 log.warning("retention in %s failed: %s", store.url if store else root, exc)
+        if comm.is_coordinator and self.local_root is not None and not isinstance(self.remote, LocalStore):
+            try:
+                retention.remove_abandoned(self.remote)
+            except Exception as exc:
+                log.warning("cleaning abandoned uploads in %s failed: %s", self.remote.url, exc)

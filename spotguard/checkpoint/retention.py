@@ -4,7 +4,10 @@ Only committed steps older than the newest `keep_last` committed ones are delete
 manifest first (so a half-deleted step is simply uncommitted, never mistaken for good).
 Uncommitted leftovers on a filesystem (staging siblings, step directories without a
 manifest) are removed once they are older than STALE_AFTER_S, so a save that may still
-be writing one is never disturbed.
+be writing one is never disturbed. In an object store, a step without a manifest that is
+older than the newest committed step is an abandoned upload (saves run one at a time, and
+a resumed job saves only newer steps): its objects are deleted, and unfinished multipart
+uploads are aborted.
 """
 
 from __future__ import annotations
@@ -38,6 +41,22 @@ def keep_last(store: ObjectStore, keep: int) -> list[int]:
         else:
             store.delete([f"{step_dir_name(step)}/{name}" for name in steps[step] if name != MANIFEST_NAME])
         log.info("retention: deleted %s/%s (keeping the newest %d)", store.url, step_dir_name(step), keep)
+    return doomed
+
+
+def remove_abandoned(store: ObjectStore) -> list[int]:
+    """Right after a commit: delete uploads of uncommitted steps older than the newest committed one,
+    and abort every unfinished multipart upload (none of this job's is in flight then). Returns the
+    steps deleted."""
+    steps = scan(store)
+    committed = [s for s, files in steps.items() if MANIFEST_NAME in files]
+    doomed = sorted(s for s, files in steps.items() if MANIFEST_NAME not in files and s < max(committed, default=-1))
+    for step in doomed:
+        store.delete([f"{step_dir_name(step)}/{name}" for name in steps[step]])
+        log.info("retention: removed the abandoned upload %s/%s", store.url, step_dir_name(step))
+    abort = getattr(store, "abort_multipart_uploads", None)  # S3 keeps (and bills) unfinished parts
+    if abort is not None:
+        abort()
     return doomed
 
 
