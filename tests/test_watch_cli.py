@@ -100,3 +100,23 @@ def test_bad_flags_get_a_one_line_error(args, message):
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 2
     assert message in err and "Traceback" not in err
+
+
+def test_simulate_serves_an_emulator_that_watch_sees():
+    sim = subprocess.Popen(
+        [sys.executable, "-m", "spotguard.cli", "simulate", "--cloud", "aws", "--notice-after", "2"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        first = sim.stdout.readline()
+        assert first.startswith("aws metadata emulator on http://127.0.0.1:")
+        url = first.split(" on ")[1].strip()
+        proc = watch("--cloud", "aws", "--metadata-url", url, "--json", "--once", "--interval", "0.2")
+        out, err = proc.communicate(timeout=30)
+    finally:
+        sim.terminate()
+        sim.wait(timeout=10)
+    assert proc.returncode == 0, err
+    assert json.loads(out)["source"] == "aws:spot/instance-action"
