@@ -1,9 +1,11 @@
 """Termination signals as a notice source (Kubernetes and Slurm send SIGTERM; Slurm's
 `--signal` can send SIGUSR1 ahead of the time limit).
 
-The handler only records: it writes one byte to a pipe (async-signal-safe) and
-returns. `poll()` waits on that pipe from the watcher thread, so no I/O, lock or
-collective ever runs inside the handler.
+The handler only records: it writes one byte to a non-blocking pipe and returns.
+`poll()` waits on that pipe from the watcher thread, so no lock, store call or
+collective ever runs inside the handler. Python runs handlers on the main thread
+between bytecodes, so a main thread inside a long C call (a collective) sees the
+signal when that call returns; the metadata notices are the early path.
 """
 
 from __future__ import annotations
@@ -19,19 +21,26 @@ from cloud_adapters.notice import INTERRUPTION, Notice, deadline_after, utc_now
 DEFAULT_SIGNALS = (signal.SIGTERM,)
 
 
+UNCATCHABLE = (signal.SIGKILL, signal.SIGSTOP)
+
+
 def parse_signal(name: str | int) -> signal.Signals:
     """`"SIGUSR1"`, `"USR1"`, `"10"` or 10 -> signal.SIGUSR1; ValueError for anything else."""
     if isinstance(name, int) or str(name).isdigit():
         try:
-            return signal.Signals(int(name))
+            sig = signal.Signals(int(name))
         except ValueError as exc:
             raise ValueError(f"unknown signal number {name}") from exc
-    text = str(name).upper()
-    text = text if text.startswith("SIG") else "SIG" + text
-    try:
-        return signal.Signals[text]
-    except KeyError as exc:
-        raise ValueError(f"unknown signal {name!r}") from exc
+    else:
+        text = str(name).upper()
+        text = text if text.startswith("SIG") else "SIG" + text
+        try:
+            sig = signal.Signals[text]
+        except KeyError as exc:
+            raise ValueError(f"unknown signal {name!r}") from exc
+    if sig in UNCATCHABLE:
+        raise ValueError(f"{sig.name} cannot be caught, so it cannot announce an interruption")
+    return sig
 
 
 class SignalSource:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 log = logging.getLogger(__name__)
 
 ABORT = "abort"
+DECIDE_GRACE_S = 5.0  # how long past the round's timeout a rank keeps trying to read the decision
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,18 +73,24 @@ class StepAgreement:
         base = f"{self.prefix}agree/{round_id}/"
         with self._lock:  # freezes this rank's step counter for the whole round
             started = time.monotonic()
-            self.store.set(f"{base}step/{self.rank}", str(self._last_step))
+            deadline = started + timeout_s
             keys = [f"{base}step/{r}" for r in range(self.world_size)]
-            complete = self._wait_for(keys, timeout_s)
-            proposal = str(max(int(self.store.get(k)) for k in keys) + 1) if complete else ABORT
-            decided = self.store.compare_set(f"{base}decision", "", proposal).decode()
+            try:
+                self.store.set(keys[self.rank], str(self._last_step))
+                complete = self._wait_for(keys, deadline)
+                proposal = str(max(int(self.store.get(k)) for k in keys) + 1) if complete else ABORT
+            except Exception as exc:  # noqa: BLE001 - a rank that cannot read the store cannot vouch for a step
+                log.warning("round %d: store error while gathering steps (%s); proposing to abort", round_id, exc)
+                proposal = ABORT
+            decided = self._decide(f"{base}decision", proposal, deadline + DECIDE_GRACE_S)
             elapsed_ms = (time.monotonic() - started) * 1000
-            if decided == ABORT:
+            if decided in (ABORT, None):
                 log.error(
-                    "round %d: not every rank answered within %.1f s (a rank is gone?); no save in this "
-                    "round, resume will use the last committed checkpoint",
+                    "round %d: %s; no save in this round, resume will use the last committed checkpoint",
                     round_id,
-                    timeout_s,
+                    f"not every rank answered within {timeout_s:.1f} s (a rank is gone?)"
+                    if decided == ABORT
+                    else "the store cannot be reached to learn the decision",
                 )
                 return None
             decision = Decision(round_id, int(decided), event)
@@ -99,10 +106,20 @@ class StepAgreement:
             )
             return decision
 
-    def _wait_for(self, keys: list[str], timeout_s: float) -> bool:
+    def _decide(self, key: str, proposal: str, deadline: float) -> str | None:
+        """Propose; the first proposal wins and is returned. Store errors are retried until `deadline`."""
+        while True:
+            try:
+                return self.store.compare_set(key, "", proposal).decode()
+            except Exception as exc:  # noqa: BLE001 - retried below, then reported as unknown
+                if time.monotonic() >= deadline:
+                    log.warning("cannot reach the store to decide (%s)", exc)
+                    return None
+                time.sleep(0.1)
+
+    def _wait_for(self, keys: list[str], deadline: float) -> bool:
         # Polls check() rather than blocking in wait(): a timed-out wait() logs socket
         # errors in torch, and check() is a cheap round trip.
-        deadline = time.monotonic() + timeout_s
         while True:
             if self.store.check(keys):
                 return True

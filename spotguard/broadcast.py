@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -53,18 +54,31 @@ class EventLog:
     def claim(self, name: str, event: dict[str, Any]) -> bool:
         """Append `event` only if nobody has claimed `name` yet; True if this call won."""
         token = json.dumps(event)
-        winner = self.store.compare_set(f"{self.prefix}claim/{name}", "", token)
-        if winner.decode() != token:
+        key = f"{self.prefix}claim/{name}"
+        if self.store.compare_set(key, "", token).decode() != token:
             return False
-        self.append(event)
+        try:
+            self.append(event)
+        except Exception:
+            self.store.delete_key(key)  # release the claim, so a retry (the next poll) can make it
+            raise
         return True
 
     def count(self) -> int:
         return int(self.store.add(self.prefix + "seq", 0))
 
-    def get(self, index: int) -> dict[str, Any]:
-        # get() waits for the key, covering the gap between a writer's add() and set().
-        return json.loads(self.store.get(f"{self.prefix}event/{index}"))
+    def get(self, index: int, wait_s: float = 10.0) -> dict[str, Any] | None:
+        """The event at `index`, or None if its writer never finished it (died between add and set).
+
+        A rank that skips an event makes that agreement round abort on every rank, never hang.
+        """
+        key = f"{self.prefix}event/{index}"
+        deadline = time.monotonic() + wait_s
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.005)
+        return json.loads(self.store.get(key))
 
 
 class Broadcast:
@@ -125,6 +139,9 @@ class Broadcast:
                 continue
             for event in events:
                 seen += 1
+                if event is None:
+                    log.warning("event %d was announced but never written (its writer died?); skipped", seen)
+                    continue
                 try:
                     self.on_event(seen, event)
                 except Exception:  # noqa: BLE001 - one bad event must not stop the listener

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from cloud_adapters.endpoints import normalise_base_url
 from cloud_adapters.notice import Notice
 from cloud_adapters.signals import parse_signal
-from cloud_adapters.sources import CLOUDS
+from cloud_adapters.sources import CLOUDS, metadata_emulator
 from cloud_adapters.storage import StoreError
 
 log = logging.getLogger("spotguard")
@@ -150,7 +150,8 @@ def _watch(args: argparse.Namespace) -> int:
                 code = subprocess.call(args.exec_cmd, shell=True, env=env)
                 if code:
                     log.warning("--exec command exited with %d", code)
-        if args.once and notice.is_interruption:
+        # --once ends at the first interruption; a signal always ends the service (systemctl stop, docker stop).
+        if (args.once and notice.is_interruption) or notice.cloud == "signal":
             done.set()
 
     log.info("watching %s%s", cloud, f" at {args.metadata_url}" if args.metadata_url else "")
@@ -161,18 +162,8 @@ def _watch(args: argparse.Namespace) -> int:
 
 
 # ---- simulate ----------------------------------------------------------------------
-def emulator_for(cloud: str, host: str = "127.0.0.1", port: int = 0):  # noqa: ANN201 - a MetadataEmulator
-    if cloud == "aws":
-        from cloud_adapters.aws.emulator import AWSMetadataEmulator as emulator
-    elif cloud == "gcp":
-        from cloud_adapters.gcp.emulator import GCPMetadataEmulator as emulator
-    else:
-        from cloud_adapters.azure.emulator import AzureMetadataEmulator as emulator
-    return emulator(host=host, port=port)
-
-
 def _simulate(args: argparse.Namespace) -> int:
-    emulator = emulator_for(args.cloud, args.host, args.port)
+    emulator = metadata_emulator(args.cloud, args.host, args.port)
     emulator.start()
     print(f"{args.cloud} metadata emulator on {emulator.url}", flush=True)
     print(f"  raise a notice: curl -X POST {emulator.url}/_spotguard/notice -d '{{}}'", flush=True)

@@ -28,6 +28,7 @@ from typing import Any
 import torch.distributed as dist
 
 from cloud_adapters.detect import detect_cloud
+from cloud_adapters.endpoints import normalise_base_url
 from cloud_adapters.notice import INTERRUPTION, REBALANCE, Notice
 from cloud_adapters.signals import SignalSource, parse_signal
 from cloud_adapters.sources import CLOUDS, cloud_sources
@@ -92,13 +93,11 @@ class Guard:
             agreement_timeout_s=agreement_timeout_s,
             save_interval_s=save_interval_s,
             save_every=save_every,
-            keep_last=keep_last,
-            thread_count=thread_count,
         )
         self.checkpoint_dir = str(checkpoint_dir)
         self.cloud = cloud
         self.local_dir = local_dir
-        self.metadata_url = metadata_url
+        self.metadata_url = normalise_base_url(metadata_url) if metadata_url else None
         self.poll_interval = poll_interval
         self.save_interval_s = save_interval_s
         self.save_every = save_every
@@ -122,9 +121,18 @@ class Guard:
     # ---- lifecycle -------------------------------------------------------------
     def __enter__(self) -> Guard:
         self.topology = topology.current()
-        self._group = (
-            dist.new_group(backend="gloo", timeout=timedelta(minutes=10)) if self.topology.distributed else None
-        )
+        self._group = self._ckpt = self._broadcast = self._watcher = None
+        try:
+            self._start()
+        except BaseException:
+            self._teardown()  # never leave a signal handler, a thread or a group behind
+            raise
+        self._entered = True
+        return self
+
+    def _start(self) -> None:
+        if self.topology.distributed:
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(minutes=10))
         self._ckpt = Checkpointer(
             self.checkpoint_dir,
             local_dir=self.local_dir,
@@ -133,6 +141,7 @@ class Guard:
             thread_count=self.thread_count,
             on_event=self.timeline.add,
         )
+        # The default group's store (a private accessor, present since torch 1.x) is the one every rank shares.
         store = self._store or (
             dist.distributed_c10d._get_default_store() if self.topology.distributed else dist.HashStore()
         )
@@ -141,45 +150,54 @@ class Guard:
         self._broadcast = Broadcast(store, listen_store, prefix, self._on_event)
         self._agreement = StepAgreement(listen_store, prefix, self.topology.rank, self.topology.world_size)
         self._broadcast.start()
-        self._watcher = Watcher(self._sources(), self._on_notice, interval_s=self.poll_interval).start()
+        self._watcher = Watcher([], self._on_notice, interval_s=self.poll_interval)
+        self._add_sources(self._watcher.sources)
+        self._watcher.start()
         if self.save_interval_s and self.topology.is_coordinator:
             threading.Thread(target=self._interval_timer, name="spotguard-interval", daemon=True).start()
-        self._entered = True
-        return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         self._entered = False
-        self._stop_timer.set()
-        self._watcher.stop()
-        self._broadcast.stop()
-        try:
-            self._ckpt.wait()
-        except Exception:  # noqa: BLE001 - a failed background save is already logged; leave cleanly
-            log.exception("the last background checkpoint failed")
-        self._ckpt.close()
-        if self._group is not None:
-            dist.destroy_process_group(self._group)
-        if self.emergency_saved and self.exit_code is not None and exc_type is None:
+        exiting = self.emergency_saved and self.exit_code is not None and exc_type is None
+        if exiting and self.last_save is not None and not self.last_save.durable:
+            # The upload was abandoned at the deadline: closing the stores would wait for SDK
+            # threads still sending it, and the VM is going away. Leave now.
+            log.warning("emergency checkpoint kept locally only; exiting with code %d now", self.exit_code)
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(self.exit_code)
+        self._teardown()
+        if exiting:
             log.warning("emergency checkpoint done; exiting with code %d so the job is restarted", self.exit_code)
-            if self.last_save is not None and not self.last_save.durable:
-                # Uploads abandoned at the deadline may still hold SDK threads that a normal
-                # exit would wait for; the VM is going away, so leave now.
-                logging.shutdown()
-                os._exit(self.exit_code)
             sys.exit(self.exit_code)
 
-    def _sources(self) -> list[Any]:
-        sources: list[Any] = []
+    def _teardown(self) -> None:
+        self._stop_timer.set()
+        if self._watcher is not None:
+            self._watcher.stop()  # also restores the signal handlers
+        if self._broadcast is not None:
+            self._broadcast.stop()
+        if self._ckpt is not None:
+            try:
+                self._ckpt.wait()
+            except Exception:  # noqa: BLE001 - a failed background save is already logged; leave cleanly
+                log.exception("the last background checkpoint failed")
+            self._ckpt.close()
+        if self._group is not None:
+            dist.destroy_process_group(self._group)
+
+    def _add_sources(self, sources: list[Any]) -> None:
+        """Fill `sources` as each is made, so a failure half-way still lets teardown close them all."""
         if threading.current_thread() is threading.main_thread():
             signals = SignalSource(self.signals, grace_s=self.grace_s)
-            signals.install()
             sources.append(signals)
+            signals.install()
         else:
-            warnings.warn("Guard entered outside the main thread: signals are not watched", stacklevel=3)
+            warnings.warn("Guard entered outside the main thread: signals are not watched", stacklevel=4)
         if self.topology.is_node_leader:
             cloud = detect_cloud(self.metadata_url) if self.cloud == "auto" else self.cloud
             sources += cloud_sources(cloud, self.metadata_url)
-        return sources
 
     # ---- the training loop's calls ----------------------------------------------
     def resume(self, state: MutableMapping[str, Any]) -> int:
@@ -222,8 +240,8 @@ class Guard:
                 "committed checkpoint",
                 step,
             )
-        if self.topology.is_node_leader:
-            self._watcher.ack(notice)
+        if self.topology.is_node_leader and report is not None and report.durable:
+            self._watcher.ack(notice)  # Azure may proceed early only once the checkpoint is safe
         self.emergency_saved = True
         return True
 
@@ -266,7 +284,10 @@ class Guard:
 
     def _interval_timer(self) -> None:
         while not self._stop_timer.wait(self.save_interval_s):
-            self._broadcast.request_checkpoint("interval")
+            try:
+                self._broadcast.request_checkpoint("interval")
+            except Exception as exc:  # noqa: BLE001 - a store hiccup skips one interval save, not all of them
+                log.warning("could not request an interval checkpoint: %s", exc)
 
     def _require_entered(self, what: str) -> None:
         if not self._entered:

@@ -28,11 +28,16 @@ class Topology:
         return self.rank == 0
 
 
+def local_rank(rank: int) -> int:
+    """This process's rank on its node: torchrun's LOCAL_RANK, else `rank` (one process per node)."""
+    return int(os.environ.get("LOCAL_RANK", rank))
+
+
 def current() -> Topology:
     """Read the process group, or the torchrun environment when there is none."""
     if dist.is_available() and dist.is_initialized():
         rank = dist.get_rank()
-        return Topology(rank, dist.get_world_size(), int(os.environ.get("LOCAL_RANK", rank)), True)
+        return Topology(rank, dist.get_world_size(), local_rank(rank), True)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         raise RuntimeError(

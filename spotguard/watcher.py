@@ -46,7 +46,8 @@ class Watcher:
         self.max_backoff_s = max_backoff_s
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._seen: dict[str, NoticeSource] = {}
+        self._seen: dict[str, NoticeSource] = {}  # delivered (or stale) notices, by key
+        self._failed: set[str] = set()  # notices whose callback failed: retried at each poll
         self._lock = threading.Lock()
 
     def start(self) -> Watcher:
@@ -116,13 +117,16 @@ class Watcher:
             pass  # stopped while the source was failing
 
     def _report(self, source: NoticeSource, notice: Notice | None) -> None:
+        """Deliver a notice once. A notice is marked seen only once the callback took it, so a
+        callback that failed (a store hiccup while publishing) gets the notice again on the
+        next poll instead of losing the interruption."""
         if notice is None:
             return
         with self._lock:
             if notice.key in self._seen:
                 return
-            self._seen[notice.key] = source
         if notice.deadline is not None and utc_now() - notice.deadline > STALE_AFTER:
+            self._mark_seen(source, notice)
             log.warning(
                 "ignoring a stale notice from %s: its deadline %s passed more than %s ago",
                 notice.source,
@@ -130,18 +134,29 @@ class Watcher:
                 STALE_AFTER,
             )
             return
-        left = notice.seconds_left()
-        log.warning(
-            "%s notice from %s: action=%s, deadline in %s",
-            notice.kind,
-            notice.source,
-            notice.action,
-            "unknown" if left is None else f"{left:.1f} s",
-        )
+        retry = notice.key in self._failed
+        if not retry:
+            left = notice.seconds_left()
+            log.warning(
+                "%s notice from %s: action=%s, deadline in %s",
+                notice.kind,
+                notice.source,
+                notice.action,
+                "unknown" if left is None else f"{left:.1f} s",
+            )
         try:
             self.on_notice(notice)
         except Exception:  # noqa: BLE001 - a broken callback must not kill the watcher
-            log.exception("notice callback failed for %s", notice.key)
+            if not retry:
+                log.exception("notice callback failed for %s; trying again at the next poll", notice.key)
+            self._failed.add(notice.key)
+            return
+        self._mark_seen(source, notice)
+
+    def _mark_seen(self, source: NoticeSource, notice: Notice) -> None:
+        with self._lock:
+            self._seen[notice.key] = source
+        self._failed.discard(notice.key)
 
 
 class _FailureLog:

@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -147,3 +148,16 @@ def test_misuse_gets_clear_errors(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="init_process_group"):
         with spotguard.Guard(tmp_path, cloud="none"):
             pass
+
+
+def test_a_failed_enter_leaves_nothing_behind(tmp_path):
+    before = set(threading.enumerate())
+    with pytest.raises(ValueError, match="unsupported checkpoint location"):
+        with spotguard.Guard("ftp://host/x", cloud="none"):
+            pass
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert not [t for t in threading.enumerate() if t.name.startswith("spotguard") and t not in before]
+    with pytest.raises(ValueError, match="metadata URL must look like"):
+        spotguard.Guard(tmp_path, metadata_url="ftp://x")
+    with pytest.raises(ValueError, match="SIGKILL cannot be caught"):
+        spotguard.Guard(tmp_path, signals=["SIGKILL"])
