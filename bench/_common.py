@@ -10,8 +10,6 @@ one JSON object per line; the parent can answer on rank 0's stdin.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -23,11 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # run as a script from anywhere in the checkout
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from spotguard.demo import free_port, rank_env  # noqa: E402 - after the sys.path line above
 
 
 class Ranks:
@@ -43,15 +37,7 @@ class Ranks:
         self.procs: list[subprocess.Popen] = []
         self.logs = [log_dir / f"rank{rank}.log" for rank in range(world_size)]
         for rank in range(world_size):
-            env = dict(
-                os.environ,
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                WORLD_SIZE=str(world_size),
-                PYTHONUNBUFFERED="1",
-            )
+            env = rank_env(rank, world_size, port)
             with open(self.logs[rank], "w") as log:
                 self.procs.append(subprocess.Popen(
                     [sys.executable, script, "--worker", *args], env=env, text=True, stderr=log,

@@ -26,7 +26,20 @@ NOTICE_AT_STEP = 20
 STEP_SLEEP_S = 0.05  # makes the run long enough to watch; the model itself is tiny
 
 
-def _free_port() -> int:
+def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The environment torchrun would give one rank of a single-node gloo job on 127.0.0.1."""
+    return dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        PYTHONUNBUFFERED="1",
+    )
+
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -40,20 +53,12 @@ class _Run:
     """One launch of all ranks; rank 0's progress lines are read to time the notice."""
 
     def __init__(self, name: str, ckpt_dir: Path, world_size: int, cloud: str, metadata_url: str, result: Path) -> None:
-        port = _free_port()
+        port = free_port()
         self.name = name
         self.procs = []
         ckpt_dir.parent.mkdir(parents=True, exist_ok=True)
         for rank in range(world_size):
-            env = dict(
-                os.environ,
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                WORLD_SIZE=str(world_size),
-                PYTHONUNBUFFERED="1",
-            )
+            env = rank_env(rank, world_size, port)
             cmd = [
                 sys.executable,
                 "-m",

@@ -2,17 +2,12 @@
 
 import collections
 import json
-import socket
 import subprocess
 import sys
 
 import pytest
 
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.servers import free_port
 
 
 def run_ranks(world, trials, seed, gone_trial=-1):
