@@ -245,24 +245,28 @@ class MetadataEmulator:
 
     async def _control_notice(self, request: web.Request) -> web.Response:
         try:
-            params = await request.json() if request.can_read_body else {}
+            params = await _json_body(request)
             after = float(params.pop("after_s", 0) or 0)
             if after <= 0:
                 self._do_notice(params)
-        except (ValueError, TypeError, AttributeError) as exc:  # bad JSON or parameters: the caller's mistake
-            return web.json_response({"ok": False, "error": str(exc)}, status=400)
+        except _BAD_INPUT as exc:
+            return _bad_request(exc)
         if after > 0:
             self._loop.call_later(after, self._do_notice, params)
         return web.json_response({"ok": True, "after_s": after})
 
     async def _control_fault(self, request: web.Request) -> web.Response:
-        body = await request.json()
         try:
+            body = await _json_body(request)
+            count = body.get("count")
             self.set_fault(
-                body.get("mode"), body.get("count"), float(body.get("delay_s", 2.0)), int(body.get("status", 500))
+                body.get("mode"),
+                None if count is None else int(count),
+                float(body.get("delay_s", 2.0)),
+                int(body.get("status", 500)),
             )
-        except ValueError as exc:
-            return web.json_response({"ok": False, "error": str(exc)}, status=400)
+        except _BAD_INPUT as exc:
+            return _bad_request(exc)
         return web.json_response({"ok": True})
 
     async def _control_clear(self, request: web.Request) -> web.Response:
@@ -272,3 +276,19 @@ class MetadataEmulator:
 
     async def _control_stats(self, request: web.Request) -> web.Response:
         return web.json_response({"requests": self.requests_seen, "notices": self.notices_raised})
+
+
+# Bad JSON or parameters in a control request: the caller's mistake, answered 400.
+_BAD_INPUT = (ValueError, TypeError, AttributeError)
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    """The control request's JSON object ({} without a body); ValueError for anything else."""
+    body = await request.json() if request.can_read_body else {}
+    if not isinstance(body, dict):
+        raise ValueError(f"expected a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _bad_request(exc: Exception) -> web.Response:
+    return web.json_response({"ok": False, "error": str(exc)}, status=400)

@@ -1,14 +1,22 @@
 """Where a metadata service lives (flag, then SPOTGUARD_METADATA_URL, then the cloud's own
-variable) and the HTTP session every metadata client uses to reach it."""
+variable), the HTTP session every metadata client uses to reach it, and the one-line error
+they raise when it does not answer."""
 
 from __future__ import annotations
 
 import os
+import re
 from urllib.parse import urlsplit
 
 import requests
 
+from cloud_adapters.notice import NoticeSourceError
+
 METADATA_URL_ENV = "SPOTGUARD_METADATA_URL"
+# The useful part of a requests/urllib3 connection error, e.g. "[Errno 111] Connection refused".
+_TRANSPORT_CAUSE = re.compile(
+    r"\[Errno -?\d+\] [^'\")]+|Remote end closed connection without response|Connection reset by peer"
+)
 
 
 def normalise_base_url(url: str, *, what: str = "metadata URL") -> str:
@@ -48,3 +56,13 @@ def metadata_session(headers: dict[str, str] | None = None) -> requests.Session:
     session.trust_env = False
     session.headers.update(headers or {})
     return session
+
+
+def transport_error(what: str, exc: requests.RequestException, timeout_s: float) -> NoticeSourceError:
+    """A one-line error for a metadata request that got no HTTP answer (not urllib3's whole chain)."""
+    if isinstance(exc, requests.Timeout):
+        reason = f"no answer within {timeout_s:g} s"
+    else:
+        cause = _TRANSPORT_CAUSE.search(str(exc))
+        reason = cause.group(0).strip() if cause else type(exc).__name__
+    return NoticeSourceError(f"{what} failed: {reason}")

@@ -10,16 +10,21 @@ answers (missing key, precondition failed, access denied, bad request) fail at o
 from __future__ import annotations
 
 import logging
-import os
-import tempfile
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import TypeVar
 
 import tenacity
 
-from cloud_adapters.storage import AlreadyExists, NotFound, Progress, StoreError, split_bucket_url
+from cloud_adapters.storage import (
+    Abandoned,
+    AlreadyExists,
+    NotFound,
+    Progress,
+    StoreError,
+    fill_then_rename,
+    split_bucket_url,
+)
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +46,8 @@ class RetryingStore:
     def __init__(self, url: str, *, retry_deadline_s: float = DEFAULT_RETRY_DEADLINE_S) -> None:
         self.bucket, self.prefix = split_bucket_url(url)
         self.url = f"{self.scheme}://{self.bucket}" + (f"/{self.prefix}" if self.prefix else "")
-        # Seconds one method may spend retrying; settable at any time (e.g. to a notice's deadline).
+        # Seconds one method may spend retrying; settable at any time (e.g. to a notice's deadline),
+        # and honoured by the calls already retrying too.
         self.retry_deadline_s = retry_deadline_s
 
     def _name(self, key: str) -> str:
@@ -59,18 +65,8 @@ class RetryingStore:
         """The key relative to the store's prefix of a full object name."""
         return name[len(self.prefix) + 1 :] if self.prefix else name
 
-    @staticmethod
-    def _download_into(local_path: str | Path, write: Callable[[str], None]) -> None:
-        """Let `write(tmp)` fill a temporary sibling of `local_path`, renamed into place only on success."""
-        target = Path(local_path)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
-        os.close(fd)
-        try:
-            write(tmp)
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+    # Downloads fill a temporary sibling, renamed into place only on success.
+    _download_into = staticmethod(fill_then_rename)
 
     def _call(self, what: str, fn: Callable[[], T], *, progress: ProgressLedger | None = None) -> T:
         """Run `fn`, retrying transient errors within `retry_deadline_s`; raise StoreError subclasses."""
@@ -88,8 +84,12 @@ class RetryingStore:
             if progress:
                 progress.take_back()
 
+        def out_of_time(state: tenacity.RetryCallState) -> bool:
+            # Read at every failure, so lowering retry_deadline_s also stops the calls already retrying.
+            return (state.seconds_since_start or 0.0) + state.upcoming_sleep >= max(self.retry_deadline_s, 0.0)
+
         retrying = tenacity.Retrying(
-            stop=tenacity.stop_before_delay(max(self.retry_deadline_s, 0.0)),
+            stop=out_of_time,
             wait=tenacity.wait_exponential(multiplier=0.2, max=5.0) + tenacity.wait_random(0, 0.3),
             retry=tenacity.retry_if_exception(lambda e: not isinstance(e, StoreError) and self._is_transient(e)),
             before_sleep=before_sleep,
@@ -101,7 +101,7 @@ class RetryingStore:
             raise
         except Exception as exc:  # noqa: BLE001 - every SDK error leaves as a StoreError
             error = self._translate(exc, what)
-            if not isinstance(error, (NotFound, AlreadyExists)):
+            if not isinstance(error, (NotFound, AlreadyExists, Abandoned)):  # the caller logs those, if anyone
                 log.error("%s", error)
             raise error from exc
 

@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 # Called with the number of bytes moved since the last call; long transfers report progress through it.
 Progress = Callable[[int], None]
@@ -30,6 +30,10 @@ class NotFound(StoreError):
 
 class AlreadyExists(StoreError):
     """A create-only write found the key already there."""
+
+
+class Abandoned(StoreError):
+    """A transfer cancelled because its caller gave up on it (at a deadline)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,8 +61,8 @@ class ObjectStore(Protocol):
     def delete(self, keys: Iterable[str]) -> None: ...
 
 
-def fsync_dir(path: str | Path) -> None:
-    """Make a rename or a new file in `path` durable."""
+def fsync_path(path: str | Path) -> None:
+    """Flush a file's data, or a directory's entries (a rename or a new file in it), to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -66,30 +70,40 @@ def fsync_dir(path: str | Path) -> None:
         os.close(fd)
 
 
-def write_durably(path: Path, data: bytes, *, exclusive: bool = False) -> None:
-    """Write `data` to a temporary sibling, fsync, then rename into place.
+def fill_then_rename(
+    path: str | Path, fill: Callable[[str], None], *, durable: bool = False, exclusive: bool = False
+) -> None:
+    """Let `fill(tmp)` write a temporary sibling of `path`, then move it into place.
 
-    With `exclusive`, fail with AlreadyExists instead of replacing an existing file
-    (link() is atomic and refuses an existing target, unlike rename()).
+    A failure never leaves a partial `path`. `durable` fsyncs the file before the
+    rename and the directory after it. `exclusive` fails with AlreadyExists instead of
+    replacing an existing file (link() is atomic and refuses an existing target, unlike rename()).
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        fill(tmp)
+        if durable:
+            fsync_path(tmp)
         if exclusive:
             try:
-                os.link(tmp, path)
+                os.link(tmp, target)
             except FileExistsError as exc:
-                raise AlreadyExists(str(path)) from exc
+                raise AlreadyExists(str(target)) from exc
         else:
-            os.replace(tmp, path)
+            os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    fsync_dir(path.parent)
+    if durable:
+        fsync_path(target.parent)
+
+
+def write_durably(path: Path, data: bytes, *, exclusive: bool = False) -> None:
+    """Write `data` to `path` atomically and durably (see fill_then_rename)."""
+    fill_then_rename(path, lambda tmp: Path(tmp).write_bytes(data), durable=True, exclusive=exclusive)
 
 
 class LocalStore:
@@ -103,27 +117,14 @@ class LocalStore:
         return self.root / key
 
     def put_file(self, local_path: str | Path, key: str, *, progress: Progress | None = None) -> None:
-        target = self.path(key)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-        try:
-            with open(local_path, "rb") as src, os.fdopen(fd, "wb") as dst:
-                _copy(src, dst, progress)
-                dst.flush()
-                os.fsync(dst.fileno())
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-        fsync_dir(target.parent)
+        fill_then_rename(self.path(key), lambda tmp: _copy_file(local_path, tmp, progress), durable=True)
 
     def put_bytes(self, key: str, data: bytes, *, create_only: bool = False) -> None:
         write_durably(self.path(key), data, exclusive=create_only)
 
     def get_file(self, key: str, local_path: str | Path, *, progress: Progress | None = None) -> None:
         try:
-            with open(self.path(key), "rb") as src, open(local_path, "wb") as dst:
-                _copy(src, dst, progress)
+            fill_then_rename(local_path, lambda tmp: _copy_file(self.path(key), tmp, progress))
         except FileNotFoundError as exc:
             raise NotFound(f"{self.url}/{key}") from exc
 
@@ -160,11 +161,12 @@ class LocalStore:
         shutil.rmtree(self.path(prefix), ignore_errors=True)
 
 
-def _copy(src, dst, progress: Progress | None, chunk: int = 8 << 20) -> None:
-    while block := src.read(chunk):
-        dst.write(block)
-        if progress:
-            progress(len(block))
+def _copy_file(src: str | Path, dst: str | Path, progress: Progress | None, chunk: int = 8 << 20) -> None:
+    with open(src, "rb") as reader, open(dst, "wb") as writer:
+        while block := reader.read(chunk):
+            writer.write(block)
+            if progress:
+                progress(len(block))
 
 
 def split_bucket_url(url: str) -> tuple[str, str]:
@@ -175,12 +177,27 @@ def split_bucket_url(url: str) -> tuple[str, str]:
     return parts.netloc, parts.path.strip("/")
 
 
+def file_url_path(url: str) -> str:
+    """The absolute path of `file:///abs/path` or `file://localhost/abs/path` (RFC 8089).
+
+    Anything else after `file://` is a host or a relative path that would be silently misread.
+    """
+    parts = urlsplit(url)
+    if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
+        raise ValueError(
+            f"{url!r} is not a local file URL: write file:///ABSOLUTE/PATH (three slashes) or a plain path"
+        )
+    return unquote(parts.path)
+
+
 def open_store(url: str | Path) -> ObjectStore:
     """The store for a checkpoint location: s3://, gs://, az://, file:// or a plain path."""
     text = str(url)
     scheme = urlsplit(text).scheme if "://" in text else ""
-    if scheme in ("", "file"):
-        return LocalStore(urlsplit(text).path if scheme else text)
+    if scheme == "":
+        return LocalStore(text)
+    if scheme == "file":
+        return LocalStore(file_url_path(text))
     if scheme == "s3":
         from cloud_adapters.aws.s3 import S3Store
 

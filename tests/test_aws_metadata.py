@@ -387,6 +387,16 @@ def test_control_endpoint_other_kinds_and_bad_parameters(emu, sources):
         emu.raise_notice(action="explode")
 
 
+@pytest.mark.parametrize("path", ["notice", "fault"])
+@pytest.mark.parametrize("body", ["{not json", "[1, 2]", '{"count": "many", "mode": "slow"}'])
+def test_control_endpoints_answer_400_to_bad_bodies(emu, sources, path, body):
+    resp = requests.post(
+        f"{emu.url}/_spotguard/{path}", data=body, headers={"Content-Type": "application/json"}, timeout=5
+    )
+    assert resp.status_code == 400 and resp.json()["ok"] is False and resp.json()["error"]
+    assert sources[SPOT].poll() is None  # neither a notice nor a fault got through
+
+
 # ---- endpoints and probe ----------------------------------------------------------------------
 
 

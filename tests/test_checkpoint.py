@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import threading
 import time
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from cloud_adapters.notice import INTERRUPTION, Notice, deadline_after, utc_now
+from cloud_adapters.storage import LocalStore
 from spotguard.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -19,6 +21,7 @@ from spotguard.checkpoint import (
     step_dir_name,
     verify_checkpoint,
 )
+from spotguard.checkpoint.transfer import download
 from tests.ckpt_workers import assert_same, make_model, snapshot, train
 
 
@@ -308,3 +311,32 @@ def test_a_failed_save_raises_and_commits_nothing(tmp_path):
         ck.wait(timeout=60)
     ck.close()
     assert blocker.read_text().startswith("a file")
+
+
+class Stop(BaseException):
+    """Not an Exception: what a transfer thread may die of (DCP's CheckpointException is one too)."""
+
+
+def test_a_transfer_dying_of_a_base_exception_fails_the_download_instead_of_hanging(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    for key in ("a", "b", "c"):
+        store.put_bytes(key, b"x" * 100)
+
+    def stop(_: int) -> None:
+        raise Stop("pulled the plug")
+
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            download(store, [(k, tmp_path / k) for k in ("a", "b", "c")], threads=2, progress=stop)
+        except Exception as exc:  # noqa: BLE001 - inspected below
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "download() hung on a transfer that died"
+    assert isinstance(outcome.get("error"), OSError) and "3 of 3 transfers failed: Stop: pulled the plug" in str(
+        outcome["error"]
+    )

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import subprocess
+import sys
 
 import torch
 
 from spotguard.checkpoint import Checkpointer, list_checkpoints, verify_checkpoint
-from tests.ckpt_workers import assert_same, make_model, run_ranks, snapshot, train
+from tests.ckpt_workers import ROOT, assert_same, finish, free_port, make_model, run_ranks, snapshot, train
 
 
 def resume_in_process(ckpt, width=32, depth=3, with_step=True, **kwargs):
@@ -87,3 +90,32 @@ def test_emergency_save_during_periodic_save_on_two_ranks(tmp_path):
     step, _, loaded = resume_in_process(ckpt, width=1024, depth=4, with_step=False)
     assert step == 5
     assert_same(loaded, torch.load(out / "step-5.pt"))
+
+
+NODE_LEADER_PROBE = """
+import torch.distributed as dist
+from spotguard import topology
+from spotguard.checkpoint.comm import Comm
+dist.init_process_group("gloo")
+print("leader" if Comm().is_node_leader else "follower", topology.current().local_rank, flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_without_local_rank_one_rank_leads_the_node_as_the_guard_sees_it():
+    """Two ranks that both thought they were the node leader would race downloading into one local_dir."""
+    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
+    env.update(PYTHONPATH=str(ROOT), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
+    env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", NODE_LEADER_PROBE],
+            env={**env, "RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    answers = [out.strip().splitlines()[-1] for out in finish(procs, timeout=60)]
+    assert answers == ["leader 0", "follower 1"]

@@ -17,7 +17,15 @@ from typing import Callable
 
 import pytest
 
-from cloud_adapters.storage import AlreadyExists, NotFound, ObjectInfo, ObjectStore, StoreError, open_store
+from cloud_adapters.storage import (
+    AlreadyExists,
+    LocalStore,
+    NotFound,
+    ObjectInfo,
+    ObjectStore,
+    StoreError,
+    open_store,
+)
 from tests.conftest import Backend, backend_for, start_server
 from tests.servers import ROOT, Fault, FaultProxy
 
@@ -143,6 +151,42 @@ def test_open_store_dispatches_on_the_url(backend: Backend):
     store = open_store(backend.url)
     assert type(store) is type(backend.store())
     assert store.url.rstrip("/").endswith(backend.url.split("://")[-1])
+
+
+@pytest.mark.parametrize("form", ["file://{path}", "file://localhost{path}"])
+def test_file_urls_name_absolute_paths(tmp_path, form):
+    store = open_store(form.format(path=tmp_path / "ckpt"))
+    assert isinstance(store, LocalStore) and store.url == str(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize("url", ["file://ckpt", "file://./ckpt", "file://host/ckpt", "file://"])
+def test_file_urls_that_would_be_misread_are_refused(url):
+    with pytest.raises(ValueError, match=r"write file:///ABSOLUTE/PATH") as refused:
+        open_store(url)
+    assert "\n" not in str(refused.value)
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_an_interrupted_local_copy_leaves_nothing_partial(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    source = write_random(tmp_path / "source", 9 * MiB)  # copied in two chunks
+
+    def fail_after_one_chunk(_: int) -> None:
+        raise Interrupted
+
+    store.put_file(source, "k")
+    target = tmp_path / "vm" / "k"
+    target.parent.mkdir()
+    target.write_bytes(b"the previous copy")
+    with pytest.raises(Interrupted):
+        store.get_file("k", target, progress=fail_after_one_chunk)
+    assert target.read_bytes() == b"the previous copy" and os.listdir(target.parent) == ["k"]
+    with pytest.raises(Interrupted):
+        store.put_file(source, "k2", progress=fail_after_one_chunk)
+    assert store.list() == [ObjectInfo("k", 9 * MiB)] and os.listdir(store.root) == ["k"]
 
 
 # ---- wire-level behaviour of the cloud stores ---------------------------------------------

@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import requests
 
-from cloud_adapters.endpoints import metadata_session, resolve_metadata_url
+from cloud_adapters.endpoints import metadata_session, resolve_metadata_url, transport_error
 from cloud_adapters.notice import (
     INTERRUPTION,
     MAINTENANCE,
@@ -56,25 +56,11 @@ SPOT_ACTIONS = ("terminate", "stop", "hibernate")
 ASG_TERMINATE_GRACE_S = 120.0
 INACTIVE_EVENT_STATES = ("completed", "canceled")
 _LIFECYCLE_STATE = re.compile(r"^[A-Za-z]+(:[A-Za-z]+)?$")  # InService, Terminated, Warmed:Running...
-# The useful part of a requests/urllib3 connection error, e.g. "[Errno 111] Connection refused".
-_TRANSPORT_CAUSE = re.compile(
-    r"\[Errno -?\d+\] [^'\")]+|Remote end closed connection without response|Connection reset by peer"
-)
 _JSON_TYPE_NAMES = {dict: "object", list: "array"}
 
 
 def _excerpt(body: str, limit: int = 120) -> str:
     return repr(body[:limit] + ("..." if len(body) > limit else ""))
-
-
-def _transport_error(what: str, exc: requests.RequestException, timeout_s: float) -> NoticeSourceError:
-    """A one-line error for a request that got no HTTP answer."""
-    if isinstance(exc, requests.Timeout):
-        reason = f"no answer within {timeout_s:g} s"
-    else:
-        cause = _TRANSPORT_CAUSE.search(str(exc))
-        reason = cause.group(0).strip() if cause else type(exc).__name__
-    return NoticeSourceError(f"{what} failed: {reason}")
 
 
 def _fetch_token(session: requests.Session, base_url: str, timeout_s: float) -> tuple[str, float]:
@@ -89,7 +75,7 @@ def _fetch_token(session: requests.Session, base_url: str, timeout_s: float) -> 
             "(in a container? the instance's http-put-response-hop-limit must be at least 2)"
         ) from exc
     except requests.RequestException as exc:
-        raise _transport_error(f"IMDSv2 token request to {url}", exc, timeout_s) from exc
+        raise transport_error(f"IMDSv2 token request to {url}", exc, timeout_s) from exc
     token = resp.text.strip()
     if resp.status_code != 200 or not token:
         raise NoticeSourceError(f"IMDSv2 token request to {url} answered {resp.status_code}: {_excerpt(resp.text)}")
@@ -135,7 +121,7 @@ class IMDSClient:
         try:
             return self._session.get(url, headers=headers, timeout=self.timeout_s)
         except requests.RequestException as exc:
-            raise _transport_error(f"GET {url}", exc, self.timeout_s) from exc
+            raise transport_error(f"GET {url}", exc, self.timeout_s) from exc
 
     def _current_token(self) -> str:
         if self._token is None or time.monotonic() >= self._token_renew_at:

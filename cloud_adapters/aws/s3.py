@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import boto3
@@ -27,6 +27,9 @@ from botocore.exceptions import (
     ReadTimeoutError,
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
+from s3transfer.exceptions import CancelledError
+from s3transfer.futures import TransferFuture
+from s3transfer.manager import TransferManager
 
 from cloud_adapters.retry import (
     DEFAULT_RETRY_DEADLINE_S,
@@ -36,6 +39,7 @@ from cloud_adapters.retry import (
     one_line,
 )
 from cloud_adapters.storage import (
+    Abandoned,
     AlreadyExists,
     NotFound,
     ObjectInfo,
@@ -91,17 +95,18 @@ class S3Store(RetryingStore):
         )
         self._manager = None
         self._manager_lock = threading.Lock()
+        self._in_flight: set[TransferFuture] = set()  # being waited for; cancelled when abandoned
 
     # ---- ObjectStore ----------------------------------------------------------------
     def put_file(self, local_path: str | Path, key: str, *, progress: Progress | None = None) -> None:
         ledger = ProgressLedger(progress)
         self._call(
             f"upload {key} to",
-            lambda: self._transfer().upload(
+            lambda: self._run(lambda manager: manager.upload(
                 str(local_path), self.bucket, self._name(key),
                 extra_args={"ChecksumAlgorithm": CHECKSUM},
                 subscribers=[ProgressCallbackInvoker(ledger)],
-            ).result(),
+            )),
             progress=ledger,
         )  # fmt: skip
 
@@ -118,11 +123,11 @@ class S3Store(RetryingStore):
         ledger = ProgressLedger(progress)
         self._call(
             f"download {key} from",
-            lambda: self._transfer().download(
+            lambda: self._run(lambda manager: manager.download(
                 self.bucket, self._name(key), str(local_path),
                 extra_args={"ChecksumMode": "ENABLED"},
                 subscribers=[ProgressCallbackInvoker(ledger)],
-            ).result(),
+            )),
             progress=ledger,
         )  # fmt: skip
 
@@ -188,14 +193,46 @@ class S3Store(RetryingStore):
             log.info("aborted %d unfinished multipart uploads under %s/%s", count, self.url, prefix)
         return count
 
-    def close(self) -> None:
-        """Stop the transfer threads (they also stop when the process exits)."""
-        with self._manager_lock:
-            if self._manager is not None:
-                self._manager.shutdown()
-                self._manager = None
+    def cancel_transfers(self) -> int:
+        """Cancel the uploads and downloads in flight (abandoned at a deadline); returns how many.
 
-    def _transfer(self):
+        No new part of them starts; a part already on the wire ends on its own.
+        """
+        with self._manager_lock:
+            futures = list(self._in_flight)
+        for future in futures:
+            future.cancel()
+        if futures:
+            log.info("cancelled %d transfers in flight to %s", len(futures), self.url)
+        return len(futures)
+
+    def close(self) -> None:
+        """Stop the transfer threads; never waits for transfers abandoned at a deadline.
+
+        Those are cancelled and the transfer manager shuts down behind them on a daemon
+        thread (its shutdown waits for parts already on the wire).
+        """
+        with self._manager_lock:
+            manager, self._manager = self._manager, None
+        if manager is None:
+            return
+        if self.cancel_transfers():
+            threading.Thread(target=manager.shutdown, name="spotguard-s3-close", daemon=True).start()
+        else:
+            manager.shutdown()
+
+    def _run(self, start: Callable[[TransferManager], TransferFuture]) -> None:
+        """Start a transfer on the shared manager and wait for it, tracked so that it can be cancelled."""
+        future = start(self._transfer())
+        with self._manager_lock:
+            self._in_flight.add(future)
+        try:
+            future.result()
+        finally:
+            with self._manager_lock:
+                self._in_flight.discard(future)
+
+    def _transfer(self) -> TransferManager:
         """One transfer manager per store: parts of all concurrent files share its thread pool."""
         with self._manager_lock:
             if self._manager is None:
@@ -220,6 +257,8 @@ class S3Store(RetryingStore):
                 return AlreadyExists(f"{what}: the key already exists")
             if code == "NoSuchBucket":
                 return StoreError(f"{what}: bucket {self.bucket!r} does not exist")
+        if isinstance(exc, CancelledError):
+            return Abandoned(f"{what}: cancelled (abandoned at a deadline)")
         if isinstance(exc, (ClientError, BotoCoreError)):
             return StoreError(f"{what}: {one_line(exc)}")
         return StoreError(f"{what}: unexpected {one_line(exc)}")

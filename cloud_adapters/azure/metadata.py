@@ -18,7 +18,7 @@ from typing import Any
 
 import requests
 
-from cloud_adapters.endpoints import metadata_session, normalise_base_url, resolve_metadata_url
+from cloud_adapters.endpoints import metadata_session, normalise_base_url, resolve_metadata_url, transport_error
 from cloud_adapters.notice import (
     INTERRUPTION,
     MAINTENANCE,
@@ -102,7 +102,7 @@ class ScheduledEventsSource:
         body = {"StartRequests": [{"EventId": event_id}]}
         try:
             response = self._request("POST", self._events_url, self.timeout_s, params=_EVENTS_QUERY, json=body)
-        except requests.RequestException as exc:
+        except NoticeSourceError as exc:
             raise NoticeSourceError(f"could not acknowledge Azure event {event_id}: {exc}") from exc
         if not response.ok:
             raise _error_for(response, f"acknowledging event {event_id}")
@@ -129,12 +129,15 @@ class ScheduledEventsSource:
         return self._vm_name
 
     def _request(self, method: str, url: str, timeout_s: float, **kwargs: Any) -> requests.Response:
+        """One request, spaced for the rate limit; NoticeSourceError when no answer comes."""
         with self._lock:
             wait = self._last_request + MIN_REQUEST_INTERVAL_S - time.monotonic()
             if wait > 0:
                 time.sleep(wait)
             try:
                 return self._session.request(method, url, timeout=timeout_s, **kwargs)
+            except requests.RequestException as exc:
+                raise transport_error(f"{method} {url}", exc, timeout_s) from exc
             finally:
                 self._last_request = time.monotonic()
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import requests
 
-from cloud_adapters.endpoints import metadata_session, resolve_metadata_url
+from cloud_adapters.endpoints import metadata_session, resolve_metadata_url, transport_error
 from cloud_adapters.notice import (
     INTERRUPTION,
     MAINTENANCE,
@@ -137,10 +137,13 @@ class _MetadataKeySource:
         self._session.close()
 
     def _get(self, path: str, params: dict[str, Any], read_timeout: float) -> requests.Response:
-        """GET a metadata key, retrying the brief 503s of a live migration."""
+        """GET a metadata key, retrying the brief 503s of a live migration; NoticeSourceError without an answer."""
         url = self.base_url + METADATA_PATH + path
         for attempt in range(RETRY_503 + 1):
-            answer = self._session.get(url, params=params, timeout=(self.request_timeout_s, read_timeout))
+            try:
+                answer = self._session.get(url, params=params, timeout=(self.request_timeout_s, read_timeout))
+            except requests.RequestException as exc:
+                raise transport_error(f"GET {url}", exc, read_timeout) from exc
             if answer.status_code != 503 or attempt == RETRY_503:
                 break
             log.debug("GCE metadata %s answered 503 (attempt %d); retrying", path, attempt + 1)
@@ -216,6 +219,6 @@ class MaintenanceSource(_MetadataKeySource):
             if window.get("window_start_time"):
                 parse_iso8601(window["window_start_time"])
             return window
-        except (requests.RequestException, NoticeSourceError, ValueError) as exc:
+        except (NoticeSourceError, ValueError) as exc:
             log.warning("GCE metadata %s unusable (%s); using the default deadline", UPCOMING_KEY, exc)
             return None

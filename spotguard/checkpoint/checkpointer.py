@@ -6,20 +6,23 @@ A save is one protocol on every rank, in the same order:
   3. rank 0 writes the manifest last and renames the sibling to `step-N` (commit);
   4. for an object store, every rank uploads its own files, then rank 0 uploads
      the manifest last, create-only;
-  5. retention.
+  5. retention (not in a save with a deadline: the next save cleans up).
 Async saves (wait=False) snapshot the state to CPU in the caller and run the same
-protocol on one background thread, one save at a time.
+protocol on one background thread, one save at a time. A save with a deadline (an
+emergency) takes over from a background save in flight: that one's upload is abandoned
+at once, its committed local copy kept, and it is waited for only until the deadline.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
@@ -38,7 +41,7 @@ from spotguard.checkpoint.manifest import REASONS, FileRecord, Manifest, version
 from spotguard.checkpoint.resume import load_newest
 from spotguard.checkpoint.save import write_shards
 from spotguard.checkpoint.state import copy_to_cpu, to_dcp
-from spotguard.checkpoint.transfer import upload
+from spotguard.checkpoint.transfer import Cutoff, upload
 from spotguard.progress import TransferProgress
 from spotguard.timeline import seconds
 
@@ -69,9 +72,14 @@ class SaveReport:
     local_location: str | None = None  # the committed local copy, when staging in local_dir
     error: str | None = None  # why it is not durable
 
-    @property
-    def mb_per_s(self) -> float:
-        return self.bytes / 1e6 / max(self.write_s, 1e-9)
+
+@dataclasses.dataclass(frozen=True)
+class _InFlight:
+    """The background save running now."""
+
+    step: int
+    future: Future
+    cutoff: Cutoff
 
 
 class Checkpointer:
@@ -117,8 +125,9 @@ class Checkpointer:
         self.local_root: Path | None = None if local_root in (None, remote_root) else local_root
         self.stage_root: Path = self.local_root or remote_root  # type: ignore[assignment]
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spotguard-ckpt")
-        self._pending: Future | None = None
-        self.last_report: SaveReport | None = None
+        self._pending: _InFlight | None = None
+        # The store's own retry limit; a save with a deadline lowers it for its duration.
+        self._retry_deadline_s: float | None = getattr(self.remote, "retry_deadline_s", None)
         self.on_event = on_event
         self.upload_bytes_per_s: float | None = None  # measured on earlier uploads, for the deadline plan
 
@@ -138,18 +147,24 @@ class Checkpointer:
 
         wait=True returns the SaveReport once committed (raises CheckpointError when
         nothing could be committed). wait=False snapshots the state to CPU memory and
-        returns None at once; `wait()` collects the result.
+        returns None at once; `wait()` collects the result. With a `deadline`, the upload
+        and the store's retries end `DEADLINE_RESERVE_S` before it, and a background save
+        in flight gives up its upload at once.
         """
         if reason not in REASONS:
             raise ValueError(f"reason must be one of {REASONS}, not {reason!r}")
         step_dir_name(step)  # validates the step
-        self._finish_pending()
+        cutoff = Cutoff()
+        if deadline is not None:
+            cutoff.bring_forward(time.monotonic() + (deadline - utc_now()).total_seconds() - DEADLINE_RESERVE_S)
+        self._finish_pending(cutoff)
         state_dict = to_dcp(state)
         started_at = utc_now()
         if wait:
-            return self._save(step, state_dict, reason, notice, deadline, started_at)
+            return self._save(step, state_dict, reason, notice, deadline, cutoff, started_at)
         snapshot = copy_to_cpu(state_dict)
-        self._pending = self._worker.submit(self._save, step, snapshot, reason, notice, deadline, started_at)
+        future = self._worker.submit(self._save, step, snapshot, reason, notice, deadline, cutoff, started_at)
+        self._pending = _InFlight(step, future, cutoff)
         return None
 
     def wait(self, timeout: float | None = None) -> SaveReport | None:
@@ -160,7 +175,7 @@ class Checkpointer:
         pending = self._pending
         if pending is None:
             return None
-        report = pending.result(timeout)
+        report = pending.future.result(timeout)
         self._pending = None
         return report
 
@@ -172,7 +187,10 @@ class Checkpointer:
         )
 
     def close(self) -> None:
-        """Finish the in-flight save, stop the worker thread, release the store's connections."""
+        """Finish the in-flight save, stop the worker thread, release the store's connections.
+
+        Uploads abandoned at a deadline are not waited for.
+        """
         self._finish_pending()
         self._worker.shutdown(wait=True)
         close_store = getattr(self.remote, "close", None)
@@ -187,14 +205,54 @@ class Checkpointer:
 
     # -- the save protocol --------------------------------------------------------------------
 
-    def _finish_pending(self) -> None:
-        """Let the previous async save finish first (its collectives must not interleave with ours)."""
+    def _finish_pending(self, cutoff: Cutoff | None = None) -> None:
+        """Let the previous async save finish first (its collectives must not interleave with ours).
+
+        When the next save has a deadline (`cutoff`), the background save's upload is
+        abandoned now, on every rank alike, so that it only runs its remaining
+        collectives, and it is waited for until `cutoff` at most: CheckpointError then.
+        """
+        pending = self._pending
+        if pending is None:
+            return
+        timeout = None
+        if cutoff is not None and cutoff.at is not None and not pending.future.done():
+            log.warning(
+                "a save with a deadline takes over from the background save of step %d: its upload stops now "
+                "(its committed local copy is kept)",
+                pending.step,
+            )
+            pending.cutoff.bring_forward(time.monotonic())
+            self._limit_retries(pending.cutoff)
+            timeout = max(0.0, cutoff.left())
         try:
-            self.wait()
+            self.wait(timeout)
+        except TimeoutError as exc:  # still in its collectives: ours must not start (its own finally restores retries)
+            raise CheckpointError(
+                f"the background save of step {pending.step} was still finishing at the deadline; not saving again"
+            ) from exc
         except Exception as exc:  # the next save goes ahead regardless
             log.error("the previous background save failed: %s", exc)
+        self._pending = None
+        self._limit_retries(Cutoff())
+
+    def _limit_retries(self, cutoff: Cutoff) -> None:
+        """Let the store's retries end by `cutoff`; without one, restore the store's own limit."""
+        if self._retry_deadline_s is None:  # a store without retries (a filesystem)
+            return
+        left = cutoff.left()
+        self.remote.retry_deadline_s = (  # type: ignore[attr-defined]
+            self._retry_deadline_s if left is None else max(0.0, min(self._retry_deadline_s, left))
+        )
+
+    @contextlib.contextmanager
+    def _retries_until(self, cutoff: Cutoff) -> Iterator[None]:
+        """The store's retries end by `cutoff` inside, and get their own limit back after."""
+        self._limit_retries(cutoff)
+        try:
+            yield
         finally:
-            self._pending = None
+            self._limit_retries(Cutoff())
 
     def _save(
         self,
@@ -203,83 +261,87 @@ class Checkpointer:
         reason: str,
         notice: Notice | None,
         deadline: datetime | None,
+        cutoff: Cutoff,
         started_at: datetime,
     ) -> SaveReport:
-        comm = self.comm
-        t0 = time.monotonic()
-        stage = self.stage_root / comm.broadcast(sibling_name(step, "tmp") if comm.is_coordinator else None)
-        records: list[FileRecord] = []
-        error = None
-        try:
-            stage.parent.mkdir(parents=True, exist_ok=True)
-            records = write_shards(stage, state_dict, comm, thread_count=self.thread_count)
-        except FAILURES as exc:
-            error = f"rank {comm.rank}: {describe(exc)}"
-        t_written = time.monotonic()
-        gathered = comm.gather((records, error))
-        commit = self._commit(step, reason, notice, stage, gathered) if comm.is_coordinator else None
-        commit = comm.broadcast(commit)
-        t_committed = time.monotonic()
-        committed_at = utc_now()
-        try:
-            if commit["error"]:
-                raise CheckpointError(f"checkpoint of step {step} failed, nothing committed: {commit['error']}")
-            final = Path(commit["path"])
-            self._emit(
-                "committed",
+        with self._retries_until(cutoff):
+            comm = self.comm
+            t0 = time.monotonic()
+            stage = self.stage_root / comm.broadcast(sibling_name(step, "tmp") if comm.is_coordinator else None)
+            records: list[FileRecord] = []
+            error = None
+            try:
+                stage.parent.mkdir(parents=True, exist_ok=True)
+                records = write_shards(stage, state_dict, comm, thread_count=self.thread_count)
+            except FAILURES as exc:
+                error = f"rank {comm.rank}: {describe(exc)}"
+            t_written = time.monotonic()
+            gathered = comm.gather((records, error))
+            commit = self._commit(step, reason, notice, stage, gathered) if comm.is_coordinator else None
+            commit = comm.broadcast(commit)
+            t_committed = time.monotonic()
+            committed_at = utc_now()
+            try:
+                if commit["error"]:
+                    raise CheckpointError(f"checkpoint of step {step} failed, nothing committed: {commit['error']}")
+                final = Path(commit["path"])
+                self._emit(
+                    "committed",
+                    step=step,
+                    at=str(final),
+                    mb=f"{commit['bytes'] / 1e6:.1f}",
+                    mb_per_s=f"{commit['bytes'] / 1e6 / max(t_written - t0, 1e-9):.0f}",
+                )
+                durable, upload_error, durable_at = self.local_root is None, None, committed_at
+                if self.local_root is not None:
+                    durable, upload_error = self._upload(step, commit, records, stage, final, deadline, cutoff)
+                    durable_at = utc_now() if durable else None
+                    if durable and not commit["remote_has_it"]:
+                        self.upload_bytes_per_s = commit["bytes"] / max(time.monotonic() - t_committed, 1e-9)
+            finally:
+                # A copy that was not committed here (failed, or another node's partial copy) is abandoned.
+                if comm.is_node_leader and stage.exists():
+                    shutil.rmtree(stage, ignore_errors=True)
+            t_done = time.monotonic()
+            report = SaveReport(
                 step=step,
-                at=str(final),
-                mb=f"{commit['bytes'] / 1e6:.1f}",
-                mb_per_s=f"{commit['bytes'] / 1e6 / max(t_written - t0, 1e-9):.0f}",
+                reason=reason,
+                bytes=commit["bytes"],
+                files=commit["files"],
+                write_s=t_written - t0,
+                commit_s=t_committed - t_written,
+                upload_s=t_done - t_committed if self.local_root is not None else 0.0,
+                location=f"{self.remote.url}/{step_dir_name(step)}" if durable else str(final),
+                durable=durable,
+                margin_s=(deadline - durable_at).total_seconds() if deadline and durable_at else None,
+                started_at=started_at,
+                committed_at=committed_at,
+                durable_at=durable_at,
+                local_location=str(final) if self.local_root is not None else None,
+                error=upload_error,
             )
-            durable, upload_error, durable_at = self.local_root is None, None, committed_at
-            if self.local_root is not None:
-                durable, upload_error = self._upload(step, commit, records, stage, final, deadline)
-                durable_at = utc_now() if durable else None
-                if durable and not commit["remote_has_it"]:
-                    self.upload_bytes_per_s = commit["bytes"] / max(time.monotonic() - t_committed, 1e-9)
-        finally:
-            # A copy that was not committed here (failed, or another node's partial copy) is abandoned.
-            if comm.is_node_leader and stage.exists():
-                shutil.rmtree(stage, ignore_errors=True)
-        t_done = time.monotonic()
-        report = SaveReport(
-            step=step,
-            reason=reason,
-            bytes=commit["bytes"],
-            files=commit["files"],
-            write_s=t_written - t0,
-            commit_s=t_committed - t_written,
-            upload_s=t_done - t_committed if self.local_root is not None else 0.0,
-            location=f"{self.remote.url}/{step_dir_name(step)}" if durable else str(final),
-            durable=durable,
-            margin_s=(deadline - durable_at).total_seconds() if deadline and durable_at else None,
-            started_at=started_at,
-            committed_at=committed_at,
-            durable_at=durable_at,
-            local_location=str(final) if self.local_root is not None else None,
-            error=upload_error,
-        )
-        if report.durable:
-            self._emit("durable", step=step, at=report.location, margin_s=seconds(report.margin_s))
-        else:
-            self._emit("not-durable", step=step, local_copy=str(final), why=upload_error)
-        self._retain()
-        self.last_report = report
-        if comm.is_coordinator:
-            log.info(
-                "checkpoint step %d (%s) %s: %.1f MB in %d files, write %.2fs commit %.2fs upload %.2fs%s",
-                step,
-                reason,
-                "durable at " + report.location if durable else "committed locally only at " + str(final),
-                report.bytes / 1e6,
-                report.files,
-                report.write_s,
-                report.commit_s,
-                report.upload_s,
-                f", {report.margin_s:.1f}s before the deadline" if report.margin_s is not None else "",
-            )
-        return report
+            if report.durable:
+                self._emit("durable", step=step, at=report.location, margin_s=seconds(report.margin_s))
+            else:
+                self._emit("not-durable", step=step, local_copy=str(final), why=upload_error)
+            if reason == "emergency" or cutoff.at is not None:
+                log.debug("no retention within a deadline: the next save cleans up")
+            else:
+                self._retain()
+            if comm.is_coordinator:
+                log.info(
+                    "checkpoint step %d (%s) %s: %.1f MB in %d files, write %.2fs commit %.2fs upload %.2fs%s",
+                    step,
+                    reason,
+                    "durable at " + report.location if durable else "committed locally only at " + str(final),
+                    report.bytes / 1e6,
+                    report.files,
+                    report.write_s,
+                    report.commit_s,
+                    report.upload_s,
+                    f", {report.margin_s:.1f}s before the deadline" if report.margin_s is not None else "",
+                )
+            return report
 
     def _commit(self, step: int, reason: str, notice: Notice | None, stage: Path, gathered: list) -> dict[str, Any]:
         """Rank 0: write the manifest last and rename the staging directory into place."""
@@ -324,22 +386,17 @@ class Checkpointer:
         stage: Path,
         final: Path,
         deadline: datetime | None,
+        cutoff: Cutoff,
     ) -> tuple[bool, str | None]:
         """Every rank uploads its files, then rank 0 the manifest, create-only. (durable, error).
 
-        With a deadline, the upload uses the whole window but never goes past it: what is
-        unfinished `DEADLINE_RESERVE_S` before it is abandoned, no manifest is written, and the
-        committed local copy is what remains.
+        The upload uses the whole window but never goes past `cutoff` (`DEADLINE_RESERVE_S`
+        before the deadline, or earlier when a later save takes over): what is unfinished
+        then is abandoned, no manifest is written, and the committed local copy is what remains.
         """
         comm = self.comm
-        cutoff = None
-        if deadline is not None:
-            left = (deadline - utc_now()).total_seconds() - DEADLINE_RESERVE_S
-            cutoff = time.monotonic() + left
-            if hasattr(self.remote, "retry_deadline_s"):  # retries must not outlive the window either
-                self.remote.retry_deadline_s = max(0.0, min(self.remote.retry_deadline_s, left))
-            if comm.is_coordinator:
-                self._plan(step, commit["bytes"], left)
+        if deadline is not None and comm.is_coordinator:
+            self._plan(step, commit["bytes"], cutoff.left())
         if commit["remote_has_it"]:
             if comm.is_coordinator:
                 log.warning("step %d is already committed in %s; not uploading it again", step, self.remote.url)
@@ -361,7 +418,7 @@ class Checkpointer:
                 sum(p.stat().st_size for p, _ in items),
                 every_s=5.0,
             )
-            upload(self.remote, items, threads=self.thread_count, deadline=cutoff, progress=progress)
+            upload(self.remote, items, threads=self.thread_count, cutoff=cutoff, progress=progress)
         except Exception as exc:
             error = f"rank {comm.rank}: {exc}"
         errors = comm.gather(error)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import socket
 import warnings
 from collections.abc import Iterator
@@ -11,6 +10,8 @@ from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
+
+from spotguard.topology import local_rank
 
 # DCP reports failures as CheckpointException, a BaseException: catch both.
 FAILURES = (Exception, CheckpointException)
@@ -33,8 +34,9 @@ class Comm:
         self.group = group if self.distributed else None
         self.rank = dist.get_rank(self.group) if self.distributed else 0
         self.world_size = dist.get_world_size(self.group) if self.distributed else 1
-        # One rank per node does the node-local disk work (download, local retention).
-        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        # One rank per node does the node-local disk work (download, local retention); without
+        # LOCAL_RANK each rank is its own node, as the Guard's Topology sees it.
+        self.local_rank = local_rank(dist.get_rank()) if self.distributed else 0
         self.host = socket.gethostname()
 
     def _global(self, group_rank: int) -> int:

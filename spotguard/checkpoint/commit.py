@@ -7,7 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
-from cloud_adapters.storage import fsync_dir, write_durably
+from cloud_adapters.storage import fsync_path, write_durably
 from spotguard.checkpoint.layout import MANIFEST_NAME, sibling_name, step_dir_name
 from spotguard.checkpoint.manifest import Manifest
 
@@ -40,5 +40,5 @@ def commit_dir(stage_dir: Path, manifest: Manifest) -> tuple[Path, bool]:
         log.warning("found an uncommitted %s (no manifest); setting it aside", final)
         set_aside(final, manifest.step)
     os.rename(stage_dir, final)
-    fsync_dir(final.parent)
+    fsync_path(final.parent)
     return final, True

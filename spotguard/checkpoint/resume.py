@@ -20,7 +20,7 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from cloud_adapters.storage import LocalStore, ObjectStore, StoreError, fsync_dir, write_durably
+from cloud_adapters.storage import LocalStore, ObjectStore, StoreError, fsync_path, write_durably
 from spotguard.checkpoint.catalog import committed_manifests, dir_problems
 from spotguard.checkpoint.comm import FAILURES, Comm, describe
 from spotguard.checkpoint.commit import is_committed, set_aside
@@ -188,7 +188,7 @@ def _ensure_local(
         if final.exists():
             set_aside(final, step)
         os.rename(scratch, final)
-        fsync_dir(local_root)
+        fsync_path(local_root)
     except OSError as exc:
         return None, f"{host}: download of {step_dir_name(step)} from {remote.url} failed: {exc}"
     finally:

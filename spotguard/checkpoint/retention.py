@@ -28,9 +28,8 @@ STALE_AFTER_S = 600.0
 
 
 def keep_last(store: ObjectStore, keep: int) -> list[int]:
-    """Delete committed steps older than the newest `keep` committed ones; return the deleted steps."""
-    if keep < 1:
-        raise ValueError(f"keep_last must be >= 1, got {keep}")
+    """Delete committed steps older than the newest `keep` (>= 1, checked by the Checkpointer) committed
+    ones; return the deleted steps."""
     steps = scan(store)
     committed = sorted((s for s, files in steps.items() if MANIFEST_NAME in files), reverse=True)
     doomed = committed[keep:]
