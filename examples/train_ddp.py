@@ -11,7 +11,6 @@ weights as one that never stopped.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
@@ -23,6 +22,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import spotguard
+from spotguard.checkpoint import state_digest
 
 
 def build_model() -> torch.nn.Module:
@@ -36,14 +36,6 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step * 1009 + rank)
     x = torch.randn(32, 64, generator=g)
     return x, x.pow(2).mean(dim=1, keepdim=True)
-
-
-def digest(module: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for name, tensor in sorted(module.state_dict().items()):
-        h.update(name.encode())
-        h.update(tensor.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def main() -> None:
@@ -92,7 +84,7 @@ def main() -> None:
         else:
             if rank == 0 and args.out:
                 with open(args.out, "w") as f:
-                    json.dump({"start": start, "digest": digest(model)}, f)
+                    json.dump({"start": start, "digest": state_digest(model.state_dict())}, f)
     if distributed:
         dist.destroy_process_group()
 

@@ -180,9 +180,13 @@ def _simulate(args: argparse.Namespace) -> int:
 
 # ---- demo, ls, verify ----------------------------------------------------------------
 def _demo(args: argparse.Namespace) -> int:
-    from spotguard.demo import run_demo
+    from spotguard.demo import DemoFailed, run_demo
 
-    return run_demo(args.dir, world_size=args.world_size, cloud=args.cloud)
+    try:
+        return run_demo(args.dir, world_size=args.world_size, cloud=args.cloud)
+    except DemoFailed as exc:
+        print(f"spotguard demo: {exc}", file=sys.stderr)
+        return 1
 
 
 def _ls(args: argparse.Namespace) -> int:

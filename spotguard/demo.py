@@ -9,7 +9,6 @@ training, so no cloud account and no setup are needed.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
@@ -55,6 +54,8 @@ class _Run:
     def __init__(self, name: str, ckpt_dir: Path, world_size: int, cloud: str, metadata_url: str, result: Path) -> None:
         port = free_port()
         self.name = name
+        self.result_path = result
+        self.logs = []
         self.procs = []
         ckpt_dir.parent.mkdir(parents=True, exist_ok=True)
         for rank in range(world_size):
@@ -72,7 +73,8 @@ class _Run:
                 "--result",
                 str(result),
             ]
-            with open(ckpt_dir.parent / f"{name.replace(' ', '')}-rank{rank}.log", "w") as log:
+            self.logs.append(ckpt_dir.parent / f"{name.replace(' ', '')}-rank{rank}.log")
+            with open(self.logs[-1], "w") as log:
                 self.procs.append(
                     subprocess.Popen(
                         cmd, env=env, stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL, stderr=log, text=True
@@ -89,6 +91,18 @@ class _Run:
     def wait(self, timeout_s: float = 180) -> list[int]:
         return [p.wait(timeout=timeout_s) for p in self.procs]
 
+    def result(self) -> dict:
+        """Rank 0's result; a DemoFailed with the end of its log when the run did not get that far."""
+        try:
+            return json.loads(self.result_path.read_text())
+        except (OSError, ValueError):
+            tails = "\n".join(f"--- {log}:\n" + "\n".join(log.read_text().splitlines()[-6:]) for log in self.logs)
+            raise DemoFailed(f"{self.name} failed; the end of each rank's log:\n{tails}") from None
+
+
+class DemoFailed(RuntimeError):
+    pass
+
 
 def run_demo(directory: str | None = None, *, world_size: int = 2, cloud: str = "aws") -> int:
     from cloud_adapters.sources import metadata_emulator
@@ -104,7 +118,7 @@ def run_demo(directory: str | None = None, *, world_size: int = 2, cloud: str = 
         first.wait_for_step(NOTICE_AT_STEP)
         emulator.raise_notice()
         codes = first.wait()
-        r1 = json.loads((work / "run1.json").read_text())
+        r1 = first.result()
         _say(f"  ranks exited with {codes} after an emergency checkpoint (143 = 'restart me')")
         _say("  timeline of rank 0:")
         for line in r1["timeline"]:
@@ -119,8 +133,7 @@ def run_demo(directory: str | None = None, *, world_size: int = 2, cloud: str = 
         ref = _Run("reference", work / "reference-ckpt", world_size, cloud, emulator.url, work / "ref.json")
         codes2 = second.wait()
         ref.wait()
-        r2 = json.loads((work / "run2.json").read_text())
-        r3 = json.loads((work / "ref.json").read_text())
+        r2, r3 = second.result(), ref.result()
         _say(f"  run 2 resumed at step {r2['start']}, finished step {STEPS - 1}, exit codes {codes2}")
 
     same = r2["digest"] == r3["digest"]
@@ -134,14 +147,6 @@ def run_demo(directory: str | None = None, *, world_size: int = 2, cloud: str = 
 
 
 # ---- one rank ------------------------------------------------------------------
-def _digest(model) -> str:  # noqa: ANN001 - a torch module
-    h = hashlib.sha256()
-    for name, tensor in sorted(model.state_dict().items()):
-        h.update(name.encode())
-        h.update(tensor.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
-
-
 def _worker(ckpt_dir: str, cloud: str, metadata_url: str, result: str) -> None:
     import torch
     import torch.distributed as dist
@@ -149,6 +154,7 @@ def _worker(ckpt_dir: str, cloud: str, metadata_url: str, result: str) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import spotguard
+    from spotguard.checkpoint import state_digest
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     dist.init_process_group("gloo")
@@ -172,9 +178,9 @@ def _worker(ckpt_dir: str, cloud: str, metadata_url: str, result: str) -> None:
             if guard.step(step, state):
                 break
         if rank == 0:
-            Path(result).write_text(
-                json.dumps({"start": start, "digest": _digest(model), "timeline": guard.timeline.format().splitlines()})
-            )
+            digest = state_digest(model.state_dict())
+            timeline = guard.timeline.format().splitlines()
+            Path(result).write_text(json.dumps({"start": start, "digest": digest, "timeline": timeline}))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from spotguard.checkpoint.checkpointer import Checkpointer, SaveReport
 from spotguard.checkpoint.errors import CheckpointError
 from spotguard.checkpoint.layout import MANIFEST_NAME, parse_step_dir, step_dir_name
 from spotguard.checkpoint.manifest import Manifest, ManifestError
+from spotguard.checkpoint.state import state_digest
 
 __all__ = [
     "MANIFEST_NAME",
@@ -21,6 +22,7 @@ __all__ = [
     "VerifyResult",
     "list_checkpoints",
     "parse_step_dir",
+    "state_digest",
     "step_dir_name",
     "verify_checkpoint",
 ]

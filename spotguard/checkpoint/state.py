@@ -8,6 +8,8 @@ from a DDP run loads into a plain module and back.
 from __future__ import annotations
 
 import copy
+import ctypes
+import hashlib
 from collections.abc import Mapping, MutableMapping
 from typing import Any
 
@@ -79,3 +81,14 @@ def copy_to_cpu(tree: Any) -> Any:
     if isinstance(tree, (list, tuple)):
         return type(tree)(copy_to_cpu(v) for v in tree)
     return copy.deepcopy(tree)
+
+
+def state_digest(state_dict: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 over the names, dtypes and bytes of a state_dict's tensors: equal digests mean
+    bit-identical weights (how the tests and the demo compare a resumed run with an uninterrupted one)."""
+    h = hashlib.sha256()
+    for name, value in sorted(state_dict.items()):
+        tensor = value.detach().to("cpu").contiguous()
+        h.update(f"{name}:{tensor.dtype}:".encode())
+        h.update(ctypes.string_at(tensor.data_ptr(), tensor.numel() * tensor.element_size()))
+    return h.hexdigest()
