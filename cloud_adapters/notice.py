@@ -120,6 +120,8 @@ class NoticeSource(Protocol):
     `NoticeSourceError` (or a transport error) when the answer is unusable.
     A `blocking` source waits inside `poll()` for a change (GCP's hanging GET,
     signals), so the watcher calls it back to back instead of on an interval.
+    A non-blocking source may set `poll_every = N` to be polled every Nth interval
+    only (advisories announced long ahead).
     """
 
     name: str

@@ -6,6 +6,12 @@ listener thread reads the log in order, so all ranks see the same events in the
 same order. An interruption is claimed once (`compare_set` on one key: the first
 claim wins, later ones are harmless), so many ranks receiving SIGTERM, or a signal
 and a metadata notice together, make one event.
+
+Listeners do not poll when the store has queues (TCPStore's default server, HashStore):
+each append also drops the event's index into every rank's inbox queue
+(`<prefix>inbox/<rank>`) and a listener blocks on its own inbox, so an idle guard makes
+no store requests and no wake-ups at all. Stores without queues (FileStore, the legacy
+TCPStore server) are polled every `poll_s`.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -23,6 +30,9 @@ from cloud_adapters.notice import Notice
 
 log = logging.getLogger(__name__)
 
+# A listener's blocking wait on its inbox ends with a timeout (logged by c10d) after the store's
+# timeout; its own connection gets a long one so an idle guard stays quiet.
+LISTEN_TIMEOUT = timedelta(hours=24)
 EMERGENCY = "emergency"  # an interruption notice: save and stop
 CHECKPOINT = "checkpoint"  # a save the job keeps running after (interval, rebalance advisory)
 
@@ -34,21 +44,46 @@ def listener_store(store: dist.Store) -> dist.Store:
     polling never queues behind the training thread's store calls.
     """
     try:
-        return store.clone()
+        clone = store.clone()
     except (RuntimeError, NotImplementedError):
         return store  # in-process stores (HashStore) are thread-safe as they are
+    if _has_own_connection(store):  # a HashStore's clone is the store itself: leave its timeout alone
+        clone.set_timeout(LISTEN_TIMEOUT)
+    return clone
+
+
+def _has_own_connection(store: dist.Store) -> bool:
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return isinstance(store, dist.TCPStore)
+
+
+def _has_queues(store: dist.Store) -> bool:
+    try:
+        store.queue_len("spotguard/probe")
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 class EventLog:
-    """An append-only log of JSON events in a Store, shared by every rank of a run."""
+    """An append-only log of JSON events in a Store, shared by the `world_size` ranks of a run."""
 
-    def __init__(self, store: dist.Store, prefix: str) -> None:
+    def __init__(self, store: dist.Store, prefix: str, world_size: int) -> None:
         self.store = store
         self.prefix = prefix
+        self.world_size = world_size
+        self.has_inboxes = _has_queues(store)
+
+    def inbox(self, rank: int) -> str:
+        return f"{self.prefix}inbox/{rank}"
 
     def append(self, event: dict[str, Any]) -> int:
         index = int(self.store.add(self.prefix + "seq", 1))
         self.store.set(f"{self.prefix}event/{index}", json.dumps(event))
+        if self.has_inboxes:
+            for rank in range(self.world_size):
+                self.store.queue_push(self.inbox(rank), str(index))
         return index
 
     def claim(self, name: str, event: dict[str, Any]) -> bool:
@@ -84,8 +119,8 @@ class EventLog:
 class Broadcast:
     """Publishes events through `store` and runs this rank's listener on `listen_store`
     (see `listener_store`), which hands each event to `on_event(index, event)` on the
-    listener thread, in log order. The listener checks the log every `poll_s`: 50 ms keeps
-    delivery well under 100 ms for a fraction of a percent of one core.
+    listener thread, in log order. Without inboxes the listener checks the log every
+    `poll_s`: 50 ms keeps delivery well under 100 ms.
     """
 
     def __init__(
@@ -95,11 +130,14 @@ class Broadcast:
         prefix: str,
         on_event: Callable[[int, dict[str, Any]], None],
         *,
+        rank: int,
+        world_size: int,
         poll_s: float = 0.05,
     ) -> None:
-        self.log = EventLog(store, prefix)
-        self._listen_log = EventLog(listen_store, prefix)
+        self.log = EventLog(store, prefix, world_size)
+        self._listen_log = EventLog(listen_store, prefix, world_size)
         self.on_event = on_event
+        self.rank = rank
         self.poll_s = poll_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -120,14 +158,23 @@ class Broadcast:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=timeout_s)
+        if self._thread is None:
+            return
+        if self.log.has_inboxes:
+            try:
+                self.log.store.queue_push(self.log.inbox(self.rank), "stop")  # wakes our blocked listener
+            except Exception as exc:  # noqa: BLE001 - the store is gone: so is the listener's wait
+                log.debug("could not wake the listener to stop it: %s", exc)
+        self._thread.join(timeout=timeout_s)
 
     def _listen(self) -> None:
         seen = 0
         failed = False
         while not self._stop.is_set():
             try:
+                self._await_news()
+                if self._stop.is_set():
+                    break
                 available = self._listen_log.count()
                 events = [self._listen_log.get(i) for i in range(seen + 1, available + 1)]
                 failed = False
@@ -146,4 +193,13 @@ class Broadcast:
                     self.on_event(seen, event)
                 except Exception:  # noqa: BLE001 - one bad event must not stop the listener
                     log.exception("handling event %d (%s) failed", seen, event.get("type"))
+
+    def _await_news(self) -> None:
+        """Return when the log may have grown (or when asked to stop)."""
+        if not self._listen_log.has_inboxes:
             self._stop.wait(self.poll_s)
+            return
+        try:
+            self._listen_log.store.queue_pop(self._listen_log.inbox(self.rank), True)
+        except dist.DistStoreError:
+            pass  # the wait timed out: look at the log anyway, then wait again

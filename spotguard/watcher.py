@@ -23,11 +23,11 @@ STALE_AFTER = timedelta(minutes=10)
 class Watcher:
     """Polls `sources` on background threads and calls `on_notice` once per distinct notice.
 
-    Non-blocking sources are polled every `interval_s`; blocking ones (hanging GETs,
-    signals) are called back to back. A failing source is retried with exponential
-    backoff and jitter up to `max_backoff_s`; its error is logged once (and again only
-    when it changes), and its recovery is logged too. One failing source never stops
-    the others.
+    Non-blocking sources are polled every `interval_s` (times their `poll_every`, if
+    they have one); blocking ones (hanging GETs, signals) are called back to back.
+    A failing source is retried with exponential backoff and jitter up to
+    `max_backoff_s`; its error is logged once (and again only when it changes), and
+    its recovery is logged too. One failing source never stops the others.
     """
 
     def __init__(
@@ -108,11 +108,12 @@ class Watcher:
             prime = getattr(source, "prime", None)
             if prime is not None:  # Azure: the first call after boot can take minutes, and may hold a notice
                 self._report(source, retrying(prime))
+            pause = self.interval_s * getattr(source, "poll_every", 1)
             while not self._stop.is_set():
                 self._report(source, retrying(source.poll))
                 failure.recovered()
                 if not source.blocking:
-                    self._stop.wait(self.interval_s)
+                    self._stop.wait(pause)
         except RetryError:
             pass  # stopped while the source was failing
 

@@ -45,7 +45,13 @@ def main(rank, world, port, trials, seed, gone_trial):
             continue
         agreement = StepAgreement(listen_store, prefix, rank, world)
         broadcast = Broadcast(
-            store, listen_store, prefix, lambda i, e, a=agreement: a.agree(i, e, timeout_s=1.0), poll_s=0.005
+            store,
+            listen_store,
+            prefix,
+            lambda i, e, a=agreement: a.agree(i, e, timeout_s=1.0),
+            rank=rank,
+            world_size=world,
+            poll_s=0.005,
         )
         broadcast.start()
         if rank == publisher:

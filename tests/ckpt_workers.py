@@ -214,7 +214,7 @@ def big_save(group, rank: int, ckpt: str, out: str) -> None:
     from spotguard.checkpoint import Checkpointer
 
     state = big_state(1)
-    with Checkpointer(ckpt, group=group, thread_count=2) as ck:
+    with Checkpointer(ckpt, group=group, write_threads=2) as ck:
         ck.save(1, state, reason="periodic")
         if rank == 0:
             (Path(out) / "step-1.done").touch()

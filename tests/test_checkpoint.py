@@ -21,6 +21,7 @@ from spotguard.checkpoint import (
     step_dir_name,
     verify_checkpoint,
 )
+from spotguard.checkpoint.manifest import FileRecord, checksum_file
 from spotguard.checkpoint.transfer import download
 from tests.ckpt_workers import assert_same, make_model, snapshot, train
 
@@ -116,6 +117,31 @@ def test_manifest_records_every_file_with_size_and_crc32c(tmp_path):
         assert f["size"] == len(data) and f["crc32c"] == f"{google_crc32c.value(data):08x}"
     assert manifest["total_bytes"] == report.bytes == sum(f["size"] for f in manifest["files"])
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # the staging sibling was renamed
+
+
+def test_shards_are_checksummed_as_written_and_the_zip_crc_setting_comes_back(tmp_path, monkeypatch):
+    from spotguard.checkpoint import save
+
+    reread = []
+    monkeypatch.setattr(save, "checksum_file", lambda path: reread.append(path.name) or checksum_file(path))
+    seen_during_save = []
+    real_dcp_save = save.dcp.save
+    monkeypatch.setattr(
+        save.dcp,
+        "save",
+        lambda *a, **kw: seen_during_save.append(torch.serialization.get_crc32_options()) or real_dcp_save(*a, **kw),
+    )
+    model, optim = trained()
+    with Checkpointer(str(tmp_path), write_threads=3) as ck:
+        ck.save(1, {"model": model, "optim": optim}, reason="manual")
+    step_dir = tmp_path / step_dir_name(1)
+    shards = sorted(p.name for p in step_dir.glob("*.distcp"))
+    assert len(shards) == 3 and reread == [".metadata"]  # only the renamed metadata file is read back
+    manifest = json.loads((step_dir / "spotguard.json").read_text())
+    for f in manifest["files"]:
+        assert checksum_file(step_dir / f["name"]) == FileRecord(f["name"], f["size"], f["crc32c"])
+    assert seen_during_save == [False]  # torch.save's zip CRC32 is off while we write...
+    assert torch.serialization.get_crc32_options() is True  # ...and the user's setting is back after
 
 
 def test_corrupt_shard_is_reported_and_resume_falls_back(tmp_path, caplog):

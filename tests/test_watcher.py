@@ -1,6 +1,7 @@
 """The watcher against real emulators: one report per notice, faults logged once and retried,
 one failing source never stops the others, stale notices ignored."""
 
+import collections
 import logging
 import queue
 import socket
@@ -130,3 +131,17 @@ def test_stop_returns_while_a_gcp_hanging_get_is_open():
 def test_interval_must_be_positive():
     with pytest.raises(ValueError, match="positive"):
         Watcher([], print, interval_s=0)
+
+
+def test_advisories_announced_long_ahead_are_polled_less_often(aws):
+    polls = collections.Counter()
+    sources = aws_sources(aws.url)
+    for source in sources:
+        source.poll = lambda original=source.poll, path=source.path: (polls.update([path]), original())[1]
+    watcher, _ = watch(sources, interval_s=0.02)
+    with watcher:
+        time.sleep(1.5)
+    spot, asg = polls["spot/instance-action"], polls["autoscaling/target-lifecycle-state"]
+    rebalance, maintenance = polls["events/recommendations/rebalance"], polls["events/maintenance/scheduled"]
+    assert min(spot, asg) >= 2 * rebalance > 0, polls  # rebalance: every 5th interval
+    assert 1 <= maintenance <= 3, polls  # scheduled maintenance: every 30th (0.6 s here)

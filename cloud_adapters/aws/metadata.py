@@ -136,6 +136,7 @@ class _IMDSSource:
 
     path = ""
     blocking = False
+    poll_every = 1  # watcher intervals between polls
 
     def __init__(self, client: IMDSClient) -> None:
         self.client = client
@@ -234,6 +235,7 @@ class RebalanceSource(_IMDSSource):
     """The rebalance recommendation: an advisory that often precedes the spot notice."""
 
     path = "events/recommendations/rebalance"
+    poll_every = 5  # advisory, and it comes minutes ahead: every 5th interval saves IMDS calls (and the GIL)
 
     def parse(self, body: str, now: datetime) -> Notice:
         data = self._json(body, dict)
@@ -246,6 +248,7 @@ class MaintenanceSource(_IMDSSource):
     """Scheduled maintenance events (`[]` when none); the earliest active one is the notice."""
 
     path = "events/maintenance/scheduled"
+    poll_every = 30  # scheduled days ahead
 
     def parse(self, body: str, now: datetime) -> Notice | None:
         active: list[tuple[datetime, dict[str, Any]]] = []

@@ -99,15 +99,16 @@ class Checkpointer:
         local_dir: str | None = None,
         group: dist.ProcessGroup | None = None,
         keep_last: int | None = None,
+        write_threads: int = 2,
         thread_count: int = 4,
         on_event: SaveEvents | None = None,
     ) -> None:
-        if keep_last is not None and keep_last < 1:
-            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
-        if thread_count < 1:
-            raise ValueError(f"thread_count must be >= 1, got {thread_count}")
+        for name, value in (("keep_last", keep_last), ("write_threads", write_threads), ("thread_count", thread_count)):
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
         self.remote: ObjectStore = open_store(checkpoint_dir)
         self.keep_last = keep_last
+        self.write_threads = write_threads
         self.thread_count = thread_count
         self.comm = Comm(group)
         remote_root = Path(self.remote.url) if isinstance(self.remote, LocalStore) else None
@@ -272,7 +273,7 @@ class Checkpointer:
             error = None
             try:
                 stage.parent.mkdir(parents=True, exist_ok=True)
-                records = write_shards(stage, state_dict, comm, thread_count=self.thread_count)
+                records = write_shards(stage, state_dict, comm, threads=self.write_threads)
             except FAILURES as exc:
                 error = f"rank {comm.rank}: {describe(exc)}"
             t_written = time.monotonic()

@@ -1,0 +1,116 @@
+"""The store broadcast: every rank's listener gets every event, in order; an idle listener
+blocks on its inbox instead of polling; stores without queues fall back to polling."""
+
+import queue
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from cloud_adapters.notice import INTERRUPTION, Notice, deadline_after, utc_now
+from spotguard.broadcast import Broadcast, listener_store
+from tests.servers import free_port
+
+WORLD = 2
+
+
+def tcp_store():
+    return dist.TCPStore("127.0.0.1", free_port(), 1, True, timeout=timedelta(seconds=30))
+
+
+def file_store(tmp_path):
+    return dist.FileStore(str(tmp_path / "store"), 1)
+
+
+def notice(n=0):
+    now = utc_now()
+    return Notice("aws", INTERRUPTION, "terminate", deadline_after(120, now), now, "test", f"n{n}")
+
+
+class Ranks:
+    """One Broadcast per rank, all in this process, each listening on its own store connection."""
+
+    def __init__(self, store, prefix="run/", poll_s=0.05):
+        self.got = [queue.Queue() for _ in range(WORLD)]
+        self.broadcasts = [
+            Broadcast(
+                store,
+                listener_store(store),
+                prefix,
+                lambda i, e, q=self.got[rank]: q.put((i, e)),
+                rank=rank,
+                world_size=WORLD,
+                poll_s=poll_s,
+            )
+            for rank in range(WORLD)
+        ]
+        self.count_calls = [0] * WORLD
+        for rank, b in enumerate(self.broadcasts):  # count the listener's reads of the log
+            b._listen_log.count = lambda log=b._listen_log, r=rank: (self._counted(r), type(log).count(log))[1]
+
+    def _counted(self, rank):
+        self.count_calls[rank] += 1
+
+    def __enter__(self):
+        for b in self.broadcasts:
+            b.start()
+        return self
+
+    def __exit__(self, *exc):
+        for b in self.broadcasts:
+            b.stop()
+
+    def next_events(self, n, timeout_s=10):
+        return [[q.get(timeout=timeout_s) for _ in range(n)] for q in self.got]
+
+
+def test_every_rank_gets_every_event_in_order_and_one_claim_wins():
+    with Ranks(tcp_store()) as ranks:
+        assert ranks.broadcasts[1].publish_interruption(notice(1))
+        assert not ranks.broadcasts[0].publish_interruption(notice(0))  # claimed already: harmless
+        ranks.broadcasts[0].request_checkpoint("interval")
+        for events in ranks.next_events(2):
+            assert [(i, e["type"]) for i, e in events] == [(1, "emergency"), (2, "checkpoint")]
+            assert events[0][1]["notice"]["key"].endswith("n1")
+
+
+def test_an_idle_listener_blocks_on_its_inbox_and_wakes_at_once():
+    with Ranks(tcp_store()) as ranks:
+        assert all(b.log.has_inboxes for b in ranks.broadcasts)
+        time.sleep(1.0)
+        assert ranks.count_calls == [0, 0]  # no polling while nothing happens
+        published = time.monotonic()
+        ranks.broadcasts[0].request_checkpoint("manual")
+        ranks.next_events(1)
+        assert time.monotonic() - published < 5  # a hang bound; delivery is immediate
+        assert all(c >= 1 for c in ranks.count_calls)
+    assert not any(b._thread.is_alive() for b in ranks.broadcasts)  # stop() woke and joined them
+
+
+def test_an_event_published_before_a_listener_starts_is_delivered():
+    store = tcp_store()
+    ranks = Ranks(store)
+    ranks.broadcasts[0].request_checkpoint("early")
+    with ranks:
+        for events in ranks.next_events(1):
+            assert events[0][1]["reason"] == "early"
+
+
+def test_stores_without_queues_are_polled(tmp_path):
+    with Ranks(file_store(tmp_path), poll_s=0.02) as ranks:
+        assert not any(b.log.has_inboxes for b in ranks.broadcasts)
+        ranks.broadcasts[1].publish_interruption(notice())
+        for events in ranks.next_events(1):
+            assert events[0][1]["type"] == "emergency"
+    assert not any(b._thread.is_alive() for b in ranks.broadcasts)
+
+
+@pytest.mark.parametrize("make_store", [tcp_store, dist.HashStore])
+def test_the_listener_connection_waits_long_and_the_shared_store_keeps_its_timeout(make_store):
+    store = make_store()
+    store.set_timeout(timedelta(seconds=30))
+    listen = listener_store(store)
+    assert store.timeout == timedelta(seconds=30)  # a HashStore's "clone" is itself: left alone
+    if isinstance(store, dist.TCPStore):
+        assert listen.timeout == timedelta(hours=24)
