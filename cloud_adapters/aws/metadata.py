@@ -22,9 +22,7 @@ import time
 from datetime import datetime, timedelta
 from typing import Any, Callable
 
-import requests
-
-from cloud_adapters.endpoints import metadata_session, resolve_metadata_url, transport_error
+from cloud_adapters.endpoints import MetadataResponse, MetadataSession, MetadataTimeout, resolve_metadata_url
 from cloud_adapters.notice import (
     INTERRUPTION,
     MAINTENANCE,
@@ -63,19 +61,19 @@ def _excerpt(body: str, limit: int = 120) -> str:
     return repr(body[:limit] + ("..." if len(body) > limit else ""))
 
 
-def _fetch_token(session: requests.Session, base_url: str, timeout_s: float) -> tuple[str, float]:
+def _fetch_token(session: MetadataSession, base_url: str, timeout_s: float) -> tuple[str, float]:
     """PUT for an IMDSv2 session token; returns the token and its TTL in seconds."""
     url = base_url + TOKEN_PATH
     try:
         resp = session.put(url, headers={TOKEN_TTL_HEADER: str(TOKEN_TTL_S)}, timeout=timeout_s)
-    except requests.ReadTimeout as exc:
+    except MetadataTimeout as exc:
+        if not exc.connected:
+            raise
         # Connected but no answer: the classic sign of a container one hop beyond the PUT response hop limit.
         raise NoticeSourceError(
             f"IMDSv2 token request to {url} got no answer within {timeout_s:g} s "
             "(in a container? the instance's http-put-response-hop-limit must be at least 2)"
         ) from exc
-    except requests.RequestException as exc:
-        raise transport_error(f"IMDSv2 token request to {url}", exc, timeout_s) from exc
     token = resp.text.strip()
     if resp.status_code != 200 or not token:
         raise NoticeSourceError(f"IMDSv2 token request to {url} answered {resp.status_code}: {_excerpt(resp.text)}")
@@ -92,8 +90,8 @@ class IMDSClient:
     def __init__(self, base_url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.base_url = base_url
         self.timeout_s = timeout_s
-        self._session = metadata_session()
-        self._lock = threading.Lock()  # one token fetch at a time, and requests.Session is not thread-safe
+        self._session = MetadataSession()
+        self._lock = threading.Lock()  # one token fetch at a time
         self._token: str | None = None
         self._token_renew_at = 0.0  # time.monotonic() after which the token is renewed
 
@@ -115,13 +113,9 @@ class IMDSClient:
         """Release pooled connections (a later GET reconnects)."""
         self._session.close()
 
-    def _get(self, path: str) -> requests.Response:
+    def _get(self, path: str) -> MetadataResponse:
         url = self.base_url + META_PREFIX + path
-        headers = {TOKEN_HEADER: self._current_token()}
-        try:
-            return self._session.get(url, headers=headers, timeout=self.timeout_s)
-        except requests.RequestException as exc:
-            raise transport_error(f"GET {url}", exc, self.timeout_s) from exc
+        return self._session.get(url, headers={TOKEN_HEADER: self._current_token()}, timeout=self.timeout_s)
 
     def _current_token(self) -> str:
         if self._token is None or time.monotonic() >= self._token_renew_at:
@@ -280,7 +274,7 @@ def notice_sources(metadata_url: str | None = None, *, timeout_s: float = DEFAUL
 def probe(metadata_url: str | None = None, timeout_s: float = 0.3) -> bool:
     """True when an IMDSv2 token PUT succeeds at the resolved endpoint (cloud detection)."""
     base_url = resolve_metadata_url(metadata_url, ENDPOINT_ENV, DEFAULT_URL)
-    with metadata_session() as session:
+    with MetadataSession() as session:
         try:
             _fetch_token(session, base_url, timeout_s)
         except NoticeSourceError as exc:

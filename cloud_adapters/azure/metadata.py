@@ -16,9 +16,7 @@ import time
 from datetime import datetime
 from typing import Any
 
-import requests
-
-from cloud_adapters.endpoints import metadata_session, normalise_base_url, resolve_metadata_url, transport_error
+from cloud_adapters.endpoints import MetadataResponse, MetadataSession, normalise_base_url, resolve_metadata_url
 from cloud_adapters.notice import (
     INTERRUPTION,
     MAINTENANCE,
@@ -51,7 +49,7 @@ MIN_REQUEST_INTERVAL_S = 0.25
 INTERRUPTING_EVENTS = ("Preempt", "Terminate")
 
 
-def _error_for(response: requests.Response, what: str) -> NoticeSourceError:
+def _error_for(response: MetadataResponse, what: str) -> NoticeSourceError:
     """A one-line error for an answer that is not a success."""
     if response.status_code == 429:
         retry_after = response.headers.get("Retry-After")
@@ -79,7 +77,7 @@ class ScheduledEventsSource:
         self.timeout_s = timeout_s
         self.prime_timeout_s = prime_timeout_s
         self._vm_name = vm_name
-        self._session = metadata_session(METADATA_HEADERS)
+        self._session = MetadataSession(METADATA_HEADERS)
         self._events_url = f"{self.base_url}{SCHEDULED_EVENTS_PATH}"
         self._lock = threading.Lock()  # one request at a time, spaced for the rate limit
         self._last_request = 0.0
@@ -101,7 +99,7 @@ class ScheduledEventsSource:
             raise ValueError(f"not an Azure scheduled event notice: {notice.key!r}")
         body = {"StartRequests": [{"EventId": event_id}]}
         try:
-            response = self._request("POST", self._events_url, self.timeout_s, params=_EVENTS_QUERY, json=body)
+            response = self._request("POST", self._events_url, self.timeout_s, params=_EVENTS_QUERY, json_body=body)
         except NoticeSourceError as exc:
             raise NoticeSourceError(f"could not acknowledge Azure event {event_id}: {exc}") from exc
         if not response.ok:
@@ -128,7 +126,7 @@ class ScheduledEventsSource:
             log.info("Azure VM name is %s", name)
         return self._vm_name
 
-    def _request(self, method: str, url: str, timeout_s: float, **kwargs: Any) -> requests.Response:
+    def _request(self, method: str, url: str, timeout_s: float, **kwargs: Any) -> MetadataResponse:
         """One request, spaced for the rate limit; NoticeSourceError when no answer comes."""
         with self._lock:
             wait = self._last_request + MIN_REQUEST_INTERVAL_S - time.monotonic()
@@ -136,8 +134,6 @@ class ScheduledEventsSource:
                 time.sleep(wait)
             try:
                 return self._session.request(method, url, timeout=timeout_s, **kwargs)
-            except requests.RequestException as exc:
-                raise transport_error(f"{method} {url}", exc, timeout_s) from exc
             finally:
                 self._last_request = time.monotonic()
 
@@ -220,11 +216,11 @@ def notice_sources(metadata_url: str | None = None) -> list[NoticeSource]:
 def probe(metadata_url: str | None = None, timeout_s: float = 0.3) -> bool:
     """True when an Azure IMDS answers instance metadata at the resolved endpoint."""
     base_url = resolve_metadata_url(metadata_url, None, DEFAULT_METADATA_URL)
-    with metadata_session(METADATA_HEADERS) as session:
+    with MetadataSession(METADATA_HEADERS) as session:
         try:
             response = session.get(
                 f"{base_url}{INSTANCE_PATH}", params={"api-version": INSTANCE_API_VERSION}, timeout=timeout_s
             )
             return response.status_code == 200 and isinstance(response.json(), dict)
-        except (requests.RequestException, ValueError):
+        except (NoticeSourceError, ValueError):
             return False

@@ -18,9 +18,7 @@ import time
 from datetime import datetime
 from typing import Any
 
-import requests
-
-from cloud_adapters.endpoints import metadata_session, resolve_metadata_url, transport_error
+from cloud_adapters.endpoints import MetadataResponse, MetadataSession, resolve_metadata_url
 from cloud_adapters.notice import (
     INTERRUPTION,
     MAINTENANCE,
@@ -62,15 +60,15 @@ def notice_sources(metadata_url: str | None = None) -> list[NoticeSource]:
 def probe(metadata_url: str | None = None, timeout_s: float = 0.3) -> bool:
     """True when a GCE metadata server answers `instance/id` and says `Metadata-Flavor: Google`."""
     base_url = resolve_metadata_url(metadata_url, HOST_ENV, DEFAULT_URL)
-    with metadata_session(FLAVOR_HEADERS) as session:
+    with MetadataSession(FLAVOR_HEADERS) as session:
         try:
             answer = session.get(base_url + METADATA_PATH + "instance/id", timeout=timeout_s)
-        except requests.RequestException:
+        except NoticeSourceError:
             return False
     return answer.status_code == 200 and answer.headers.get("Metadata-Flavor") == "Google"
 
 
-def _require_ok(answer: requests.Response, path: str) -> requests.Response:
+def _require_ok(answer: MetadataResponse, path: str) -> MetadataResponse:
     if answer.status_code != 200:
         raise NoticeSourceError(
             f"GCE metadata {path} answered HTTP {answer.status_code}: {answer.text.strip()[:200]!r}"
@@ -103,7 +101,7 @@ class _MetadataKeySource:
         self.name = f"gcp:{self.key_path}"
         self.hang_timeout_s = int(hang_timeout_s)
         self.request_timeout_s = request_timeout_s
-        self._session = metadata_session(FLAVOR_HEADERS)
+        self._session = MetadataSession(FLAVOR_HEADERS)
         self._polled = False
         self._etag: str | None = None
         self._since: tuple[str, datetime] | None = None  # (value, first seen) of the current notice
@@ -136,14 +134,11 @@ class _MetadataKeySource:
     def close(self) -> None:
         self._session.close()
 
-    def _get(self, path: str, params: dict[str, Any], read_timeout: float) -> requests.Response:
+    def _get(self, path: str, params: dict[str, Any], read_timeout: float) -> MetadataResponse:
         """GET a metadata key, retrying the brief 503s of a live migration; NoticeSourceError without an answer."""
         url = self.base_url + METADATA_PATH + path
         for attempt in range(RETRY_503 + 1):
-            try:
-                answer = self._session.get(url, params=params, timeout=(self.request_timeout_s, read_timeout))
-            except requests.RequestException as exc:
-                raise transport_error(f"GET {url}", exc, read_timeout) from exc
+            answer = self._session.get(url, params=params, timeout=(self.request_timeout_s, read_timeout))
             if answer.status_code != 503 or attempt == RETRY_503:
                 break
             log.debug("GCE metadata %s answered 503 (attempt %d); retrying", path, attempt + 1)
