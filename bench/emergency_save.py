@@ -6,8 +6,9 @@ Two ranks (gloo, subprocesses, one compute thread each) hold a replicated DDP st
 MLP of 4096x4096 layers with its AdamW state (weights + exp_avg + exp_avg_sq), --gb GB
 per rank, the same on both ranks. Each round writes it, into fresh files under --dir, as
 
-  disk, 1 writer      rank 0 writes that many bytes in 16 MiB blocks, then fsync (the limit)
-  disk, 2 writers     each rank writes half, then fsync (the limit with both ranks)
+  disk, 1 writer      rank 0 writes that many bytes in 16 MiB blocks, each block's writeback
+                      started at once (sync_file_range on Linux), then fsync (the limit)
+  disk, 2 writers     each rank writes half the same way (the limit with both ranks)
   torch.save          rank 0 saves the full state_dict and fsyncs; rank 1 waits
   DCP                 torch.distributed.checkpoint.save, FileSystemWriter defaults
   DCP, no zip CRC32   the same with torch.save's per-record zip CRC32 switched off (what
@@ -153,6 +154,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     import spotguard
+    from spotguard.checkpoint.save import start_writeback
 
     rank, world = init_worker()
     work = Path(args.dir)
@@ -164,10 +166,10 @@ def worker(args: argparse.Namespace) -> None:
     block = os.urandom(BLOCK)  # incompressible; reused, the disk does not deduplicate
 
     def write_bytes(path: Path, size: int) -> None:
-        with open(path, "wb") as f:
+        with open(path, "wb", buffering=0) as f:
             for offset in range(0, size, BLOCK):
                 f.write(block[: min(BLOCK, size - offset)])
-            f.flush()
+                start_writeback(f.fileno(), offset, BLOCK)  # the disk busy from the first block on
             os.fsync(f.fileno())
 
     def torch_save(path: Path) -> None:

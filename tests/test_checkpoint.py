@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import sys
 import threading
 import time
 from pathlib import Path
@@ -366,3 +367,17 @@ def test_a_transfer_dying_of_a_base_exception_fails_the_download_instead_of_hang
     assert isinstance(outcome.get("error"), OSError) and "3 of 3 transfers failed: Stop: pulled the plug" in str(
         outcome["error"]
     )
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux-only (a no-op elsewhere)")
+def test_writeback_hint_reaches_the_kernel_and_never_raises(tmp_path):
+    from spotguard.checkpoint import save
+
+    assert save._sync_file_range is not None
+    path = tmp_path / "f"
+    with open(path, "wb") as f:
+        f.write(b"x" * (1 << 20))
+        f.flush()
+        assert save._sync_file_range(f.fileno(), 0, 1 << 20, save._SYNC_FILE_RANGE_WRITE) == 0
+        save.start_writeback(f.fileno(), 0, 1 << 20)
+    save.start_writeback(-1, 0, 1)  # a bad descriptor: ignored, it is only a hint
