@@ -154,7 +154,7 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     import spotguard
-    from spotguard.checkpoint.save import start_writeback
+    from spotguard.checkpoint.shard_io import start_writeback
 
     rank, world = init_worker()
     work = Path(args.dir)

@@ -121,10 +121,10 @@ def test_manifest_records_every_file_with_size_and_crc32c(tmp_path):
 
 
 def test_shards_are_checksummed_as_written_and_the_zip_crc_setting_comes_back(tmp_path, monkeypatch):
-    from spotguard.checkpoint import save
+    from spotguard.checkpoint import save, shard_io
 
     reread = []
-    monkeypatch.setattr(save, "checksum_file", lambda path: reread.append(path.name) or checksum_file(path))
+    monkeypatch.setattr(shard_io, "checksum_file", lambda path: reread.append(path.name) or checksum_file(path))
     seen_during_save = []
     real_dcp_save = save.dcp.save
     monkeypatch.setattr(
@@ -371,13 +371,13 @@ def test_a_transfer_dying_of_a_base_exception_fails_the_download_instead_of_hang
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux-only (a no-op elsewhere)")
 def test_writeback_hint_reaches_the_kernel_and_never_raises(tmp_path):
-    from spotguard.checkpoint import save
+    from spotguard.checkpoint import shard_io
 
-    assert save._sync_file_range is not None
+    assert shard_io._sync_file_range is not None
     path = tmp_path / "f"
     with open(path, "wb") as f:
         f.write(b"x" * (1 << 20))
         f.flush()
-        assert save._sync_file_range(f.fileno(), 0, 1 << 20, save._SYNC_FILE_RANGE_WRITE) == 0
-        save.start_writeback(f.fileno(), 0, 1 << 20)
-    save.start_writeback(-1, 0, 1)  # a bad descriptor: ignored, it is only a hint
+        assert shard_io._sync_file_range(f.fileno(), 0, 1 << 20, shard_io._SYNC_FILE_RANGE_WRITE) == 0
+        shard_io.start_writeback(f.fileno(), 0, 1 << 20)
+    shard_io.start_writeback(-1, 0, 1)  # a bad descriptor: ignored, it is only a hint

@@ -1,40 +1,17 @@
-"""Write one step's shards with DCP into a staging directory and checksum what this rank wrote.
-
-Three things make this faster than a plain `dcp.save` followed by a checksum pass:
-the CRC32C of each shard is computed from the bytes as DCP hands them to the file (no
-second read); torch.save's own per-record zip CRC32 is switched off while we save (the
-manifest's CRC32C already covers every byte; torch.load does not check the zip's); and on
-Linux the disk starts writing each file while it is still being filled (sync_file_range),
-instead of only at the closing fsync, so serializing and writing overlap.
-"""
+"""Write one step's shards with DCP into a staging directory and checksum what this rank wrote."""
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import ctypes.util
-import os
-import sys
-import threading
-from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-import google_crc32c
-import numpy
 import torch.distributed.checkpoint as dcp
-import torch.serialization
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
 
 from spotguard.checkpoint.comm import Comm
 from spotguard.checkpoint.layout import DCP_METADATA_NAME, shard_prefix
-from spotguard.checkpoint.manifest import FileRecord, checksum_file
-
-# The checksum runs holding the GIL (see _ChecksummingStream.write); slices this small keep
-# each hold to ~0.1 ms, so a training thread running beside a background save is not stalled.
-_CRC_SLICE = 1 << 20
-_WRITEBACK_STEP = 32 << 20  # start writeback of every this many bytes written
+from spotguard.checkpoint.manifest import FileRecord
+from spotguard.checkpoint.shard_io import ChecksummingFileSystem, without_zip_crc32
 
 
 def write_shards(stage_dir: Path, state_dict: dict[str, Any], comm: Comm, *, threads: int) -> list[FileRecord]:
@@ -46,127 +23,10 @@ def write_shards(stage_dir: Path, state_dict: dict[str, Any], comm: Comm, *, thr
     """
     # The stage directory is always fresh (random name), so nothing can be overwritten.
     writer = FileSystemWriter(stage_dir, thread_count=threads, sync_files=True)
-    writer.fs = fs = _ChecksummingFileSystem()
-    with comm.dcp_args() as dist_args, _without_zip_crc32():
+    writer.fs = fs = ChecksummingFileSystem()
+    with comm.dcp_args() as dist_args, without_zip_crc32():
         dcp.save(state_dict, storage_writer=writer, **dist_args)
     mine = sorted(p for p in stage_dir.iterdir() if p.name.startswith(shard_prefix(comm.rank)))
     if comm.is_coordinator:
         mine.append(stage_dir / DCP_METADATA_NAME)  # written to a temporary name, then renamed: read it back
     return [fs.record_for(path) for path in mine]
-
-
-class _ChecksummingFileSystem(FileSystem):
-    """DCP's local file system, checksumming each file it writes as the bytes go by."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._records: dict[str, FileRecord] = {}
-
-    @contextlib.contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
-        with super().create_stream(path, mode) as raw:
-            if mode != "wb":
-                yield raw
-                return
-            stream = _ChecksummingStream(raw)
-            yield stream
-        self._records[os.fspath(path)] = FileRecord(Path(path).name, stream.size, f"{stream.crc:08x}")
-
-    def record_for(self, path: Path) -> FileRecord:
-        """The inline record when it covers the whole file as it is on disk, else a fresh read."""
-        record = self._records.get(os.fspath(path))
-        if record is not None and record.size == path.stat().st_size:
-            return record
-        return checksum_file(path)
-
-
-class _ChecksummingStream:
-    """A write-only file that keeps the size and CRC32C of everything written through it.
-
-    DCP only appends to the shard files it writes (it never seeks), so the running CRC is
-    the file's CRC; `record_for` still compares the size with the file on disk.
-    """
-
-    def __init__(self, raw: IO[bytes]) -> None:
-        self._raw = raw
-        self.crc = 0
-        self.size = 0
-        self._writeback_from = 0
-
-    def write(self, data: Any) -> int:
-        written = self._raw.write(data)
-        view = memoryview(data).cast("B")
-        for start in range(0, len(view), _CRC_SLICE):
-            # google_crc32c takes only read-only buffers without a release hook: bytes (a copy) or
-            # an ndarray view of the same memory (no copy) -- torch.save hands us memoryviews.
-            self.crc = google_crc32c.extend(self.crc, numpy.frombuffer(view[start : start + _CRC_SLICE], numpy.uint8))
-        self.size += written
-        if self.size - self._writeback_from >= _WRITEBACK_STEP:
-            start_writeback(self._raw.fileno(), self._writeback_from, self.size - self._writeback_from)
-            self._writeback_from = self.size
-        return written
-
-    def tell(self) -> int:
-        return self._raw.tell()
-
-    def flush(self) -> None:
-        self._raw.flush()
-
-    def fileno(self) -> int:
-        return self._raw.fileno()
-
-    def close(self) -> None:
-        self._raw.close()
-
-
-def _load_sync_file_range() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    function = getattr(
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True), "sync_file_range", None
-    )
-    if function is not None:
-        function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    return function
-
-
-_sync_file_range = _load_sync_file_range()
-_SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages; do not wait
-
-
-def start_writeback(fd: int, offset: int, length: int) -> None:
-    """Ask the kernel to start writing a range to disk now (a hint: the closing fsync still
-    makes it durable). Without it nothing reaches the disk before that fsync, because the
-    page cache holds gigabytes of dirty data before background writeback begins. Bytes
-    still in Python's write buffer are simply not covered yet; failures (a file system
-    without support) are ignored. ctypes releases the GIL for the call."""
-    if _sync_file_range is not None:
-        _sync_file_range(fd, offset, length, _SYNC_FILE_RANGE_WRITE)
-
-
-_zip_crc32_lock = threading.Lock()
-_zip_crc32_users = 0
-_zip_crc32_before = True
-
-
-@contextlib.contextmanager
-def _without_zip_crc32() -> Iterator[None]:
-    """Let torch.save skip the CRC32 of each zip record while our saves run.
-
-    DCP writes every tensor with torch.save, and that zip CRC32 is over half of torch.save's
-    time. The switch is process-wide, so it is counted: a background save and an emergency
-    save may overlap, and the user's setting comes back when the last one ends.
-    """
-    global _zip_crc32_users, _zip_crc32_before
-    with _zip_crc32_lock:
-        if _zip_crc32_users == 0:
-            _zip_crc32_before = torch.serialization.get_crc32_options()
-            torch.serialization.set_crc32_options(False)
-        _zip_crc32_users += 1
-    try:
-        yield
-    finally:
-        with _zip_crc32_lock:
-            _zip_crc32_users -= 1
-            if _zip_crc32_users == 0:
-                torch.serialization.set_crc32_options(_zip_crc32_before)
