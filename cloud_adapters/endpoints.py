@@ -96,7 +96,8 @@ class MetadataSession:
         json_body: Any = None,
     ) -> MetadataResponse:
         connect_s, read_s = timeout if isinstance(timeout, tuple) else (timeout, timeout)
-        full_url = f"{url}?{urlencode(params)}" if params else url
+        query = urlencode({k: v for k, v in (params or {}).items() if v is not None}, doseq=True)
+        full_url = f"{url}{'&' if '?' in url else '?'}{query}" if query else url
         try:
             answer = self._pools.request(
                 method,

@@ -9,9 +9,11 @@ and a metadata notice together, make one event.
 
 Listeners do not poll when the store has queues (TCPStore's default server, HashStore):
 each append also drops the event's index into every rank's inbox queue
-(`<prefix>inbox/<rank>`) and a listener blocks on its own inbox, so an idle guard makes
-no store requests and no wake-ups at all. Stores without queues (FileStore, the legacy
-TCPStore server) are polled every `poll_s`.
+(`<prefix>inbox/<rank>`), and a listener blocks on its own inbox on a connection of its
+own, so an idle guard makes almost no store requests and wake-ups. A safety tick wakes
+it every `tick_s` too, so an event whose publisher died before ringing every inbox costs
+seconds, not the event. Stores without queues (FileStore, the legacy TCPStore server)
+are polled every `poll_s`.
 """
 
 from __future__ import annotations
@@ -30,9 +32,10 @@ from cloud_adapters.notice import Notice
 
 log = logging.getLogger(__name__)
 
-# A listener's blocking wait on its inbox ends with a timeout (logged by c10d) after the store's
-# timeout; its own connection gets a long one so an idle guard stays quiet.
-LISTEN_TIMEOUT = timedelta(hours=24)
+# A blocking wait on the inbox ends with a timeout (logged by c10d) after the store's timeout;
+# the connection that waits gets a long one so an idle guard stays quiet (ticks wake it anyway).
+INBOX_WAIT_TIMEOUT = timedelta(hours=24)
+_NO_QUEUES = (NotImplementedError, AttributeError)  # FileStore, the legacy TCPStore server, older torch
 EMERGENCY = "emergency"  # an interruption notice: save and stop
 CHECKPOINT = "checkpoint"  # a save the job keeps running after (interval, rebalance advisory)
 
@@ -41,29 +44,37 @@ def listener_store(store: dist.Store) -> dist.Store:
     """A store client for a background thread.
 
     A TCPStore client is one socket; cloning gives the listener its own, so its
-    polling never queues behind the training thread's store calls.
+    requests never queue behind the training thread's store calls.
     """
     try:
-        clone = store.clone()
+        return store.clone()
     except (RuntimeError, NotImplementedError):
         return store  # in-process stores (HashStore) are thread-safe as they are
+
+
+def inbox_connection(store: dist.Store) -> dist.Store | None:
+    """A connection to block on this rank's inbox, or None when the store has no queues.
+
+    The probe runs on a connection of its own: a store that cannot do queues may drop the
+    connection that asked, and the default group's connection must never be the one.
+    """
+    connection = listener_store(store)
+    try:
+        connection.queue_len("spotguard/probe")
+    except _NO_QUEUES:
+        return None
+    except RuntimeError as exc:  # e.g. a newer client talking to a legacy server: it hung up on us
+        log.info("the store cannot do queues (%s); listeners poll it instead", exc)
+        return None
     if _has_own_connection(store):  # a HashStore's clone is the store itself: leave its timeout alone
-        clone.set_timeout(LISTEN_TIMEOUT)
-    return clone
+        connection.set_timeout(INBOX_WAIT_TIMEOUT)
+    return connection
 
 
 def _has_own_connection(store: dist.Store) -> bool:
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
     return isinstance(store, dist.TCPStore)
-
-
-def _has_queues(store: dist.Store) -> bool:
-    try:
-        store.queue_len("spotguard/probe")
-    except (RuntimeError, NotImplementedError):
-        return False
-    return True
 
 
 class EventLog:
@@ -73,7 +84,7 @@ class EventLog:
         self.store = store
         self.prefix = prefix
         self.world_size = world_size
-        self.has_inboxes = _has_queues(store)
+        self._ring = True  # until the store says it has no queues
 
     def inbox(self, rank: int) -> str:
         return f"{self.prefix}inbox/{rank}"
@@ -81,10 +92,21 @@ class EventLog:
     def append(self, event: dict[str, Any]) -> int:
         index = int(self.store.add(self.prefix + "seq", 1))
         self.store.set(f"{self.prefix}event/{index}", json.dumps(event))
-        if self.has_inboxes:
+        self._ring_inboxes(index)
+        return index
+
+    def _ring_inboxes(self, index: int) -> None:
+        """Wake every rank's listener. The event is in the log already: a failed ring only
+        delays it to that listener's next tick, so it is logged, never raised."""
+        if not self._ring:
+            return
+        try:
             for rank in range(self.world_size):
                 self.store.queue_push(self.inbox(rank), str(index))
-        return index
+        except _NO_QUEUES:
+            self._ring = False  # every listener polls this store
+        except Exception as exc:  # noqa: BLE001 - see above
+            log.warning("could not wake every listener for event %d (%s); they find it at their next tick", index, exc)
 
     def claim(self, name: str, event: dict[str, Any]) -> bool:
         """Append `event` only if nobody has claimed `name` yet; True if this call won."""
@@ -117,10 +139,11 @@ class EventLog:
 
 
 class Broadcast:
-    """Publishes events through `store` and runs this rank's listener on `listen_store`
-    (see `listener_store`), which hands each event to `on_event(index, event)` on the
-    listener thread, in log order. Without inboxes the listener checks the log every
-    `poll_s`: 50 ms keeps delivery well under 100 ms.
+    """Publishes events through `store` and runs this rank's listener, which reads the log on
+    `listen_store` (see `listener_store`) and hands each event to `on_event(index, event)`
+    on the listener thread, in log order. It waits on its inbox through `inbox` (see
+    `inbox_connection`), with a tick every `tick_s`; with no inbox connection it checks the
+    log every `poll_s`: 50 ms keeps delivery well under 100 ms.
     """
 
     def __init__(
@@ -130,17 +153,25 @@ class Broadcast:
         prefix: str,
         on_event: Callable[[int, dict[str, Any]], None],
         *,
+        inbox: dist.Store | None,
         rank: int,
         world_size: int,
         poll_s: float = 0.05,
+        tick_s: float = 5.0,
     ) -> None:
         self.log = EventLog(store, prefix, world_size)
         self._listen_log = EventLog(listen_store, prefix, world_size)
+        self._inbox = inbox
         self.on_event = on_event
         self.rank = rank
         self.poll_s = poll_s
+        self.tick_s = tick_s
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
+
+    @property
+    def uses_inbox(self) -> bool:
+        return self._inbox is not None
 
     def publish_interruption(self, notice: Notice) -> bool:
         """Announce an interruption to every rank; False if another one was announced first."""
@@ -153,19 +184,28 @@ class Broadcast:
         return self.log.append({"type": CHECKPOINT, "reason": reason})
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._listen, name="spotguard-listener", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._listen, name="spotguard-listener", daemon=True)]
+        if self.uses_inbox:
+            self._threads.append(threading.Thread(target=self._tick, name="spotguard-tick", daemon=True))
+        for thread in self._threads:
+            thread.start()
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._stop.set()
-        if self._thread is None:
-            return
-        if self.log.has_inboxes:
-            try:
-                self.log.store.queue_push(self.log.inbox(self.rank), "stop")  # wakes our blocked listener
-            except Exception as exc:  # noqa: BLE001 - the store is gone: so is the listener's wait
-                log.debug("could not wake the listener to stop it: %s", exc)
-        self._thread.join(timeout=timeout_s)
+        if self._threads and self.uses_inbox:
+            self._wake("stop")
+        for thread in self._threads:
+            thread.join(timeout=timeout_s)
+
+    def _wake(self, why: str) -> None:
+        try:
+            self.log.store.queue_push(self.log.inbox(self.rank), why)
+        except Exception as exc:  # noqa: BLE001 - the store is gone: so is the listener's wait
+            log.debug("could not wake the listener (%s): %s", why, exc)
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self.tick_s):
+            self._wake("tick")
 
     def _listen(self) -> None:
         seen = 0
@@ -196,10 +236,10 @@ class Broadcast:
 
     def _await_news(self) -> None:
         """Return when the log may have grown (or when asked to stop)."""
-        if not self._listen_log.has_inboxes:
+        if self._inbox is None:
             self._stop.wait(self.poll_s)
             return
         try:
-            self._listen_log.store.queue_pop(self._listen_log.inbox(self.rank), True)
+            self._inbox.queue_pop(self.log.inbox(self.rank), True)
         except dist.DistStoreError:
             pass  # the wait timed out: look at the log anyway, then wait again

@@ -34,7 +34,7 @@ from cloud_adapters.signals import SignalSource, parse_signal
 from cloud_adapters.sources import CLOUDS, cloud_sources
 from spotguard import topology
 from spotguard.agreement import Decision, StepAgreement
-from spotguard.broadcast import EMERGENCY, Broadcast, listener_store
+from spotguard.broadcast import EMERGENCY, Broadcast, inbox_connection, listener_store
 from spotguard.checkpoint import Checkpointer, SaveReport
 from spotguard.timeline import Timeline, seconds
 from spotguard.watcher import Watcher
@@ -156,7 +156,13 @@ class Guard:
         prefix = topology.run_prefix()
         listen_store = listener_store(store)  # the agreement runs on the listener thread too
         self._broadcast = Broadcast(
-            store, listen_store, prefix, self._on_event, rank=self.topology.rank, world_size=self.topology.world_size
+            store,
+            listen_store,
+            prefix,
+            self._on_event,
+            inbox=inbox_connection(store),
+            rank=self.topology.rank,
+            world_size=self.topology.world_size,
         )
         self._agreement = StepAgreement(listen_store, prefix, self.topology.rank, self.topology.world_size)
         self._broadcast.start()

@@ -108,7 +108,7 @@ class Watcher:
             prime = getattr(source, "prime", None)
             if prime is not None:  # Azure: the first call after boot can take minutes, and may hold a notice
                 self._report(source, retrying(prime))
-            pause = self.interval_s * getattr(source, "poll_every", 1)
+            pause = self.interval_s * max(1, getattr(source, "poll_every", 1))  # never a busy loop
             while not self._stop.is_set():
                 self._report(source, retrying(source.poll))
                 failure.recovered()

@@ -1,6 +1,7 @@
 """The store broadcast: every rank's listener gets every event, in order; an idle listener
 blocks on its inbox instead of polling; stores without queues fall back to polling."""
 
+import json
 import queue
 import time
 from datetime import timedelta
@@ -9,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from cloud_adapters.notice import INTERRUPTION, Notice, deadline_after, utc_now
-from spotguard.broadcast import Broadcast, listener_store
+from spotguard.broadcast import Broadcast, inbox_connection, listener_store
 from tests.servers import free_port
 
 WORLD = 2
@@ -31,7 +32,7 @@ def notice(n=0):
 class Ranks:
     """One Broadcast per rank, all in this process, each listening on its own store connection."""
 
-    def __init__(self, store, prefix="run/", poll_s=0.05):
+    def __init__(self, store, prefix="run/", poll_s=0.05, tick_s=5.0):
         self.got = [queue.Queue() for _ in range(WORLD)]
         self.broadcasts = [
             Broadcast(
@@ -39,9 +40,11 @@ class Ranks:
                 listener_store(store),
                 prefix,
                 lambda i, e, q=self.got[rank]: q.put((i, e)),
+                inbox=inbox_connection(store),
                 rank=rank,
                 world_size=WORLD,
                 poll_s=poll_s,
+                tick_s=tick_s,
             )
             for rank in range(WORLD)
         ]
@@ -77,7 +80,7 @@ def test_every_rank_gets_every_event_in_order_and_one_claim_wins():
 
 def test_an_idle_listener_blocks_on_its_inbox_and_wakes_at_once():
     with Ranks(tcp_store()) as ranks:
-        assert all(b.log.has_inboxes for b in ranks.broadcasts)
+        assert all(b.uses_inbox for b in ranks.broadcasts)
         time.sleep(1.0)
         assert ranks.count_calls == [0, 0]  # no polling while nothing happens
         published = time.monotonic()
@@ -85,7 +88,7 @@ def test_an_idle_listener_blocks_on_its_inbox_and_wakes_at_once():
         ranks.next_events(1)
         assert time.monotonic() - published < 5  # a hang bound; delivery is immediate
         assert all(c >= 1 for c in ranks.count_calls)
-    assert not any(b._thread.is_alive() for b in ranks.broadcasts)  # stop() woke and joined them
+    assert not any(t.is_alive() for b in ranks.broadcasts for t in b._threads)  # stop() woke and joined them
 
 
 def test_an_event_published_before_a_listener_starts_is_delivered():
@@ -99,18 +102,33 @@ def test_an_event_published_before_a_listener_starts_is_delivered():
 
 def test_stores_without_queues_are_polled(tmp_path):
     with Ranks(file_store(tmp_path), poll_s=0.02) as ranks:
-        assert not any(b.log.has_inboxes for b in ranks.broadcasts)
+        assert not any(b.uses_inbox for b in ranks.broadcasts)
         ranks.broadcasts[1].publish_interruption(notice())
         for events in ranks.next_events(1):
             assert events[0][1]["type"] == "emergency"
-    assert not any(b._thread.is_alive() for b in ranks.broadcasts)
+    assert not any(t.is_alive() for b in ranks.broadcasts for t in b._threads)
+
+
+def test_an_event_whose_publisher_died_before_ringing_is_found_at_the_next_tick():
+    store = tcp_store()
+    with Ranks(store, tick_s=0.2) as ranks:
+        store.add("run/seq", 1)  # what append() does before it rings the inboxes...
+        store.set("run/event/1", json.dumps({"type": "checkpoint", "reason": "orphan"}))  # ...and no ring
+        for events in ranks.next_events(1):
+            assert events[0] == (1, {"type": "checkpoint", "reason": "orphan"})
 
 
 @pytest.mark.parametrize("make_store", [tcp_store, dist.HashStore])
-def test_the_listener_connection_waits_long_and_the_shared_store_keeps_its_timeout(make_store):
+def test_only_the_inbox_connection_waits_long(make_store):
     store = make_store()
     store.set_timeout(timedelta(seconds=30))
-    listen = listener_store(store)
-    assert store.timeout == timedelta(seconds=30)  # a HashStore's "clone" is itself: left alone
-    if isinstance(store, dist.TCPStore):
-        assert listen.timeout == timedelta(hours=24)
+    listen, inbox = listener_store(store), inbox_connection(store)
+    assert store.timeout == listen.timeout == timedelta(seconds=30)  # the agreement keeps real timeouts
+    assert inbox.timeout == (timedelta(hours=24) if isinstance(store, dist.TCPStore) else timedelta(seconds=30))
+
+
+def test_a_store_without_queues_gets_no_inbox_and_keeps_working(tmp_path):
+    store = file_store(tmp_path)
+    assert inbox_connection(store) is None
+    store.set("still", "usable")
+    assert store.get("still") == b"usable"

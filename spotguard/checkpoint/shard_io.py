@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
 import os
 import sys
 import threading
@@ -101,7 +100,7 @@ def _load_sync_file_range() -> Any:
     if not sys.platform.startswith("linux"):
         return None
     try:
-        function = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), "sync_file_range", None)
+        function = getattr(ctypes.CDLL(None), "sync_file_range", None)  # the C library already loaded
     except OSError:
         return None
     if function is not None:
@@ -137,6 +136,9 @@ def without_zip_crc32() -> Iterator[None]:
     save may overlap, and the user's setting comes back when the last one ends.
     """
     global _zip_crc32_users, _zip_crc32_before
+    if not hasattr(torch.serialization, "set_crc32_options"):  # torch < 2.5: nothing to switch
+        yield
+        return
     with _zip_crc32_lock:
         if _zip_crc32_users == 0:
             _zip_crc32_before = torch.serialization.get_crc32_options()
