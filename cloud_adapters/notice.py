@@ -68,6 +68,7 @@ class Notice:
     source: str  # which endpoint or mechanism said so, e.g. "aws:spot/instance-action"
     key: str
     detail: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False)
+    node: str | None = None  # the node it is about, once a job has said (several nodes may share a host)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -92,6 +93,7 @@ class Notice:
             "source": self.source,
             "key": self.key,
             "detail": self.detail,
+            "node": self.node,
         }
 
     @classmethod
@@ -105,6 +107,7 @@ class Notice:
             source=data["source"],
             key=data["key"],
             detail=data.get("detail") or {},
+            node=data.get("node"),
         )
 
 

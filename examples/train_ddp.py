@@ -1,6 +1,10 @@
-"""A DDP training script that survives spot interruptions, launched with torchrun:
+"""A DDP (or FSDP2) training script that survives spot interruptions, launched with torchrun:
 
     torchrun --nproc-per-node=2 examples/train_ddp.py --checkpoint-dir s3://bucket/run-7 --steps 1000
+
+On several nodes, each node runs the same command with its own node rank, e.g.
+`torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr HOST --master-port 29500 ...`;
+when one node is reclaimed, the others commit the checkpoint without it.
 
 Start it again after an interruption (same command) and it resumes from the newest
 committed checkpoint. Deterministic on CPU: the data of a step depends only on
@@ -19,17 +23,34 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import spotguard
 from spotguard.checkpoint import state_digest
 
 
-def build_model() -> torch.nn.Module:
+def build_model(hidden: int = 256) -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)
+        torch.nn.Linear(64, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Linear(hidden, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 1),
     )
+
+
+def shard(model: torch.nn.Module) -> torch.nn.Module:
+    """FSDP2: every Linear's parameters (and so its optimizer state) sharded over all ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,6 +70,8 @@ def main() -> None:
     parser.add_argument("--cloud", default="auto", choices=["auto", "aws", "gcp", "azure", "none"])
     parser.add_argument("--local-dir", help="fast local staging disk (for bucket checkpoint dirs)")
     parser.add_argument("--save-every", type=int, help="also save every N steps in the background")
+    parser.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 instead of DDP")
+    parser.add_argument("--hidden", type=int, default=256, help="hidden width (the state grows with its square)")
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (to watch it)")
     parser.add_argument("--out", help="write the final weights' digest here as JSON (rank 0)")
     args = parser.parse_args()
@@ -60,8 +83,10 @@ def main() -> None:
     if distributed:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
-    model = build_model()
-    net = DDP(model) if distributed else model
+    model = build_model(args.hidden)
+    if args.fsdp and not distributed:
+        parser.error("--fsdp needs several processes (torchrun)")
+    net = shard(model) if args.fsdp else DDP(model) if distributed else model
     optimizer = torch.optim.AdamW(net.parameters(), lr=3e-3)
     state = {"model": net, "optim": optimizer}
 
@@ -82,9 +107,11 @@ def main() -> None:
             if guard.step(step, state):
                 break
         else:
+            # The whole model on rank 0 (FSDP2 gathers the shards: every rank takes part).
+            weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             if rank == 0 and args.out:
                 with open(args.out, "w") as f:
-                    json.dump({"start": start, "digest": state_digest(model.state_dict())}, f)
+                    json.dump({"start": start, "digest": state_digest(weights)}, f)
     if distributed:
         dist.destroy_process_group()
 

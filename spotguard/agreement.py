@@ -4,10 +4,12 @@ The protocol of JAX's preemption sync manager and TF's PreemptionCheckpointHandl
 run on the listener threads so the training hot path stays a lock and a comparison:
 
 1. On an event, each rank freezes its step counter (holds the lock the hot path
-   takes) and publishes the last step it has finished.
+   takes) and publishes the last step it has finished, and its node.
 2. It waits, with a timeout, until every rank has published.
 3. It proposes `max(steps) + 1` if all arrived, else "abort", with `compare_set`
    on one decision key: the first proposal wins and every rank reads that one.
+   For an interruption the proposal also names the leaving ranks: every rank of a
+   node that has announced an interruption by then (`leaving_nodes`).
 4. It releases the lock. The hot path fires when it reaches the decided step.
 
 Since nobody's counter moves while the steps are gathered, the decided step lies
@@ -18,9 +20,11 @@ cleanly after the timeout (they all read "abort"), never hang.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -36,16 +40,26 @@ class Decision:
     round: int
     step: int
     event: dict[str, Any]
+    leaving: tuple[int, ...] = ()  # ranks whose node is being reclaimed (interruptions only)
 
 
 class StepAgreement:
     def __init__(
-        self, store: dist.Store, prefix: str, rank: int, world_size: int, *, last_step: int = -1, poll_s: float = 0.002
+        self,
+        store: dist.Store,
+        prefix: str,
+        rank: int,
+        world_size: int,
+        *,
+        node: str = "local",
+        last_step: int = -1,
+        poll_s: float = 0.002,
     ) -> None:
         self.store = store
         self.prefix = prefix
         self.rank = rank
         self.world_size = world_size
+        self.node = node
         self.poll_s = poll_s
         self._lock = threading.Lock()
         self._last_step = last_step
@@ -68,17 +82,26 @@ class StepAgreement:
             self._last_step = last_step
 
     # ---- listener thread ------------------------------------------------------
-    def agree(self, round_id: int, event: dict[str, Any], timeout_s: float) -> Decision | None:
-        """Run one round; returns the decision, or None when the round was aborted."""
+    def agree(
+        self,
+        round_id: int,
+        event: dict[str, Any],
+        timeout_s: float,
+        leaving_nodes: Callable[[set[str]], set[str]] | None = None,
+    ) -> Decision | None:
+        """Run one round; returns the decision, or None when the round was aborted.
+
+        `leaving_nodes(nodes)`, for an interruption, tells which of the job's nodes are being reclaimed.
+        """
         base = f"{self.prefix}agree/{round_id}/"
         with self._lock:  # freezes this rank's step counter for the whole round
             started = time.monotonic()
             deadline = started + timeout_s
             keys = [f"{base}step/{r}" for r in range(self.world_size)]
             try:
-                self.store.set(keys[self.rank], str(self._last_step))
+                self.store.set(keys[self.rank], json.dumps([self._last_step, self.node]))
                 complete = self._wait_for(keys, deadline)
-                proposal = str(max(int(self.store.get(k)) for k in keys) + 1) if complete else ABORT
+                proposal = self._propose(keys, leaving_nodes) if complete else ABORT
             except Exception as exc:  # noqa: BLE001 - a rank that cannot read the store cannot vouch for a step
                 log.warning("round %d: store error while gathering steps (%s); proposing to abort", round_id, exc)
                 proposal = ABORT
@@ -93,18 +116,27 @@ class StepAgreement:
                     else "the store cannot be reached to learn the decision",
                 )
                 return None
-            decision = Decision(round_id, int(decided), event)
+            decided = json.loads(decided)
+            decision = Decision(round_id, int(decided["step"]), event, tuple(decided["leaving"]))
             self._pending.append(decision)
             self._pending.sort(key=lambda d: d.step)
             log.info(
-                "round %d: all %d ranks agreed on step %d (%s) in %.1f ms",
+                "round %d: all %d ranks agreed on step %d (%s) in %.1f ms%s",
                 round_id,
                 self.world_size,
                 decision.step,
                 event.get("type"),
                 elapsed_ms,
+                f"; leaving: ranks {list(decision.leaving)}" if decision.leaving else "",
             )
             return decision
+
+    def _propose(self, keys: list[str], leaving_nodes: Callable[[set[str]], set[str]] | None) -> str:
+        answers = [json.loads(self.store.get(k)) for k in keys]
+        nodes = [node for _, node in answers]
+        gone = leaving_nodes(set(nodes)) if leaving_nodes else set()
+        step = max(last for last, _ in answers) + 1
+        return json.dumps({"step": step, "leaving": [r for r, node in enumerate(nodes) if node in gone]})
 
     def _decide(self, key: str, proposal: str, deadline: float) -> str | None:
         """Propose; the first proposal wins and is returned. Store errors are retried until `deadline`."""

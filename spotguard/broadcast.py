@@ -3,9 +3,10 @@
 The store holds an ordered, run-scoped event log: `<prefix>seq` counts events and
 `<prefix>event/<i>` holds each one as JSON. Any rank may append; every rank's
 listener thread reads the log in order, so all ranks see the same events in the
-same order. An interruption is claimed once (`compare_set` on one key: the first
-claim wins, later ones are harmless), so many ranks receiving SIGTERM, or a signal
-and a metadata notice together, make one event.
+same order. An interruption is claimed once per node (`compare_set` on one key per
+node: the first claim wins, later ones are harmless), so many ranks receiving SIGTERM,
+or a signal and a metadata notice together, make one event; the claims also tell the
+agreement which nodes are leaving.
 
 Listeners do not poll when the store has queues (TCPStore's default server, HashStore):
 each append also drops the event's index into every rank's inbox queue
@@ -174,11 +175,16 @@ class Broadcast:
         return self._inbox is not None
 
     def publish_interruption(self, notice: Notice) -> bool:
-        """Announce an interruption to every rank; False if another one was announced first."""
-        won = self.log.claim(EMERGENCY, {"type": EMERGENCY, "notice": notice.to_json()})
+        """Announce an interruption of `notice.node` to every rank; False if that node's was announced first."""
+        won = self.log.claim(f"{EMERGENCY}/{notice.node}", {"type": EMERGENCY, "notice": notice.to_json()})
         if won:
-            log.info("published %s interruption notice to all ranks", notice.source)
+            log.info("published %s interruption notice of node %s to all ranks", notice.source, notice.node)
         return won
+
+    def interrupted_nodes(self, nodes: set[str]) -> set[str]:
+        """Which of `nodes` have announced an interruption (read on the listener's connection)."""
+        store = self._listen_log.store
+        return {node for node in nodes if store.check([f"{self.log.prefix}claim/{EMERGENCY}/{node}"])}
 
     def request_checkpoint(self, reason: str) -> int:
         return self.log.append({"type": CHECKPOINT, "reason": reason})

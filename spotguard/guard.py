@@ -10,12 +10,15 @@
 Entering starts the watcher (cloud metadata on each node's local rank 0, signals
 on every rank) and the broadcast listener; `step()` is a lock and a comparison
 until all ranks have agreed on a step to save at; at that step every rank saves
-its shards, the checkpoint is committed, and `step()` returns True. Leaving the
-block after an emergency save exits with `exit_code` (143) so schedulers requeue.
+its shards, the checkpoint is committed, and `step()` returns True. When only some
+nodes of the job are reclaimed, the survivors save without them (see
+`spotguard.checkpoint.checkpointer`). Leaving the block after an emergency exits with
+`exit_code` (143) when its checkpoint was committed, `lost_exit_code` (75) when it was not.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -36,12 +39,14 @@ from spotguard import topology
 from spotguard.agreement import Decision, StepAgreement
 from spotguard.broadcast import EMERGENCY, Broadcast, inbox_connection, listener_store
 from spotguard.checkpoint import Checkpointer, SaveReport
+from spotguard.checkpoint.handoff import Departure
 from spotguard.timeline import Timeline, seconds
 from spotguard.watcher import Watcher
 
 log = logging.getLogger(__name__)
 
 DEFAULT_EXIT_CODE = 143  # 128 + SIGTERM: what schedulers read as "terminated, restart me"
+DEFAULT_LOST_EXIT_CODE = 75  # EX_TEMPFAIL: interrupted, and no new checkpoint was committed
 
 
 class Guard:
@@ -60,7 +65,9 @@ class Guard:
         keep_last: keep this many committed checkpoints (None keeps all).
         signals: signals that mean "you are being stopped" (SIGTERM; add SIGUSR1 for Slurm --signal).
         grace_s: deadline after a signal (torchrun SIGKILLs workers 30 s after SIGTERM).
-        exit_code: process exit code after an emergency save; None to return normally.
+        exit_code: process exit code after an emergency whose checkpoint was committed;
+            None to return normally (then `emergency_saved` tells).
+        lost_exit_code: process exit code after an emergency whose checkpoint was not committed.
         store: the torch.distributed Store to broadcast through (default: the default group's).
         agreement_timeout_s: longest wait for all ranks to agree on a step.
         save_on_rebalance: take a background save when AWS recommends a rebalance.
@@ -83,6 +90,7 @@ class Guard:
         signals: Sequence[str | int] = ("SIGTERM",),
         grace_s: float = 25.0,
         exit_code: int | None = DEFAULT_EXIT_CODE,
+        lost_exit_code: int = DEFAULT_LOST_EXIT_CODE,
         store: dist.Store | None = None,
         agreement_timeout_s: float = 30.0,
         save_on_rebalance: bool = True,
@@ -111,6 +119,7 @@ class Guard:
         self.signals = tuple(parse_signal(s) for s in signals)
         self.grace_s = grace_s
         self.exit_code = exit_code
+        self.lost_exit_code = lost_exit_code
         self.agreement_timeout_s = agreement_timeout_s
         self.save_on_rebalance = save_on_rebalance
         self.write_threads = write_threads
@@ -118,7 +127,8 @@ class Guard:
         self._store = store
 
         self.notice: Notice | None = None  # the interruption being handled, once one arrives
-        self.emergency_saved = False
+        self.interrupted = False  # step() returned True for an emergency
+        self.emergency_saved = False  # ... and its checkpoint was committed
         self.last_save: SaveReport | None = None
         self.timeline = Timeline()
         self._entered = False
@@ -153,7 +163,8 @@ class Guard:
         store = self._store or (
             dist.distributed_c10d._get_default_store() if self.topology.distributed else dist.HashStore()
         )
-        prefix = topology.run_prefix()
+        self._meeting_store = store  # where leaving ranks and survivors meet in an emergency
+        self._prefix = prefix = topology.run_prefix()
         listen_store = listener_store(store)  # the agreement runs on the listener thread too
         self._broadcast = Broadcast(
             store,
@@ -164,7 +175,9 @@ class Guard:
             rank=self.topology.rank,
             world_size=self.topology.world_size,
         )
-        self._agreement = StepAgreement(listen_store, prefix, self.topology.rank, self.topology.world_size)
+        self._agreement = StepAgreement(
+            listen_store, prefix, self.topology.rank, self.topology.world_size, node=self.topology.node
+        )
         self._broadcast.start()
         self._watcher = Watcher([], self._on_notice, interval_s=self.poll_interval)
         self._add_sources(self._watcher.sources)
@@ -174,19 +187,23 @@ class Guard:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         self._entered = False
-        exiting = self.emergency_saved and self.exit_code is not None and exc_type is None
-        if exiting and self.last_save is not None and not self.last_save.durable:
+        exiting = self.interrupted and self.exit_code is not None and exc_type is None
+        code = self.exit_code if self.emergency_saved else self.lost_exit_code
+        if exiting and self.emergency_saved and not self.last_save.durable:  # type: ignore[union-attr]
             # The upload was abandoned at the deadline: closing the stores would wait for SDK
             # threads still sending it, and the VM is going away. Leave now.
-            log.warning("emergency checkpoint kept locally only; exiting with code %d now", self.exit_code)
+            log.warning("emergency checkpoint kept locally only; exiting with code %d now", code)
             logging.shutdown()
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(self.exit_code)
+            os._exit(code)
         self._teardown()
         if exiting:
-            log.warning("emergency checkpoint done; exiting with code %d so the job is restarted", self.exit_code)
-            sys.exit(self.exit_code)
+            if self.emergency_saved:
+                log.warning("emergency checkpoint committed; exiting with code %d so the job is restarted", code)
+            else:
+                log.error("interrupted without a new checkpoint; exiting with code %d so the job is restarted", code)
+            sys.exit(code)
 
     def _teardown(self) -> None:
         self._stop_timer.set()
@@ -248,25 +265,48 @@ class Guard:
             self._save(step, state, reason=due[-1].event.get("reason", "periodic"), wait=False)
             return False
         notice = Notice.from_json(emergency.event["notice"])
-        self.timeline.add("save-start", step=step, reason="emergency")
-        report = self._save(step, state, reason="emergency", wait=True, notice=notice)
+        departure = None
+        if emergency.leaving and len(emergency.leaving) < self.topology.world_size:
+            prefix = f"{self._prefix}emergency/{emergency.round}/"
+            departure = Departure(frozenset(emergency.leaving), self._meeting_store, prefix)
+        self.timeline.add(
+            "save-start",
+            step=step,
+            reason="emergency",
+            **({"as": "leaving" if self.topology.rank in emergency.leaving else "survivor"} if departure else {}),
+        )
+        report = self._save(step, state, reason="emergency", wait=True, notice=notice, departure=departure)
         if report is None:
             log.error(
-                "the emergency checkpoint of step %d failed; stopping anyway: resume will use the last "
-                "committed checkpoint",
+                "the emergency checkpoint of step %d was NOT committed (see the error above); stopping anyway: "
+                "the work since the last committed checkpoint is lost, and resume will start from that one",
                 step,
             )
         if self.topology.is_node_leader and report is not None and report.durable:
             self._watcher.ack(notice)  # Azure may proceed early only once the checkpoint is safe
-        self.emergency_saved = True
+        self.interrupted = True
+        self.emergency_saved = report is not None
         return True
 
     def _save(
-        self, step: int, state: Mapping[str, Any], *, reason: str, wait: bool, notice: Notice | None = None
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        reason: str,
+        wait: bool,
+        notice: Notice | None = None,
+        departure: Departure | None = None,
     ) -> SaveReport | None:
         try:
             report = self._ckpt.save(
-                step, state, reason=reason, notice=notice, deadline=notice.deadline if notice else None, wait=wait
+                step,
+                state,
+                reason=reason,
+                notice=notice,
+                deadline=notice.deadline if notice else None,
+                wait=wait,
+                departure=departure,
             )
         except Exception:  # noqa: BLE001 - invariant 3: a failed save never crashes the training loop
             log.exception("%s checkpoint of step %d failed", reason, step)
@@ -278,8 +318,13 @@ class Guard:
 
     def _on_notice(self, notice: Notice) -> None:
         """Watcher thread: turn a notice into an event every rank sees."""
+        notice = dataclasses.replace(notice, node=self.topology.node)
         self.timeline.add(
-            "notice", source=notice.source, action=notice.action, deadline_in_s=seconds(notice.seconds_left())
+            "notice",
+            source=notice.source,
+            action=notice.action,
+            node=notice.node,
+            deadline_in_s=seconds(notice.seconds_left()),
         )
         if notice.kind == INTERRUPTION:
             self._broadcast.publish_interruption(notice)
@@ -289,14 +334,23 @@ class Guard:
     def _on_event(self, index: int, event: dict[str, Any]) -> None:
         """Listener thread: agree with every rank on the step to act at."""
         timeout = self.agreement_timeout_s
+        leaving = None
         if event["type"] == EMERGENCY:
             self.notice = Notice.from_json(event["notice"])
             left = self.notice.seconds_left()
             if left is not None:  # leave most of the window for the save itself
                 timeout = min(timeout, max(2.0, left / 4))
-        decision = self._agreement.agree(index, event, timeout)
+            leaving = self._broadcast.interrupted_nodes
+            log.warning("node %s is being reclaimed (%s)", self.notice.node, self.notice.source)
+        decision = self._agreement.agree(index, event, timeout, leaving)
         if decision is not None:
-            self.timeline.add("agreed", step=decision.step, on=event["type"], ranks=self.topology.world_size)
+            self.timeline.add(
+                "agreed",
+                step=decision.step,
+                on=event["type"],
+                ranks=self.topology.world_size,
+                **({"leaving": ",".join(map(str, decision.leaving))} if decision.leaving else {}),
+            )
 
     def _interval_timer(self) -> None:
         while not self._stop_timer.wait(self.save_interval_s):

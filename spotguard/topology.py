@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+import socket
 
 import torch.distributed as dist
 
@@ -17,6 +18,7 @@ class Topology:
     world_size: int
     local_rank: int
     distributed: bool
+    node: str = "local"  # which node (VM) this process runs on; see node_name()
 
     @property
     def is_node_leader(self) -> bool:
@@ -33,18 +35,27 @@ def local_rank(rank: int) -> int:
     return int(os.environ.get("LOCAL_RANK", rank))
 
 
+def node_name(rank: int) -> str:
+    """A name for this process's node: its host, plus torchrun's GROUP_RANK (the node rank) so
+    that several "nodes" on one host are told apart; without LOCAL_RANK each rank is a node."""
+    host = socket.gethostname()
+    if "GROUP_RANK" in os.environ:
+        return f"{host}/node-{os.environ['GROUP_RANK']}"
+    return host if "LOCAL_RANK" in os.environ else f"{host}/rank-{rank}"
+
+
 def current() -> Topology:
     """Read the process group, or the torchrun environment when there is none."""
     if dist.is_available() and dist.is_initialized():
         rank = dist.get_rank()
-        return Topology(rank, dist.get_world_size(), local_rank(rank), True)
+        return Topology(rank, dist.get_world_size(), local_rank(rank), True, node_name(rank))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         raise RuntimeError(
             f"WORLD_SIZE={world} but no torch.distributed process group is initialised: call "
             "torch.distributed.init_process_group() before entering the Guard"
         )
-    return Topology(0, 1, 0, False)
+    return Topology(0, 1, 0, False, node_name(0))
 
 
 def run_prefix() -> str:

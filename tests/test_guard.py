@@ -76,11 +76,15 @@ def test_a_gcp_preemption_is_saved_well_before_its_deadline(tmp_path):
     assert events[events.index("notice") :] == ["notice", "agreed", "save-start", "committed", "durable"]
 
 
-def test_exit_code_after_an_emergency_save(tmp_path):
+@pytest.mark.parametrize("saved", [True, False])
+def test_exit_code_after_an_emergency_says_whether_it_was_saved(tmp_path, saved):
+    if not saved:  # a file where the checkpoint directory should be: the save fails
+        (tmp_path / "blocker").write_text("")
+    ckpt = tmp_path if saved else tmp_path / "blocker" / "ckpt"
     script = textwrap.dedent(f"""
         import os, signal, time, torch, spotguard
         model = torch.nn.Linear(2, 2)
-        with spotguard.Guard({str(tmp_path)!r}, cloud="none") as guard:
+        with spotguard.Guard({str(ckpt)!r}, cloud="none") as guard:
             for step in range(1000):
                 time.sleep(0.01)
                 if step == 3:
@@ -90,9 +94,9 @@ def test_exit_code_after_an_emergency_save(tmp_path):
         print("not reached")
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 143, proc.stderr[-2000:]
+    assert proc.returncode == (143 if saved else 75), proc.stderr[-2000:]
     assert "not reached" not in proc.stdout
-    assert [r for _, r in committed(tmp_path)] == ["emergency"]
+    assert [r for _, r in committed(tmp_path)] == (["emergency"] if saved else [])
 
 
 def test_metadata_down_never_touches_the_training_loop(tmp_path, caplog):
@@ -112,7 +116,9 @@ def test_a_failed_emergency_save_is_logged_and_still_stops_the_loop(tmp_path, ca
         stopped = train(guard, make_state(), on_step=lambda s: s == 2 and os.kill(os.getpid(), signal.SIGTERM))
     assert stopped is not None
     assert guard.last_save is None
+    assert guard.interrupted and not guard.emergency_saved  # a loss is never reported as saved
     assert any("emergency checkpoint" in r.getMessage() and "failed" in r.getMessage() for r in caplog.records)
+    assert any("was NOT committed" in r.getMessage() for r in caplog.records)
 
 
 def test_background_saves_every_n_steps_with_retention(tmp_path):

@@ -8,7 +8,11 @@ A save is one protocol on every rank, in the same order:
      the manifest last, create-only;
   5. retention (not in a save with a deadline: the next save cleans up).
 Async saves (wait=False) snapshot the state to CPU in the caller and run the same
-protocol on one background thread, one save at a time. A save with a deadline (an
+protocol on one background thread, one save at a time.
+An emergency in which only some nodes are reclaimed (a `Departure`) runs the protocol on
+the survivors alone, in a process group the leaving ranks take no part in: a leaving rank
+only hands the shards that exist nowhere else to a survivor's memory (`handoff`), and is
+then free to go; the survivors write everything and commit. A save with a deadline (an
 emergency) takes over from a background save in flight: that one's upload is abandoned
 at once, its committed local copy kept, and it is waited for only until the deadline.
 """
@@ -24,20 +28,23 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.checkpoint import SavePlanner
 
-from cloud_adapters.notice import Notice, isoformat_z, utc_now
+from cloud_adapters.notice import Notice, isoformat_z, parse_iso8601, utc_now
 from cloud_adapters.storage import AlreadyExists, LocalStore, ObjectStore, open_store
 from spotguard.checkpoint import retention
 from spotguard.checkpoint.comm import FAILURES, Comm, describe
 from spotguard.checkpoint.commit import commit_dir
 from spotguard.checkpoint.errors import CheckpointError
+from spotguard.checkpoint.handoff import Departure, HandoffError, Receiver, send_shards
 from spotguard.checkpoint.layout import MANIFEST_NAME, manifest_key, sibling_name, step_dir_name
 from spotguard.checkpoint.manifest import REASONS, FileRecord, Manifest, versions
+from spotguard.checkpoint.ownership import SurvivorPlanner, expects_handoff, flat, unique_shards
 from spotguard.checkpoint.resume import load_newest
 from spotguard.checkpoint.save import write_shards
 from spotguard.checkpoint.state import copy_to_cpu, to_dcp
@@ -49,6 +56,8 @@ log = logging.getLogger(__name__)
 
 # Kept free before a deadline: the manifest upload and the process exit happen in it.
 DEADLINE_RESERVE_S = 3.0
+# How long the ranks of an emergency without a deadline wait for each other's handoff and outcome.
+NO_DEADLINE_WAIT_S = 120.0
 
 # Called on rank 0 as a save goes: ("committed" | "upload-plan" | "durable" | "not-durable", details).
 SaveEvents = Callable[..., Any]
@@ -71,6 +80,17 @@ class SaveReport:
     durable_at: datetime | None
     local_location: str | None = None  # the committed local copy, when staging in local_dir
     error: str | None = None  # why it is not durable
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        for name in ("started_at", "committed_at", "durable_at"):
+            out[name] = isoformat_z(out[name]) if out[name] else None
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SaveReport:
+        times = {n: parse_iso8601(data[n]) if data[n] else None for n in ("started_at", "committed_at", "durable_at")}
+        return cls(**{**data, **times})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +163,7 @@ class Checkpointer:
         notice: Notice | None = None,
         deadline: datetime | None = None,
         wait: bool = True,
+        departure: Departure | None = None,
     ) -> SaveReport | None:
         """Save `state` as `step` on every rank (a collective: all ranks call it in the same order).
 
@@ -150,7 +171,8 @@ class Checkpointer:
         nothing could be committed). wait=False snapshots the state to CPU memory and
         returns None at once; `wait()` collects the result. With a `deadline`, the upload
         and the store's retries end `DEADLINE_RESERVE_S` before it, and a background save
-        in flight gives up its upload at once.
+        in flight gives up its upload at once. With a `departure` (wait=True only), the
+        survivors save without the leaving ranks, which only hand over what exists nowhere else.
         """
         if reason not in REASONS:
             raise ValueError(f"reason must be one of {REASONS}, not {reason!r}")
@@ -161,6 +183,14 @@ class Checkpointer:
         self._finish_pending(cutoff)
         state_dict = to_dcp(state)
         started_at = utc_now()
+        if departure is not None and departure.survivors(self.comm.world_size):
+            if not wait:
+                raise ValueError("a save with a departure is an emergency: it needs wait=True")
+            if cutoff.at is None:
+                cutoff.bring_forward(time.monotonic() + NO_DEADLINE_WAIT_S)
+            if dist.get_rank() in departure.leaving:
+                return self._leave(step, state_dict, departure, cutoff, started_at)
+            return self._survive(step, state_dict, reason, notice, deadline, cutoff, started_at, departure)
         if wait:
             return self._save(step, state_dict, reason, notice, deadline, cutoff, started_at)
         snapshot = copy_to_cpu(state_dict)
@@ -255,6 +285,111 @@ class Checkpointer:
         finally:
             self._limit_retries(Cutoff())
 
+    def _leave(
+        self, step: int, state_dict: dict[str, Any], departure: Departure, cutoff: Cutoff, started_at: datetime
+    ) -> SaveReport:
+        """A leaving rank: hand over what only it holds, then learn the survivors' outcome.
+
+        Nothing here waits on this rank's disk, and the survivors wait for nothing but the handoff.
+        """
+        rank, world = dist.get_rank(), self.comm.world_size
+        survivors = set(departure.survivors(world))
+        t0 = time.monotonic()
+        if expects_handoff(flat(state_dict), rank, survivors):
+            to = departure.receiver_of(rank, world)
+            try:
+                shards = unique_shards(state_dict, rank, survivors)
+                log.warning(
+                    "rank %d is leaving: handing %d shards (%.1f MB) of step %d to rank %d",
+                    rank,
+                    len(shards),
+                    sum(t.numel() * t.element_size() for _, t in shards) / 1e6,
+                    step,
+                    to,
+                )
+                nbytes = send_shards(departure, rank, to, step, shards, cutoff)
+            except (HandoffError, OSError) as exc:
+                raise CheckpointError(
+                    f"rank {rank} could not hand its shards of step {step} to rank {to} ({exc}): "
+                    "the survivors will not commit the step"
+                ) from None
+            log.warning(
+                "rank %d handed %d shards (%.1f MB) of step %d to rank %d in %.2f s; free to go",
+                rank,
+                len(shards),
+                nbytes / 1e6,
+                step,
+                to,
+                time.monotonic() - t0,
+            )
+        else:
+            log.warning("rank %d is leaving: the survivors hold all it has and save step %d without it", rank, step)
+        handed_s = time.monotonic() - t0
+        outcome = departure.wait_outcome(cutoff)
+        if outcome is None:
+            raise CheckpointError(f"the survivors did not confirm a commit of step {step} before the deadline")
+        if outcome["error"]:
+            raise CheckpointError(f"the survivors could not commit step {step}: {outcome['error']}")
+        return dataclasses.replace(SaveReport.from_json(outcome["report"]), write_s=handed_s, started_at=started_at)
+
+    def _survive(
+        self,
+        step: int,
+        state_dict: dict[str, Any],
+        reason: str,
+        notice: Notice | None,
+        deadline: datetime | None,
+        cutoff: Cutoff,
+        started_at: datetime,
+        departure: Departure,
+    ) -> SaveReport:
+        """A survivor: take the handoffs meant for this rank, then save and commit with the other survivors."""
+        rank, world = dist.get_rank(), self.comm.world_size
+        survivors = departure.survivors(world)
+        # Only the survivors create (and wait for each other in) this group: the leaving ranks never block it.
+        group = dist.new_group(
+            survivors,
+            backend="gloo",
+            timeout=timedelta(seconds=max(30.0, cutoff.left() or 0.0)),
+            use_local_synchronization=True,
+        )
+        comm = Comm(group)
+        try:
+            flat_state = flat(state_dict)
+            senders = [r for r in departure.senders_to(rank, world) if expects_handoff(flat_state, r, set(survivors))]
+            received, why = [], None
+            if senders:
+                try:
+                    received = Receiver(departure, rank, senders, step).collect(cutoff)
+                except (HandoffError, OSError) as exc:
+                    why = f"rank {rank}: {exc}"
+            failed = [w for w in comm.all_gather(why) if w]
+            if failed:
+                raise CheckpointError(
+                    f"step {step} is not committed: a leaving rank's shards did not arrive whole ({'; '.join(failed)})"
+                )
+            report = self._save(
+                step,
+                state_dict,
+                reason,
+                notice,
+                deadline,
+                cutoff,
+                started_at,
+                comm=comm,
+                planner=SurvivorPlanner(received),
+                leaving=tuple(sorted(departure.leaving)),
+            )
+        except FAILURES as exc:
+            if comm.is_coordinator:
+                departure.publish_outcome({"error": describe(exc)})
+            raise
+        finally:
+            dist.destroy_process_group(group)
+        if comm.is_coordinator:
+            departure.publish_outcome({"error": None, "report": report.to_json()})
+        return report
+
     def _save(
         self,
         step: int,
@@ -264,21 +399,25 @@ class Checkpointer:
         deadline: datetime | None,
         cutoff: Cutoff,
         started_at: datetime,
+        *,
+        comm: Comm | None = None,
+        planner: SavePlanner | None = None,
+        leaving: tuple[int, ...] = (),
     ) -> SaveReport:
         with self._retries_until(cutoff):
-            comm = self.comm
+            comm = comm or self.comm
             t0 = time.monotonic()
             stage = self.stage_root / comm.broadcast(sibling_name(step, "tmp") if comm.is_coordinator else None)
             records: list[FileRecord] = []
             error = None
             try:
                 stage.parent.mkdir(parents=True, exist_ok=True)
-                records = write_shards(stage, state_dict, comm, threads=self.write_threads)
+                records = write_shards(stage, state_dict, comm, threads=self.write_threads, planner=planner)
             except FAILURES as exc:
                 error = f"rank {comm.rank}: {describe(exc)}"
             t_written = time.monotonic()
             gathered = comm.gather((records, error))
-            commit = self._commit(step, reason, notice, stage, gathered) if comm.is_coordinator else None
+            commit = self._commit(step, reason, notice, stage, gathered, comm, leaving) if comm.is_coordinator else None
             commit = comm.broadcast(commit)
             t_committed = time.monotonic()
             committed_at = utc_now()
@@ -287,6 +426,7 @@ class Checkpointer:
                     raise CheckpointError(f"checkpoint of step {step} failed, nothing committed: {commit['error']}")
                 final = Path(commit["path"])
                 self._emit(
+                    comm,
                     "committed",
                     step=step,
                     at=str(final),
@@ -295,7 +435,7 @@ class Checkpointer:
                 )
                 durable, upload_error, durable_at = self.local_root is None, None, committed_at
                 if self.local_root is not None:
-                    durable, upload_error = self._upload(step, commit, records, stage, final, deadline, cutoff)
+                    durable, upload_error = self._upload(step, commit, records, stage, final, deadline, cutoff, comm)
                     durable_at = utc_now() if durable else None
                     if durable and not commit["remote_has_it"]:
                         self.upload_bytes_per_s = commit["bytes"] / max(time.monotonic() - t_committed, 1e-9)
@@ -322,9 +462,9 @@ class Checkpointer:
                 error=upload_error,
             )
             if report.durable:
-                self._emit("durable", step=step, at=report.location, margin_s=seconds(report.margin_s))
+                self._emit(comm, "durable", step=step, at=report.location, margin_s=seconds(report.margin_s))
             else:
-                self._emit("not-durable", step=step, local_copy=str(final), why=upload_error)
+                self._emit(comm, "not-durable", step=step, local_copy=str(final), why=upload_error)
             if reason == "emergency" or cutoff.at is not None:
                 log.debug("no retention within a deadline: the next save cleans up")
             else:
@@ -344,8 +484,17 @@ class Checkpointer:
                 )
             return report
 
-    def _commit(self, step: int, reason: str, notice: Notice | None, stage: Path, gathered: list) -> dict[str, Any]:
-        """Rank 0: write the manifest last and rename the staging directory into place."""
+    def _commit(
+        self,
+        step: int,
+        reason: str,
+        notice: Notice | None,
+        stage: Path,
+        gathered: list,
+        comm: Comm,
+        leaving: tuple[int, ...],
+    ) -> dict[str, Any]:
+        """The saving group's rank 0: write the manifest last and rename the staging directory into place."""
         errors = [err for _, err in gathered if err]
         if errors:
             return {"error": "; ".join(errors)}
@@ -358,6 +507,8 @@ class Checkpointer:
                 files=tuple(sorted((r for recs, _ in gathered for r in recs), key=lambda r: r.name)),
                 notice=notice.to_json() if isinstance(notice, Notice) else notice,
                 versions=versions(),
+                saved_by=tuple(comm.members),
+                leaving=leaving,
             )
             final, created = commit_dir(stage, manifest)
         except Exception as exc:  # returned, not raised: every rank waits for this outcome
@@ -388,6 +539,7 @@ class Checkpointer:
         final: Path,
         deadline: datetime | None,
         cutoff: Cutoff,
+        comm: Comm,
     ) -> tuple[bool, str | None]:
         """Every rank uploads its files, then rank 0 the manifest, create-only. (durable, error).
 
@@ -395,9 +547,8 @@ class Checkpointer:
         before the deadline, or earlier when a later save takes over): what is unfinished
         then is abandoned, no manifest is written, and the committed local copy is what remains.
         """
-        comm = self.comm
         if deadline is not None and comm.is_coordinator:
-            self._plan(step, commit["bytes"], cutoff.left())
+            self._plan(comm, step, commit["bytes"], cutoff.left())
         if commit["remote_has_it"]:
             if comm.is_coordinator:
                 log.warning("step %d is already committed in %s; not uploading it again", step, self.remote.url)
@@ -444,7 +595,7 @@ class Checkpointer:
         outcome = comm.broadcast(outcome)
         return outcome is None, outcome
 
-    def _plan(self, step: int, nbytes: int, window_s: float) -> None:
+    def _plan(self, comm: Comm, step: int, nbytes: int, window_s: float) -> None:
         """Log (and report) how long the upload should take against the time left."""
         rate = self.upload_bytes_per_s
         expected = nbytes / rate if rate else None
@@ -455,7 +606,7 @@ class Checkpointer:
             "expected_s": seconds(expected),
             "expected_margin_s": seconds(window_s - expected if expected else None),
         }
-        self._emit("upload-plan", **detail)
+        self._emit(comm, "upload-plan", **detail)
         if expected is None:
             log.info(
                 "uploading %s (%.1f MB) to %s within %.1f s; no upload measured yet to estimate from",
@@ -485,8 +636,8 @@ class Checkpointer:
                 window_s - expected,
             )
 
-    def _emit(self, event: str, **detail: Any) -> None:
-        if self.on_event is not None and self.comm.is_coordinator:
+    def _emit(self, comm: Comm, event: str, **detail: Any) -> None:
+        if self.on_event is not None and comm.is_coordinator:
             self.on_event(event, **detail)
 
     def _retain(self) -> None:

@@ -43,6 +43,11 @@ class Comm:
         """The global rank of `group_rank` (the src/dst arguments older torch versions understand)."""
         return dist.get_global_rank(self.group, group_rank)
 
+    @property
+    def members(self) -> list[int]:
+        """The global ranks of the group, in group-rank order."""
+        return [self._global(r) for r in range(self.world_size)] if self.distributed else [0]
+
     @contextlib.contextmanager
     def dcp_args(self) -> Iterator[dict[str, Any]]:
         """Keyword arguments for dcp.save/dcp.load on this group.

@@ -45,6 +45,10 @@ class Manifest:
     files: tuple[FileRecord, ...]
     notice: dict[str, Any] | None = None
     versions: dict[str, str] = dataclasses.field(default_factory=dict)
+    # The global ranks that wrote the files, in the order of DCP's file ranks (`__<i>_*` is saved_by[i]),
+    # and the ranks that were leaving (their nodes reclaimed) when the step was saved.
+    saved_by: tuple[int, ...] = ()
+    leaving: tuple[int, ...] = ()
     format_version: int = FORMAT_VERSION
 
     @property
@@ -65,6 +69,8 @@ class Manifest:
             "total_bytes": self.total_bytes,
             "files": [f.to_json() for f in self.files],
             "versions": self.versions,
+            "saved_by": list(self.saved_by),
+            "leaving": list(self.leaving),
         }
         return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
 
@@ -88,6 +94,8 @@ class Manifest:
                 files=files,
                 notice=body.get("notice"),
                 versions=dict(body.get("versions") or {}),
+                saved_by=tuple(int(r) for r in body.get("saved_by") or ()),
+                leaving=tuple(int(r) for r in body.get("leaving") or ()),
             )
         except ManifestError:
             raise

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter, SavePlanner
 
 from spotguard.checkpoint.comm import Comm
 from spotguard.checkpoint.layout import DCP_METADATA_NAME, shard_prefix
@@ -14,18 +14,20 @@ from spotguard.checkpoint.manifest import FileRecord
 from spotguard.checkpoint.shard_io import ChecksummingFileSystem, without_zip_crc32
 
 
-def write_shards(stage_dir: Path, state_dict: dict[str, Any], comm: Comm, *, threads: int) -> list[FileRecord]:
-    """Save `state_dict` into `stage_dir` (all ranks together) and return this rank's files.
+def write_shards(
+    stage_dir: Path, state_dict: dict[str, Any], comm: Comm, *, threads: int, planner: SavePlanner | None = None
+) -> list[FileRecord]:
+    """Save `state_dict` into `stage_dir` (all ranks of `comm` together) and return this rank's files.
 
-    DCP's default planner de-duplicates replicated tensors (DDP) and spreads them over
-    the ranks, so each tensor is written once. Rank r writes `threads` files
+    DCP's default planner (or `planner`) de-duplicates replicated tensors (DDP) and spreads
+    them over the ranks, so each tensor is written once. Rank r writes `threads` files
     `__r_*.distcp` in parallel; the coordinator also writes `.metadata`.
     """
     # The stage directory is always fresh (random name), so nothing can be overwritten.
     writer = FileSystemWriter(stage_dir, thread_count=threads, sync_files=True)
     writer.fs = fs = ChecksummingFileSystem()
     with comm.dcp_args() as dist_args, without_zip_crc32():
-        dcp.save(state_dict, storage_writer=writer, **dist_args)
+        dcp.save(state_dict, storage_writer=writer, planner=planner, **dist_args)
     mine = sorted(p for p in stage_dir.iterdir() if p.name.startswith(shard_prefix(comm.rank)))
     if comm.is_coordinator:
         mine.append(stage_dir / DCP_METADATA_NAME)  # written to a temporary name, then renamed: read it back

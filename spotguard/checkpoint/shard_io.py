@@ -57,6 +57,16 @@ class ChecksummingFileSystem(FileSystem):
         return checksum_file(path)
 
 
+def crc32c_extend(crc: int, data: Any) -> int:
+    """`crc` extended over any buffer (a memoryview, an ndarray, bytes), without a copy."""
+    view = memoryview(data).cast("B")
+    for start in range(0, len(view), _CRC_SLICE):
+        # google_crc32c takes only read-only buffers without a release hook: bytes (a copy) or
+        # an ndarray view of the same memory (no copy) -- torch.save hands us memoryviews.
+        crc = google_crc32c.extend(crc, numpy.frombuffer(view[start : start + _CRC_SLICE], numpy.uint8))
+    return crc
+
+
 class _ChecksummingStream:
     """A write-only file that keeps the size and CRC32C of everything written through it.
 
@@ -72,11 +82,7 @@ class _ChecksummingStream:
 
     def write(self, data: Any) -> int:
         written = self._raw.write(data)
-        view = memoryview(data).cast("B")
-        for start in range(0, len(view), _CRC_SLICE):
-            # google_crc32c takes only read-only buffers without a release hook: bytes (a copy) or
-            # an ndarray view of the same memory (no copy) -- torch.save hands us memoryviews.
-            self.crc = google_crc32c.extend(self.crc, numpy.frombuffer(view[start : start + _CRC_SLICE], numpy.uint8))
+        self.crc = crc32c_extend(self.crc, data)
         self.size += written
         if self.size - self._writeback_from >= _WRITEBACK_STEP:
             start_writeback(self._raw.fileno(), self._writeback_from, self.size - self._writeback_from)

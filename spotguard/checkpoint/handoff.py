@@ -1,0 +1,321 @@
+"""Leaving ranks hand the shards that exist nowhere else to a survivor's memory, over TCP.
+
+Each survivor that expects a handoff listens on the address it reaches the job's store
+from, and publishes `host port token` under `<prefix>handoff/<survivor>` in the store.
+A leaving rank connects and sends, in order: a JSON hello (token, rank, step), a JSON
+header (one entry per shard: name, offsets, sizes, dtype, bytes), the bytes of each shard
+in chunks, and a JSON trailer with each shard's CRC32C. The survivor checksums the bytes
+as they arrive and answers `{"ok": true}` or why not; only then is the leaving rank free
+to go. Nothing is pickled, and a connection without the token is dropped.
+
+The survivors' coordinator publishes the outcome of the save under `<prefix>outcome`, so a
+leaving rank can tell the truth about a checkpoint it no longer takes part in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from spotguard.checkpoint.shard_io import crc32c_extend
+from spotguard.checkpoint.transfer import Cutoff
+
+log = logging.getLogger(__name__)
+
+CHUNK = 4 << 20
+IDLE_TIMEOUT_S = 10.0  # a peer silent this long is gone (a VM that vanished sends no FIN)
+_FRAME = struct.Struct("!Q")
+_MAX_FRAME = 64 << 20  # a header for many thousands of shards, never an unbounded read
+HOST_ENV = "SPOTGUARD_HANDOFF_HOST"
+
+
+class HandoffError(RuntimeError):
+    """A handoff did not complete: its bytes are not safe with a survivor."""
+
+
+Shards = list[tuple[WriteItem, torch.Tensor]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Departure:
+    """The ranks leaving in an emergency, and where in the job's store the ranks meet."""
+
+    leaving: frozenset[int]  # global ranks of the reclaimed nodes
+    store: dist.Store
+    prefix: str  # unique to this emergency
+
+    def survivors(self, world_size: int) -> list[int]:
+        return [r for r in range(world_size) if r not in self.leaving]
+
+    def receiver_of(self, rank: int, world_size: int) -> int:
+        """The survivor that takes leaving `rank`'s shards: spread evenly over the survivors."""
+        survivors = self.survivors(world_size)
+        return survivors[sorted(self.leaving).index(rank) % len(survivors)]
+
+    def senders_to(self, survivor: int, world_size: int) -> list[int]:
+        return [r for r in sorted(self.leaving) if self.receiver_of(r, world_size) == survivor]
+
+    def publish_outcome(self, outcome: dict[str, Any]) -> None:
+        try:
+            self.store.set(self.prefix + "outcome", json.dumps(outcome))
+        except Exception as exc:  # noqa: BLE001 - only the leaving ranks' report depends on it
+            log.warning("could not tell the leaving ranks the outcome (%s)", exc)
+
+    def wait_outcome(self, cutoff: Cutoff) -> dict[str, Any] | None:
+        """The survivors' outcome, or None when it does not come before `cutoff`."""
+        key = self.prefix + "outcome"
+        while not cutoff.passed():
+            try:
+                if self.store.check([key]):
+                    return json.loads(self.store.get(key))
+            except Exception as exc:  # noqa: BLE001 - the store host may be the node going away
+                log.warning("cannot read the survivors' outcome from the store (%s)", exc)
+                return None
+            time.sleep(cutoff.check_within(0.05))
+        return None
+
+
+def advertised_host() -> str:
+    """The address peers reach this host on: $SPOTGUARD_HANDOFF_HOST, else the local end of
+    the route to the job's store host (a UDP connect sends nothing)."""
+    if os.environ.get(HOST_ENV):
+        return os.environ[HOST_ENV]
+    peer = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((peer, 9))
+            return probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+# -- the sending side ---------------------------------------------------------------------
+
+
+def send_shards(departure: Departure, rank: int, survivor: int, step: int, shards: Shards, cutoff: Cutoff) -> int:
+    """Stream `shards` to `survivor`; returns the bytes sent once the survivor vouched for them.
+
+    A failure is also reported to the survivor through the store, so it stops waiting at once.
+    """
+    try:
+        return _send(departure, rank, survivor, step, shards, cutoff)
+    except Exception as exc:
+        try:
+            departure.store.set(f"{departure.prefix}handoff/{survivor}/failed/{rank}", f"{type(exc).__name__}: {exc}")
+        except Exception:  # noqa: BLE001 - the survivor then waits until the deadline instead
+            pass
+        raise
+
+
+def _send(departure: Departure, rank: int, survivor: int, step: int, shards: Shards, cutoff: Cutoff) -> int:
+    key = f"{departure.prefix}handoff/{survivor}"
+    while not departure.store.check([key]):
+        if cutoff.passed():
+            raise HandoffError(f"rank {survivor} never published its handoff address")
+        time.sleep(0.005)
+    host, port, token = departure.store.get(key).decode().split()
+    total = sum(t.numel() * t.element_size() for _, t in shards)
+    with socket.create_connection((host, int(port)), timeout=_timeout(cutoff)) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        _send_json(sock, {"token": token, "rank": rank, "step": step})
+        _send_json(sock, {"shards": [_describe(item, tensor) for item, tensor in shards]})
+        crcs = []
+        for _, tensor in shards:
+            crc = 0
+            view = _bytes_of(tensor)
+            for start in range(0, len(view), CHUNK):
+                if cutoff.passed():
+                    raise HandoffError("the deadline passed during the handoff")
+                sock.settimeout(_timeout(cutoff))
+                chunk = view[start : start + CHUNK]
+                sock.sendall(chunk)
+                crc = crc32c_extend(crc, chunk)
+            crcs.append(f"{crc:08x}")
+        _send_json(sock, {"crc32c": crcs})
+        sock.settimeout(_timeout(cutoff))
+        answer = _recv_json(sock, cutoff)
+    if not answer.get("ok"):
+        raise HandoffError(f"rank {survivor} refused the handoff: {answer.get('error')}")
+    return total
+
+
+def _describe(item: WriteItem, tensor: torch.Tensor) -> dict[str, Any]:
+    data = item.tensor_data
+    return {
+        "fqn": item.index.fqn,
+        "offsets": list(data.chunk.offsets),
+        "sizes": list(data.chunk.sizes),
+        "size": list(data.size),
+        "dtype": str(tensor.dtype).removeprefix("torch."),
+        "requires_grad": bool(data.properties.requires_grad),
+        "bytes": tensor.numel() * tensor.element_size(),
+    }
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+# -- the receiving side -------------------------------------------------------------------
+
+
+class Receiver:
+    """Takes the handoffs of `senders` on survivor `rank`: open it, then `collect()`."""
+
+    def __init__(self, departure: Departure, rank: int, senders: list[int], step: int) -> None:
+        self.departure = departure
+        self.rank = rank
+        self.senders = senders
+        self.step = step
+        self._token = secrets.token_hex(16)
+        self._listener = socket.create_server((advertised_host(), 0))
+        host, port = self._listener.getsockname()[:2]
+        departure.store.set(f"{departure.prefix}handoff/{rank}", f"{host} {port} {self._token}")
+
+    def collect(self, cutoff: Cutoff) -> Shards:
+        """Every sender's shards, checksummed; HandoffError naming who failed and why."""
+        results: dict[int, Shards | str] = {}
+        lock = threading.Lock()
+
+        def serve(conn: socket.socket) -> None:
+            sender, outcome = self._serve(conn, cutoff)
+            if sender is not None:
+                with lock:
+                    results.setdefault(sender, outcome)
+
+        try:
+            while len(results) < len(self.senders) and not cutoff.passed():
+                self._listener.settimeout(min(0.05, _timeout(cutoff)))
+                try:
+                    conn, _ = self._listener.accept()
+                except TimeoutError:
+                    with lock:
+                        self._note_failures(results)
+                    continue
+                threading.Thread(target=serve, args=(conn,), name="spotguard-handoff", daemon=True).start()
+        finally:
+            self._listener.close()
+        with lock:
+            outcomes = {r: results.get(r, "nothing arrived before the deadline") for r in self.senders}
+        failed = {r: why for r, why in outcomes.items() if isinstance(why, str)}
+        if failed:
+            raise HandoffError("; ".join(f"from rank {r}: {why}" for r, why in sorted(failed.items())))
+        return [shard for r in self.senders for shard in outcomes[r]]  # type: ignore[union-attr]
+
+    def _note_failures(self, results: dict[int, Shards | str]) -> None:
+        """Senders that reported through the store that they failed."""
+        store, base = self.departure.store, f"{self.departure.prefix}handoff/{self.rank}/failed/"
+        for sender in self.senders:
+            if sender not in results and store.check([f"{base}{sender}"]):
+                results[sender] = f"it failed: {store.get(f'{base}{sender}').decode()}"
+
+    def _serve(self, conn: socket.socket, cutoff: Cutoff) -> tuple[int | None, Shards | str]:
+        sender = None
+        with conn:
+            try:
+                conn.settimeout(_timeout(cutoff))
+                hello = _recv_json(conn, cutoff)
+                if hello.get("token") != self._token or hello.get("rank") not in self.senders:
+                    return None, "a connection without the right token"
+                sender = int(hello["rank"])
+                if hello.get("step") != self.step:
+                    raise HandoffError(f"it sent step {hello.get('step')}, not {self.step}")
+                started = time.monotonic()
+                shards = [_allocate(entry) for entry in _recv_json(conn, cutoff)["shards"]]
+                crcs = [_recv_into(conn, _bytes_of(tensor), cutoff) for _, tensor in shards]
+                sent = _recv_json(conn, cutoff).get("crc32c")
+                if sent != crcs:
+                    raise HandoffError("the shards' CRC32C do not match what was sent")
+                _send_json(conn, {"ok": True})
+            except Exception as exc:  # noqa: BLE001 - reported per sender; the caller decides
+                why = f"{type(exc).__name__}: {exc}" if not isinstance(exc, HandoffError) else str(exc)
+                try:
+                    _send_json(conn, {"ok": False, "error": why})
+                except OSError:
+                    pass
+                return sender, why
+        nbytes = sum(t.numel() * t.element_size() for _, t in shards)
+        log.info(
+            "received %d shards (%.1f MB) from leaving rank %d in %.2f s",
+            len(shards),
+            nbytes / 1e6,
+            sender,
+            time.monotonic() - started,
+        )
+        return sender, shards
+
+
+def _allocate(entry: dict[str, Any]) -> tuple[WriteItem, torch.Tensor]:
+    dtype = getattr(torch, str(entry["dtype"]), None)
+    if not isinstance(dtype, torch.dtype):
+        raise HandoffError(f"unknown dtype {entry['dtype']!r}")
+    offsets, sizes = torch.Size(entry["offsets"]), torch.Size(entry["sizes"])
+    tensor = torch.empty(sizes, dtype=dtype)
+    if tensor.numel() * tensor.element_size() != entry["bytes"]:
+        raise HandoffError(f"{entry['fqn']}: {entry['bytes']} bytes do not make a {dtype} tensor of {list(sizes)}")
+    item = WriteItem(
+        index=MetadataIndex(str(entry["fqn"]), offsets),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+            properties=TensorProperties(dtype=dtype, requires_grad=bool(entry.get("requires_grad"))),
+            size=torch.Size(entry["size"]),
+        ),
+    )
+    return item, tensor
+
+
+# -- framing ---------------------------------------------------------------------------------
+
+
+def _timeout(cutoff: Cutoff) -> float:
+    left = cutoff.left()
+    return IDLE_TIMEOUT_S if left is None else max(0.01, min(IDLE_TIMEOUT_S, left))
+
+
+def _send_json(sock: socket.socket, obj: Any) -> None:
+    body = json.dumps(obj).encode()
+    sock.sendall(_FRAME.pack(len(body)) + body)
+
+
+def _recv_json(sock: socket.socket, cutoff: Cutoff) -> dict[str, Any]:
+    head = bytearray(_FRAME.size)
+    _recv_into(sock, memoryview(head), cutoff)
+    (length,) = _FRAME.unpack(head)
+    if length > _MAX_FRAME:
+        raise HandoffError(f"a {length}-byte frame is too large")
+    body = bytearray(length)
+    _recv_into(sock, memoryview(body), cutoff)
+    value = json.loads(body)
+    if not isinstance(value, dict):
+        raise HandoffError("malformed frame")
+    return value
+
+
+def _recv_into(sock: socket.socket, view: memoryview, cutoff: Cutoff) -> str:
+    """Fill `view` from `sock` by `cutoff`; returns the CRC32C of what arrived."""
+    crc = 0
+    got = 0
+    while got < len(view):
+        if cutoff.passed():
+            raise HandoffError("the deadline passed during the handoff")
+        sock.settimeout(_timeout(cutoff))
+        n = sock.recv_into(view[got : got + CHUNK])
+        if n == 0:
+            raise HandoffError(f"the connection closed after {got} of {len(view)} bytes")
+        crc = crc32c_extend(crc, view[got : got + n])
+        got += n
+    return f"{crc:08x}"
