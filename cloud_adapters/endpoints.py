@@ -6,18 +6,21 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
+from datetime import datetime
 from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 import urllib3
 
-from cloud_adapters.notice import NoticeSourceError
+from cloud_adapters.notice import NoticeSourceError, parse_rfc1123
 
 METADATA_URL_ENV = "SPOTGUARD_METADATA_URL"
 # The useful part of a urllib3 connection error, e.g. "[Errno 111] Connection refused".
 _TRANSPORT_CAUSE = re.compile(
     r"\[Errno -?\d+\] [^'\")]+|Remote end closed connection without response|Connection reset by peer"
 )
+_PIECE = 64 * 1024  # a body is read in pieces of at most this, each against the whole-answer deadline
 
 
 def normalise_base_url(url: str, *, what: str = "metadata URL") -> str:
@@ -50,14 +53,22 @@ def resolve_metadata_url(explicit: str | None, ecosystem_var: str | None, defaul
 class MetadataResponse:
     """What the metadata clients read of an answer: status, headers (case-insensitive), body."""
 
-    def __init__(self, answer: urllib3.BaseHTTPResponse) -> None:
-        self.status_code = answer.status
-        self.headers = answer.headers
-        self.text = answer.data.decode("utf-8", errors="replace")
+    def __init__(self, status_code: int, headers: urllib3.HTTPHeaderDict, body: bytes) -> None:
+        self.status_code = status_code
+        self.headers = headers
+        self.text = body.decode("utf-8", errors="replace")
 
     @property
     def ok(self) -> bool:
         return self.status_code < 400
+
+    @property
+    def date(self) -> datetime | None:
+        """The server's clock when it answered (the `Date` header), or None without a usable one."""
+        try:
+            return parse_rfc1123(self.headers.get("Date", ""))
+        except NoticeSourceError:
+            return None
 
     def json(self) -> Any:
         return json.loads(self.text)
@@ -76,8 +87,10 @@ class MetadataSession:
 
     Metadata services are link-local and refuse proxied requests, so proxy variables and
     .netrc never apply; there are no redirects and no retries here (the watcher owns
-    backoff). Built on urllib3 rather than requests because node leaders poll every
-    second per kind of notice: a GET costs about 0.5 ms of CPU instead of 1.2 ms.
+    backoff). The whole answer must arrive within the connect + read timeouts together:
+    urllib3's read timeout is per read, which a body dripping in byte by byte never trips.
+    Built on urllib3 rather than requests because node leaders poll every second per
+    kind of notice: a GET costs about 0.5 ms of CPU instead of 1.2 ms.
     A request that gets no HTTP answer raises a one-line NoticeSourceError.
     """
 
@@ -96,6 +109,7 @@ class MetadataSession:
         json_body: Any = None,
     ) -> MetadataResponse:
         connect_s, read_s = timeout if isinstance(timeout, tuple) else (timeout, timeout)
+        started = time.monotonic()
         query = urlencode({k: v for k, v in (params or {}).items() if v is not None}, doseq=True)
         full_url = f"{url}{'&' if '?' in url else '?'}{query}" if query else url
         try:
@@ -106,6 +120,7 @@ class MetadataSession:
                 json=json_body,
                 timeout=urllib3.Timeout(connect=connect_s, read=read_s),
                 redirect=False,
+                preload_content=False,
             )
         except urllib3.exceptions.NewConnectionError as exc:  # (a ConnectTimeoutError subclass: check it first)
             raise NoticeSourceError(f"{method} {url} failed: {_cause(exc)}") from exc
@@ -115,7 +130,18 @@ class MetadataSession:
             raise MetadataTimeout(f"{method} {url} failed: no answer within {read_s:g} s", connected=True) from exc
         except urllib3.exceptions.HTTPError as exc:
             raise NoticeSourceError(f"{method} {url} failed: {_cause(exc)}") from exc
-        return MetadataResponse(answer)
+        try:
+            body = _read_body(answer, started + connect_s + read_s, read_s)
+        except (urllib3.exceptions.ReadTimeoutError, TimeoutError) as exc:
+            elapsed = time.monotonic() - started
+            raise MetadataTimeout(
+                f"{method} {url} failed: answer incomplete after {elapsed:.1f} s", connected=True
+            ) from exc
+        except urllib3.exceptions.HTTPError as exc:
+            raise NoticeSourceError(f"{method} {url} failed: {_cause(exc)}") from exc
+        finally:
+            answer.release_conn()
+        return MetadataResponse(answer.status, answer.headers, body)
 
     def get(self, url: str, **kwargs: Any) -> MetadataResponse:
         return self.request("GET", url, **kwargs)
@@ -132,6 +158,23 @@ class MetadataSession:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _read_body(answer: urllib3.BaseHTTPResponse, deadline: float, read_s: float) -> bytes:
+    """The whole body, which must be in by `deadline` (time.monotonic()); TimeoutError otherwise."""
+    body = bytearray()
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            answer.close()  # the rest is unread: the connection cannot be reused
+            raise TimeoutError
+        connection = answer.connection  # None once the body is complete (urllib3 released it)
+        if connection is not None and connection.sock is not None:
+            connection.sock.settimeout(min(read_s, left))  # the next read ends by the deadline too
+        piece = answer.read1(_PIECE)
+        if not piece:
+            return bytes(body)
+        body += piece
 
 
 def _cause(exc: Exception) -> str:

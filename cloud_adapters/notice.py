@@ -124,7 +124,9 @@ class NoticeSource(Protocol):
     A `blocking` source waits inside `poll()` for a change (GCP's hanging GET,
     signals), so the watcher calls it back to back instead of on an interval.
     A non-blocking source may set `poll_every = N` to be polled every Nth interval
-    only (advisories announced long ahead).
+    only (advisories announced long ahead). A source whose notices are all advisories
+    sets `advisory = True`: after a failure the watcher may back off longer on it,
+    while any other source is polled again within one interval.
     """
 
     name: str

@@ -15,8 +15,8 @@ from cloud_adapters.notice import Notice, NoticeSource, utc_now
 
 log = logging.getLogger(__name__)
 
-# A notice whose deadline passed longer ago than this is a leftover (IMDS keeps showing
-# instance-action for a while), not news: it is logged once and ignored.
+# An advisory whose deadline passed longer ago than this is a leftover, not news: it is logged
+# once and ignored. Never an interruption: while the cloud serves one, the host's clock may be what is off.
 STALE_AFTER = timedelta(minutes=10)
 
 
@@ -25,9 +25,11 @@ class Watcher:
 
     Non-blocking sources are polled every `interval_s` (times their `poll_every`, if
     they have one); blocking ones (hanging GETs, signals) are called back to back.
-    A failing source is retried with exponential backoff and jitter up to
-    `max_backoff_s`; its error is logged once (and again only when it changes), and
-    its recovery is logged too. One failing source never stops the others.
+    A failing source is retried with exponential backoff and jitter, up to `max_backoff_s`
+    for advisory sources (`advisory = True`) and up to `interval_s` for all others, so
+    an interruption is seen within one interval of a fault ending. Its error is logged
+    once (and again only when it changes), and its recovery is logged too. One failing
+    source never stops the others.
     """
 
     def __init__(
@@ -95,11 +97,13 @@ class Watcher:
     # ---- per-source loop ------------------------------------------------------
     def _run(self, source: NoticeSource) -> None:
         failure = _FailureLog(source.name)
+        step = min(self.interval_s, 1.0)
+        cap = self.max_backoff_s if getattr(source, "advisory", False) else min(self.max_backoff_s, self.interval_s)
+        # Jitter keeps the nodes of a big job from hammering a throttled metadata service in step.
+        backoff = wait_exponential(multiplier=step, max=cap) + wait_random(0, step)
         retrying = Retrying(
             retry=retry_if_exception_type(Exception),
-            # Jitter keeps the nodes of a big job from hammering a throttled metadata service in step.
-            wait=wait_exponential(multiplier=min(self.interval_s, 1.0), max=self.max_backoff_s)
-            + wait_random(0, min(self.interval_s, 1.0)),
+            wait=lambda state: min(cap, backoff(state)),
             stop=lambda _: self._stop.is_set(),
             sleep=self._stop.wait,
             before_sleep=failure.record,
@@ -126,10 +130,11 @@ class Watcher:
         with self._lock:
             if notice.key in self._seen:
                 return
-        if notice.deadline is not None and utc_now() - notice.deadline > STALE_AFTER:
+        if not notice.is_interruption and notice.deadline is not None and utc_now() - notice.deadline > STALE_AFTER:
             self._mark_seen(source, notice)
             log.warning(
-                "ignoring a stale notice from %s: its deadline %s passed more than %s ago",
+                "ignoring a stale %s notice from %s: its deadline %s passed more than %s ago",
+                notice.kind,
                 notice.source,
                 notice.deadline.isoformat(),
                 STALE_AFTER,

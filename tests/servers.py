@@ -141,6 +141,7 @@ class FaultProxy:
         self.seen: list[tuple[str, str, dict[str, str]]] = []  # (method, path?query, headers) of every request
         self.faulted = 0
         self.slow_s = 0.0  # delay before forwarding each request: a slow network or server
+        self.drop_headers: set[str] = set()  # answer headers (lower case) the proxy strips, e.g. {"etag"}
         self._fault: Fault | None = None
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
@@ -196,7 +197,7 @@ class FaultProxy:
             allow_redirects=False, skip_auto_headers=("Content-Type",),
         ) as answer:  # fmt: skip
             payload = await answer.read()
-            out = {k: v for k, v in answer.headers.items() if k.lower() not in _HOP_BY_HOP}
+            out = {k: v for k, v in answer.headers.items() if k.lower() not in _HOP_BY_HOP | self.drop_headers}
             if request.method == "HEAD":  # no body, but the size the client asked about
                 size = answer.headers.get("Content-Length")
                 return web.Response(status=answer.status, headers={**out, **({"Content-Length": size} if size else {})})

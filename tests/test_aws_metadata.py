@@ -15,6 +15,7 @@ from cloud_adapters.aws import metadata
 from cloud_adapters.aws.emulator import AWSMetadataEmulator
 from cloud_adapters.aws.metadata import notice_sources, probe
 from cloud_adapters.notice import NoticeSource, NoticeSourceError
+from tests.servers import Fault, FaultProxy
 
 TTL = "X-aws-ec2-metadata-token-ttl-seconds"
 TOKEN = "X-aws-ec2-metadata-token"
@@ -85,6 +86,7 @@ def test_sources_are_nonblocking_in_documented_order(emu):
     found = notice_sources(emu.url)
     assert [s.name for s in found] == [f"aws:{p}" for p in (SPOT, ASG, REBALANCE, MAINTENANCE)]
     assert all(isinstance(s, NoticeSource) and s.blocking is False for s in found)
+    assert [getattr(s, "advisory", False) for s in found] == [False, False, True, True]
 
 
 def test_no_notice_anywhere(sources):
@@ -168,10 +170,25 @@ def test_only_finished_maintenance_is_no_notice(emu, sources):
     assert sources[MAINTENANCE].poll() is None
 
 
-def test_deadline_in_the_past_is_still_a_notice(emu, sources):
-    emu.raise_notice(in_s=-30)
+@pytest.mark.parametrize("in_s", [-30, -3600, 400])
+def test_a_spot_time_outside_the_two_minutes_means_first_seen_plus_two_minutes(emu, sources, in_s, caplog):
+    emu.raise_notice(in_s=in_s)  # the notice's own time is off: a skewed clock, never a reason to drop it
     notice = sources[SPOT].poll()
-    assert notice.is_interruption and -35 < notice.seconds_left() < -25
+    assert notice.is_interruption and 118 <= notice.seconds_left() <= 120
+    time.sleep(0.05)
+    assert sources[SPOT].poll().deadline == notice.deadline  # the same on every poll
+    assert sum("outside the 2 minutes" in r.getMessage() for r in caplog.records) == 1  # logged once
+
+
+@pytest.mark.parametrize("host_fast_s", [100, 730])
+def test_a_host_clock_ahead_of_imds_still_gets_two_minutes(host_fast_s, caplog):
+    with AWSMetadataEmulator(clock_offset_s=-host_fast_s) as emu:
+        emu.raise_notice()  # time = IMDS's now + 120 s, which the host's clock reads as far less (or past)
+        spot = notice_sources(emu.url)[0]
+        notice = spot.poll()
+        assert 117 <= notice.seconds_left() <= 121
+        logged = re.search(r"host clock is ([+-]\d+) s off", caplog.text)  # the skew is logged
+        assert logged and abs(int(logged.group(1)) - host_fast_s) <= 1  # (Date has whole seconds)
 
 
 @pytest.mark.parametrize(
@@ -244,6 +261,54 @@ def test_token_renewed_before_it_expires(emu, monkeypatch):
     before = emu.requests_seen
     spot.poll()
     assert emu.tokens_issued == 2 and emu.requests_seen - before == 2  # PUT then GET, no 401 first
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "<html>\n<head><title>Sign in to the guest network</title></head>\n</html>\n",
+        "tok en",
+        "t\u00f6ken",
+        "A" * 5000,
+    ],
+)
+def test_an_answer_that_is_not_a_token_is_never_kept(emu, body):
+    proxy = FaultProxy(emu.url)
+    try:
+        proxy.arm(Fault(200, body.encode()))  # the next token PUT gets this instead of a token
+        spot = notice_sources(proxy.url, timeout_s=0.5)[0]
+        with pytest.raises(NoticeSourceError, match="not an IMDSv2 token"):
+            spot.poll()
+        emu.raise_notice()
+        assert spot.poll().action == "terminate"  # the next poll fetched a real token
+        assert emu.tokens_issued == 1
+    finally:
+        proxy.close()
+
+
+def test_a_get_that_got_no_answer_drops_the_token(emu, sources):
+    sources[SPOT].poll()
+    emu.set_fault("reset", count=1)
+    with pytest.raises(NoticeSourceError, match="failed"):
+        sources[SPOT].poll()
+    assert sources[SPOT].poll() is None
+    assert emu.tokens_issued == 2
+
+
+def test_a_slow_advisory_poll_never_holds_up_the_spot_notice(emu):
+    spot, _, _, maintenance = notice_sources(emu.url, timeout_s=5)
+    spot.poll()  # the token is cached
+    emu.raise_notice()
+    emu.set_fault("slow", count=1, delay_s=2)
+    before = emu.requests_seen
+    slow = threading.Thread(target=maintenance.poll)
+    slow.start()
+    while emu.requests_seen == before:
+        time.sleep(0.005)
+    started = time.monotonic()
+    assert spot.poll().action == "terminate"
+    assert time.monotonic() - started < 1.0
+    slow.join(timeout=10)
 
 
 # ---- the emulator is as strict as IMDS ------------------------------------------------------------

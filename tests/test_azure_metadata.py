@@ -9,9 +9,11 @@ from datetime import timedelta
 import pytest
 import requests
 
+from cloud_adapters.azure import metadata
 from cloud_adapters.azure.emulator import AzureMetadataEmulator
 from cloud_adapters.azure.metadata import ScheduledEventsSource, notice_sources, probe
 from cloud_adapters.notice import Notice, NoticeSource, NoticeSourceError, parse_rfc1123, utc_now
+from tests.servers import Fault, FaultProxy
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -133,6 +135,64 @@ def test_unparseable_not_before_is_an_error(emulator, source) -> None:
     emulator.raise_notice(not_before="soon-ish")
     with pytest.raises(NoticeSourceError, match="unparseable RFC 1123 time 'soon-ish'"):
         source.poll()
+
+
+# ---- an unusable VM name never blinds the source --------------------------------------
+NAME_PATH = "/metadata/instance/compute/name"
+
+
+@pytest.fixture
+def proxy(emulator):
+    fronted = FaultProxy(emulator.url)
+    yield fronted
+    fronted.close()
+
+
+def name_fetches(proxy: FaultProxy) -> int:
+    return sum(path.startswith(NAME_PATH) for _, path, _ in proxy.seen)
+
+
+BAD_NAME = Fault(200, b"<html>\n<body>Service Unavailable</body>\n</html>\n")
+
+
+@pytest.mark.parametrize("fault", [BAD_NAME, Fault(200, b"a" * 65), Fault(200, b""), Fault(500, b"oops")])
+def test_one_bad_vm_name_answer_never_hides_our_preempt(emulator, proxy, fault) -> None:
+    proxy.arm(fault)  # the first request, for the VM name, gets this answer
+    source = ScheduledEventsSource(proxy.url, timeout_s=1.0)
+    try:
+        preempt = emulator.raise_notice()
+        notice = source.poll()
+        assert notice.is_interruption and notice.key == f"azure:{preempt}" and notice.detail["vm_name"] is None
+        assert source.poll().key == notice.key  # the name was read again
+        assert source.vm_name == "spotguard-vm-0"
+    finally:
+        source.close()
+
+
+def test_while_the_vm_name_is_unknown_any_vms_preempt_counts(emulator, proxy) -> None:
+    source = ScheduledEventsSource(proxy.url, timeout_s=1.0)
+    try:
+        emulator.raise_notice(event_type="Terminate", resources=["someone-else"])
+        proxy.arm(BAD_NAME)
+        assert source.poll() is None and source.vm_name is None  # only a Preempt counts without the name
+        preempt = emulator.raise_notice(resources=["vmss_3"])
+        proxy.arm(BAD_NAME)
+        assert source.poll().key == f"azure:{preempt}"
+        assert source.poll() is None and source.vm_name == "spotguard-vm-0"  # known again: not ours
+    finally:
+        source.close()
+
+
+def test_the_vm_name_is_read_again_periodically(emulator, proxy, monkeypatch) -> None:
+    monkeypatch.setattr(metadata, "VM_NAME_REFRESH_S", 0.5)
+    source = ScheduledEventsSource(proxy.url, timeout_s=1.0)
+    try:
+        assert source.poll() is None and name_fetches(proxy) == 1
+        assert source.poll() is None and name_fetches(proxy) == 1
+        time.sleep(0.6)
+        assert source.poll() is None and name_fetches(proxy) == 2
+    finally:
+        source.close()
 
 
 # ---- acknowledging ----------------------------------------------------------------------

@@ -4,6 +4,7 @@ JSON bodies, one-line errors."""
 import http.server
 import json
 import threading
+import time
 
 import pytest
 
@@ -67,3 +68,39 @@ def test_a_server_that_accepts_but_never_answers_is_a_read_timeout():
         with pytest.raises(MetadataTimeout, match=r"failed: no answer within 0.3 s$") as caught:
             session.put(f"http://127.0.0.1:{listener.getsockname()[1]}/t", timeout=0.3)
         assert caught.value.connected
+
+
+class _Drip(http.server.BaseHTTPRequestHandler):
+    """Headers at once, then the body one byte every 0.1 s: every read is quick, the whole is not."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self):
+        chunked = self.path == "/chunked"
+        self.send_response(200)
+        self.send_header(*(("Transfer-Encoding", "chunked") if chunked else ("Content-Length", "40")))
+        self.end_headers()
+        try:
+            for _ in range(40):
+                self.wfile.write(b"1\r\nx\r\n" if chunked else b"x")
+                time.sleep(0.1)
+            self.wfile.write(b"0\r\n\r\n" if chunked else b"")
+        except OSError:
+            pass  # the client gave up
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("path", ["/sized", "/chunked"])
+def test_a_slow_drip_answer_ends_at_the_whole_response_deadline(path):
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Drip)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with MetadataSession() as session:
+            started = time.monotonic()
+            with pytest.raises(MetadataTimeout, match=r"failed: answer incomplete after \d+\.\d s$"):
+                session.get(f"http://127.0.0.1:{server.server_address[1]}{path}", timeout=0.5)
+            assert time.monotonic() - started < 2.0  # connect + read timeouts in all, not 40 quick reads
+    finally:
+        server.shutdown()

@@ -20,6 +20,7 @@ from cloud_adapters.gcp.metadata import (
     probe,
 )
 from cloud_adapters.notice import INTERRUPTION, MAINTENANCE, NoticeSource, NoticeSourceError, parse_iso8601
+from tests.servers import FaultProxy
 
 HANG_S = 1  # timeout_sec of the hanging GETs in these tests
 
@@ -130,6 +131,21 @@ def test_hanging_poll_returns_none_after_timeout(emulator: GCPMetadataEmulator, 
     thread.join(timeout=HANG_S + 5)
     assert "error" not in result and result["notice"] is None
     assert HANG_S - 0.1 < result["returned_at"] - started < HANG_S + 2
+
+
+def test_without_an_etag_a_change_between_polls_is_seen_within_the_interval(emulator: GCPMetadataEmulator) -> None:
+    proxy = FaultProxy(emulator.url)
+    proxy.drop_headers = {"etag"}  # something between us and the server strips it
+    source = PreemptionSource(proxy.url, hang_timeout_s=15)
+    try:
+        assert source.poll() is None
+        emulator.raise_notice()  # between two polls: a hang "for a change from now" would miss it
+        started = time.monotonic()
+        assert source.poll().is_interruption
+        assert time.monotonic() - started < 3
+    finally:
+        source.close()
+        proxy.close()
 
 
 def test_stopping_the_emulator_ends_a_hanging_poll(emulator: GCPMetadataEmulator) -> None:

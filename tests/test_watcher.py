@@ -1,7 +1,9 @@
 """The watcher against real emulators: one report per notice, faults logged once and retried,
-one failing source never stops the others, stale notices ignored."""
+one failing source never stops the others, stale advisories ignored but never an interruption,
+interruption sources back on their interval as soon as a fault ends."""
 
 import collections
+import json
 import logging
 import queue
 import socket
@@ -13,8 +15,9 @@ import pytest
 from cloud_adapters.aws.emulator import AWSMetadataEmulator
 from cloud_adapters.aws.metadata import notice_sources as aws_sources
 from cloud_adapters.azure.emulator import AzureMetadataEmulator
+from cloud_adapters.azure.metadata import ScheduledEventsSource
 from cloud_adapters.gcp.emulator import GCPMetadataEmulator
-from cloud_adapters.notice import isoformat_z, utc_now
+from cloud_adapters.notice import utc_now
 from cloud_adapters.sources import cloud_sources
 from spotguard.watcher import Watcher
 
@@ -88,15 +91,39 @@ def test_malformed_answers_are_retried(aws, caplog):
     assert any("poll failed" in r.getMessage() for r in caplog.records)
 
 
-def test_a_stale_notice_is_ignored(aws, caplog):
+def test_a_stale_advisory_is_ignored(aws, caplog):
     caplog.set_level(logging.WARNING, logger="spotguard.watcher")
-    old = isoformat_z(utc_now() - timedelta(hours=1)).replace(".000", "")
-    aws.set_metadata("spot/instance-action", f'{{"action": "terminate", "time": "{old}"}}')
-    watcher, got = watch(aws_sources(aws.url)[:1])
+    old = (utc_now() - timedelta(hours=1)).strftime("%d %b %Y %H:%M:%S GMT")
+    event = {"NotBefore": old, "Code": "system-reboot", "EventId": "instance-event-1", "State": "active"}
+    aws.set_metadata("events/maintenance/scheduled", json.dumps([event]))
+    watcher, got = watch(aws_sources(aws.url)[3:])
     with watcher:
         time.sleep(0.5)
     assert got.empty()
     assert sum("stale" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_an_interruption_is_never_dropped_as_stale():
+    with AWSMetadataEmulator(clock_offset_s=-730) as aws:  # the host clock 730 s fast: the notice looks 10 min old
+        aws.raise_notice()
+        watcher, got = watch(aws_sources(aws.url)[:1])
+        with watcher:
+            notice = got.get(timeout=10)
+        assert notice.is_interruption and notice.seconds_left() > 100
+
+
+def test_after_a_fault_an_interruption_source_is_back_on_its_interval():
+    with AzureMetadataEmulator() as azure:
+        got = queue.Queue()
+        with Watcher([ScheduledEventsSource(azure.url, timeout_s=0.5)], got.put, interval_s=0.2):  # max_backoff_s=30
+            time.sleep(0.5)
+            azure.set_fault("error", status=500)
+            time.sleep(4)  # long enough for an exponential backoff to reach 3.2 s
+            azure.raise_notice()
+            azure.set_fault(None)
+            cleared = time.monotonic()
+            assert got.get(timeout=10).is_interruption
+            assert time.monotonic() - cleared < 1.5
 
 
 def test_a_failing_callback_gets_the_notice_again_at_the_next_poll(aws, caplog):

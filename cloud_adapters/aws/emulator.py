@@ -13,14 +13,17 @@ their entries. Notices (see `raise_notice`):
 
 Extra fault mode "token-expiry": every token issued so far stops being valid.
 `set_metadata(path, body)` serves any body as is (replaying a captured answer).
+`clock_offset_s` sets IMDS's clock apart from the host's: every time it serves (notice
+times, the `Date` header) is shifted by it, as a host with a skewed clock would see them.
 """
 
 from __future__ import annotations
 
+import email.utils
 import json
 import secrets
 import time
-from datetime import datetime
+from datetime import datetime, timedelta
 from http import HTTPStatus
 from typing import Any
 
@@ -70,10 +73,14 @@ class AWSMetadataEmulator(MetadataEmulator):
     cloud = "aws"
     extra_faults = (FAULT_TOKEN_EXPIRY,)
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, in_asg: bool = False) -> None:
-        """`in_asg`: serve autoscaling/target-lifecycle-state (InService until an asg-terminate)."""
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, *, in_asg: bool = False, clock_offset_s: float = 0.0
+    ) -> None:
+        """`in_asg`: serve autoscaling/target-lifecycle-state (InService until an asg-terminate).
+        `clock_offset_s`: how far IMDS's clock is ahead of the host's (-100: the host is 100 s fast)."""
         super().__init__(host, port)
         self.in_asg = in_asg
+        self.clock_offset_s = clock_offset_s
         self.instance_id = "i-" + secrets.token_hex(9)[:17]
         self.tokens_issued = 0  # successful token PUTs, so tests can see the client's caching
         self._tokens: dict[str, float] = {}  # token -> time.monotonic() at which it expires
@@ -112,20 +119,21 @@ class AWSMetadataEmulator(MetadataEmulator):
         app.router.add_put("/latest/api/token", self._put_token)
         app.router.add_get("/latest/meta-data", self._get_metadata)
         app.router.add_get("/latest/meta-data/{path:.*}", self._get_metadata)
+        app.on_response_prepare.append(self._stamp_date)
 
     def apply_notice(self, params: dict[str, Any]) -> None:
         unknown = set(params) - {"kind", "action", "in_s", "code", "state"}
         if unknown:
             raise ValueError(f"unknown AWS notice parameter(s) {sorted(unknown)}")
         kind = params.get("kind", "interruption")
-        when = deadline_after(float(params.get("in_s", 120.0)))
+        when = deadline_after(float(params.get("in_s", 120.0)), self._now())
         if kind == "interruption":
             action = params.get("action", "terminate")
             if action not in SPOT_ACTIONS:
                 raise ValueError(f"spot action must be one of {SPOT_ACTIONS}, not {action!r}")
             self._instance_action = {"action": action, "time": _iso(when)}
         elif kind == "rebalance":
-            self._rebalance = {"noticeTime": _iso(utc_now())}
+            self._rebalance = {"noticeTime": _iso(self._now())}
         elif kind == "asg-terminate":
             self.in_asg = True
             self._lifecycle_state = "Terminated"
@@ -151,6 +159,12 @@ class AWSMetadataEmulator(MetadataEmulator):
         return None
 
     # ---- the service --------------------------------------------------------------
+    def _now(self) -> datetime:
+        return utc_now() + timedelta(seconds=self.clock_offset_s)
+
+    async def _stamp_date(self, request: web.Request, response: web.StreamResponse) -> None:
+        response.headers["Date"] = email.utils.format_datetime(self._now(), usegmt=True)
+
     def _set_raw(self, path: str, body: str | None) -> None:
         if body is None:
             self._raw.pop(path, None)

@@ -10,6 +10,13 @@ per IMDS path; all of them share one `IMDSClient` and so one session token:
 
 IMDS throttles without a published limit, so `poll()` makes one attempt (plus one
 token re-fetch on 401) and raises on anything else; the watcher owns backoff.
+A token is kept only if it looks like one, and dropped when a GET with it gets no
+answer, so one bad answer to the token PUT never blinds the sources for its TTL.
+
+The spot deadline is read on IMDS's clock (the answer's `Date` header): a host clock
+that is off neither shortens nor drops the notice. AWS promises two minutes; a `time`
+outside that at first sight (a skewed clock on either side) is logged once and the
+deadline taken as first seen + 2 minutes.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from cloud_adapters.notice import (
     Notice,
     NoticeSource,
     NoticeSourceError,
+    isoformat_z,
     parse_iso8601,
     parse_rfc1123,
     utc_now,
@@ -44,10 +52,14 @@ TOKEN_TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
 TOKEN_HEADER = "X-aws-ec2-metadata-token"
 TOKEN_TTL_S = 21600  # the maximum IMDS allows: one PUT every six hours
 TOKEN_REFRESH_MARGIN_S = 60.0  # renew this long before expiry so no GET races the expiry
+# IMDSv2 tokens are base64 (RFC 7235's token68 alphabet), bounded. Anything else (a proxy's HTML page) is no token.
+_TOKEN = re.compile(r"[A-Za-z0-9._~+/=-]{1,512}")
 META_PREFIX = "/latest/meta-data/"
 DEFAULT_TIMEOUT_S = 2.0  # IMDS is link-local: anything slower is a fault, not load
 
 SPOT_ACTIONS = ("terminate", "stop", "hibernate")
+SPOT_NOTICE_S = 120.0  # AWS: the action comes two minutes after the notice
+CLOCK_SLACK_S = 2.0  # IMDS's times are in whole seconds
 # An ASG gives no time in IMDS. Without a lifecycle hook the instance is shut down
 # within moments (the signal path then covers the rest); with one, the hook's
 # heartbeat decides. Neither is visible here, so budget like a spot interruption.
@@ -77,6 +89,10 @@ def _fetch_token(session: MetadataSession, base_url: str, timeout_s: float) -> t
     token = resp.text.strip()
     if resp.status_code != 200 or not token:
         raise NoticeSourceError(f"IMDSv2 token request to {url} answered {resp.status_code}: {_excerpt(resp.text)}")
+    if not _TOKEN.fullmatch(token):
+        raise NoticeSourceError(
+            f"IMDSv2 token request to {url} answered 200 but not an IMDSv2 token: {_excerpt(token)}"
+        )
     try:
         ttl = float(resp.headers.get(TOKEN_TTL_HEADER, TOKEN_TTL_S))
     except ValueError:
@@ -85,7 +101,10 @@ def _fetch_token(session: MetadataSession, base_url: str, timeout_s: float) -> t
 
 
 class IMDSClient:
-    """GETs under /latest/meta-data/ with a cached IMDSv2 token, shared by the AWS sources."""
+    """GETs under /latest/meta-data/ with a cached IMDSv2 token, shared by the AWS sources.
+
+    The lock guards the token only: a slow GET for an advisory never holds up the spot notice.
+    """
 
     def __init__(self, base_url: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.base_url = base_url
@@ -95,34 +114,45 @@ class IMDSClient:
         self._token: str | None = None
         self._token_renew_at = 0.0  # time.monotonic() after which the token is renewed
 
-    def get(self, path: str) -> str | None:
-        """The text at `path` (relative to /latest/meta-data/), or None when IMDS answers 404."""
-        with self._lock:
-            resp = self._get(path)
-            if resp.status_code == 401:
-                log.info("IMDS refused the session token (401); fetching a new one")
-                self._token = None
-                resp = self._get(path)
+    def get(self, path: str) -> MetadataResponse | None:
+        """The answer at `path` (relative to /latest/meta-data/), or None when IMDS answers 404."""
+        token = self._current_token()
+        resp = self._get(path, token)
+        if resp.status_code == 401:
+            log.info("IMDS refused the session token (401); fetching a new one")
+            resp = self._get(path, self._current_token(refused=token))
         if resp.status_code == 404:
             return None
         if resp.status_code != 200:
             raise NoticeSourceError(f"IMDS answered {resp.status_code} for {path}: {_excerpt(resp.text)}")
-        return resp.text
+        return resp
 
     def close(self) -> None:
         """Release pooled connections (a later GET reconnects)."""
         self._session.close()
 
-    def _get(self, path: str) -> MetadataResponse:
+    def _get(self, path: str, token: str) -> MetadataResponse:
         url = self.base_url + META_PREFIX + path
-        return self._session.get(url, headers={TOKEN_HEADER: self._current_token()}, timeout=self.timeout_s)
+        try:
+            return self._session.get(url, headers={TOKEN_HEADER: token}, timeout=self.timeout_s)
+        except Exception:
+            self._drop(token)  # it may be what broke the request: the next poll fetches a new one
+            raise
 
-    def _current_token(self) -> str:
-        if self._token is None or time.monotonic() >= self._token_renew_at:
-            self._token, ttl = _fetch_token(self._session, self.base_url, self.timeout_s)
-            self._token_renew_at = time.monotonic() + ttl - min(TOKEN_REFRESH_MARGIN_S, ttl / 2)
-            log.debug("IMDSv2 token fetched from %s (ttl %g s)", self.base_url, ttl)
-        return self._token
+    def _current_token(self, refused: str | None = None) -> str:
+        """The token to use: fetched when there is none, it is due for renewal, or it is the `refused` one."""
+        with self._lock:
+            if self._token is None or self._token == refused or time.monotonic() >= self._token_renew_at:
+                self._token, ttl = _fetch_token(self._session, self.base_url, self.timeout_s)
+                self._token_renew_at = time.monotonic() + ttl - min(TOKEN_REFRESH_MARGIN_S, ttl / 2)
+                log.debug("IMDSv2 token fetched from %s (ttl %g s)", self.base_url, ttl)
+            return self._token
+
+    def _drop(self, token: str) -> None:
+        """Forget `token`, unless another thread has replaced it already."""
+        with self._lock:
+            if self._token == token:
+                self._token = None
 
 
 class _IMDSSource:
@@ -137,8 +167,8 @@ class _IMDSSource:
         self.name = f"aws:{self.path}"
 
     def poll(self) -> Notice | None:
-        body = self.client.get(self.path)
-        return None if body is None else self.parse(body, utc_now())
+        answer = self.client.get(self.path)
+        return None if answer is None else self.parse(answer.text, utc_now())
 
     def close(self) -> None:
         self.client.close()
@@ -189,14 +219,44 @@ class SpotInstanceActionSource(_IMDSSource):
 
     path = "spot/instance-action"
 
-    def parse(self, body: str, now: datetime) -> Notice:
+    def __init__(self, client: IMDSClient) -> None:
+        super().__init__(client)
+        self._first_seen: tuple[str, datetime, datetime] | None = None  # (key, first seen, deadline)
+
+    def poll(self) -> Notice | None:
+        answer = self.client.get(self.path)
+        return None if answer is None else self.parse(answer.text, utc_now(), answer.date)
+
+    def parse(self, body: str, now: datetime, imds_now: datetime | None = None) -> Notice:
+        """`imds_now`: IMDS's clock when it answered (else the host's) to read `time` against."""
         data = self._json(body, dict)
         action = self._field(data, "action", body)
         when = self._field(data, "time", body)
         if action not in SPOT_ACTIONS:
             raise self._error(f"unknown action {action!r} (expected one of {', '.join(SPOT_ACTIONS)})", body)
-        deadline = self._time(parse_iso8601, when, body)
-        return self._notice(INTERRUPTION, action, deadline, now, f"{action}:{when}", data)
+        key = f"{action}:{when}"
+        if self._first_seen is None or self._first_seen[0] != key:
+            deadline = now + timedelta(seconds=self._seconds_left(self._time(parse_iso8601, when, body), now, imds_now))
+            self._first_seen = (key, now, deadline)
+        _, first_seen, deadline = self._first_seen
+        return self._notice(INTERRUPTION, action, deadline, first_seen, key, data)
+
+    def _seconds_left(self, when: datetime, now: datetime, imds_now: datetime | None) -> float:
+        """Time left at first sight, on IMDS's clock; the two minutes AWS promises when `when` is outside them."""
+        skew = (now - imds_now).total_seconds() if imds_now else 0.0
+        if abs(skew) > CLOCK_SLACK_S:
+            log.warning("the host clock is %+.0f s off IMDS's; reading the spot notice time on IMDS's clock", skew)
+        left = (when - (imds_now or now)).total_seconds()
+        if -CLOCK_SLACK_S <= left <= SPOT_NOTICE_S + CLOCK_SLACK_S:
+            return max(left, 0.0)
+        log.warning(
+            "spot notice time %s is %+.0f s from now, outside the 2 minutes AWS promises (a skewed clock?); "
+            "taking the deadline as first seen + %g s",
+            isoformat_z(when),
+            left,
+            SPOT_NOTICE_S,
+        )
+        return SPOT_NOTICE_S
 
 
 class ASGLifecycleSource(_IMDSSource):
@@ -229,6 +289,7 @@ class RebalanceSource(_IMDSSource):
     """The rebalance recommendation: an advisory that often precedes the spot notice."""
 
     path = "events/recommendations/rebalance"
+    advisory = True
     poll_every = 5  # advisory, and it comes minutes ahead: every 5th interval saves IMDS calls (and the GIL)
 
     def parse(self, body: str, now: datetime) -> Notice:
@@ -242,6 +303,7 @@ class MaintenanceSource(_IMDSSource):
     """Scheduled maintenance events (`[]` when none); the earliest active one is the notice."""
 
     path = "events/maintenance/scheduled"
+    advisory = True
     poll_every = 30  # scheduled days ahead
 
     def parse(self, body: str, now: datetime) -> Notice | None:

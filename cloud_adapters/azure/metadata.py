@@ -5,12 +5,19 @@ of the deployment; only those whose `Resources` name this VM concern us. `Preemp
 (Spot eviction) and `Terminate` take the VM away; `Freeze`, `Reboot` and
 `Redeploy` are maintenance. Acknowledging an event (`ack`) lets the platform go
 ahead before `NotBefore` once our checkpoint is safe.
+
+This VM's name comes from `compute/name`, is checked (1-64 letters, digits, `-`, `_`,
+`.`), and is read again every 5 minutes and at every poll while it is unknown. While
+it is unknown (IMDS failed or answered something that is no VM name), a `Preempt`
+naming any VM (any entry of its `Resources`) counts as ours: a needless emergency
+save costs far less than a missed eviction. Other events need the name.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from datetime import datetime
@@ -47,6 +54,9 @@ UNTIMED_INTERRUPTION_S = 30.0
 MIN_REQUEST_INTERVAL_S = 0.25
 
 INTERRUPTING_EVENTS = ("Preempt", "Terminate")
+VM_NAME_REFRESH_S = 300.0  # read the name again this often (and at every poll while it is unknown)
+# Azure VM names: 1-64 letters, digits, '-', '_', '.'; scale-set instances read like vmss_3.
+_VM_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
 def _error_for(response: MetadataResponse, what: str) -> NoticeSourceError:
@@ -76,7 +86,10 @@ class ScheduledEventsSource:
         self.name = f"azure:scheduledevents@{self.base_url}"
         self.timeout_s = timeout_s
         self.prime_timeout_s = prime_timeout_s
-        self._vm_name = vm_name
+        self._vm_name = vm_name  # None while unknown
+        self._name_given = vm_name is not None  # a given name is never read from IMDS
+        self._name_due = 0.0  # time.monotonic() at which the name is read again
+        self._name_error: str | None = None  # the last failure to read it, logged once
         self._session = MetadataSession(METADATA_HEADERS)
         self._events_url = f"{self.base_url}{SCHEDULED_EVENTS_PATH}"
         self._lock = threading.Lock()  # one request at a time, spaced for the rate limit
@@ -111,20 +124,38 @@ class ScheduledEventsSource:
 
     # ---- internals -----------------------------------------------------------------
     @property
-    def vm_name(self) -> str:
-        """This VM's name from instance metadata, fetched once."""
-        if self._vm_name is None:
-            url = f"{self.base_url}{INSTANCE_PATH}/compute/name"
-            params = {"api-version": INSTANCE_API_VERSION, "format": "text"}
-            response = self._request("GET", url, self.timeout_s, params=params)
-            if not response.ok:
-                raise _error_for(response, "compute/name")
-            name = response.text.strip()
-            if not name:
-                raise NoticeSourceError("Azure IMDS returned an empty VM name")
-            self._vm_name = name
-            log.info("Azure VM name is %s", name)
+    def vm_name(self) -> str | None:
+        """This VM's name (given, or as last read from instance metadata); None while unknown."""
         return self._vm_name
+
+    def _refresh_vm_name(self) -> None:
+        """Read the name when it is unknown or due; a failure keeps the last good one (or None)."""
+        if self._name_given or (self._vm_name is not None and time.monotonic() < self._name_due):
+            return
+        try:
+            name = self._read_vm_name()
+        except NoticeSourceError as exc:
+            if str(exc) != self._name_error:
+                consequence = f"keeping {self._vm_name}" if self._vm_name else "until known, any VM's Preempt is ours"
+                log.warning("could not read the Azure VM name (%s); %s", exc, consequence)
+            self._name_error = str(exc)
+            return
+        self._name_error = None
+        self._name_due = time.monotonic() + VM_NAME_REFRESH_S
+        if name != self._vm_name:
+            log.info("Azure VM name is %s", name)
+            self._vm_name = name
+
+    def _read_vm_name(self) -> str:
+        url = f"{self.base_url}{INSTANCE_PATH}/compute/name"
+        params = {"api-version": INSTANCE_API_VERSION, "format": "text"}
+        response = self._request("GET", url, self.timeout_s, params=params)
+        if not response.ok:
+            raise _error_for(response, "compute/name")
+        name = response.text.strip()
+        if not _VM_NAME.fullmatch(name):
+            raise NoticeSourceError(f"Azure IMDS answered compute/name with no VM name: {name[:100]!r}")
+        return name
 
     def _request(self, method: str, url: str, timeout_s: float, **kwargs: Any) -> MetadataResponse:
         """One request, spaced for the rate limit; NoticeSourceError when no answer comes."""
@@ -138,7 +169,8 @@ class ScheduledEventsSource:
                 self._last_request = time.monotonic()
 
     def _check(self, timeout_s: float) -> Notice | None:
-        vm_name = self.vm_name
+        self._refresh_vm_name()
+        vm_name = self._vm_name
         response = self._request("GET", self._events_url, timeout_s, params=_EVENTS_QUERY)
         if not response.ok:
             raise _error_for(response, "scheduledevents")
@@ -148,7 +180,7 @@ class ScheduledEventsSource:
             raise NoticeSourceError(f"malformed Scheduled Events document (not JSON): {response.text[:100]!r}") from exc
         return self._notice_from(document, vm_name)
 
-    def _notice_from(self, document: Any, vm_name: str) -> Notice | None:
+    def _notice_from(self, document: Any, vm_name: str | None) -> Notice | None:
         if not isinstance(document, dict) or not isinstance(document.get("Events"), list):
             raise NoticeSourceError(f"malformed Scheduled Events document: {json.dumps(document)[:100]}")
         incarnation = document.get("DocumentIncarnation")
@@ -160,7 +192,7 @@ class ScheduledEventsSource:
             return None
         return min(notices, key=_severity)
 
-    def _notice_for(self, event: dict[str, Any], incarnation: Any, vm_name: str, now: datetime) -> Notice:
+    def _notice_for(self, event: dict[str, Any], incarnation: Any, vm_name: str | None, now: datetime) -> Notice:
         event_id, event_type = event.get("EventId"), event.get("EventType")
         if not isinstance(event_id, str) or not event_id or not isinstance(event_type, str):
             raise NoticeSourceError(f"malformed Scheduled Event (no EventId/EventType): {json.dumps(event)[:200]}")
@@ -170,7 +202,7 @@ class ScheduledEventsSource:
                 event_id,
                 event.get("EventStatus"),
                 event_type,
-                vm_name,
+                vm_name or "this VM (name unknown: any VM's Preempt counts)",
                 event.get("NotBefore"),
             )
         first_seen, known_deadline = self._seen.get(event_id, (now, None))
@@ -195,10 +227,12 @@ class ScheduledEventsSource:
         )
 
 
-def _names_vm(event: Any, vm_name: str) -> bool:
+def _names_vm(event: Any, vm_name: str | None) -> bool:
     resources = event.get("Resources") if isinstance(event, dict) else None
     if not isinstance(resources, list):
         raise NoticeSourceError(f"malformed Scheduled Event (Resources is not a list): {json.dumps(event)[:200]}")
+    if vm_name is None:  # our name is unknown: a Preempt of any VM is taken as ours
+        return event.get("EventType") == "Preempt" and bool(resources)
     # Azure resource names are case-insensitive.
     return vm_name.casefold() in (str(name).casefold() for name in resources)
 

@@ -47,6 +47,7 @@ TERMINATE_NOTICE_S = 3600.0  # GPU VMs hear of terminating maintenance about an 
 
 DEFAULT_HANG_S = 60  # timeout_sec of the hanging GET
 DEFAULT_REQUEST_TIMEOUT_S = 5.0  # connect/read timeout, added to the hang for hanging GETs
+NO_ETAG_INTERVAL_S = 1.0  # without an ETag to hang on, a plain GET this often (the watcher's interval)
 RETRY_503 = 3  # the server answers 503 for a moment during live migration
 RETRY_503_SLEEP_S = 0.25
 
@@ -80,7 +81,10 @@ class _MetadataKeySource:
     """Follows one metadata key with the hanging GET and turns its value into a notice.
 
     The first poll reads the value at once; each later poll waits on the server until
-    the value differs from the last ETag seen, or `hang_timeout_s` passes.
+    the value differs from the last ETag seen, or `hang_timeout_s` passes. An answer
+    without an ETag (something in between stripped it) makes the next poll a plain GET
+    one interval later: a hang without `last_etag` waits for a change from the moment it
+    starts, so it would sit out a change made since the last answer.
     A notice keeps the time it was first seen, so its key and deadline stay the same
     on every poll until the value goes back to normal.
     """
@@ -109,12 +113,11 @@ class _MetadataKeySource:
     def poll(self) -> Notice | None:
         params: dict[str, Any] = {}
         read_timeout = self.request_timeout_s
-        if self._polled:
-            # Without an ETag (not the real server) the hang still works: it waits for a change from now.
-            params = {"wait_for_change": "true", "timeout_sec": self.hang_timeout_s}
-            if self._etag:
-                params["last_etag"] = self._etag
+        if self._polled and self._etag:
+            params = {"wait_for_change": "true", "last_etag": self._etag, "timeout_sec": self.hang_timeout_s}
             read_timeout += self.hang_timeout_s
+        elif self._polled:
+            time.sleep(NO_ETAG_INTERVAL_S)  # a blocking source paces itself
         answer = _require_ok(self._get(self.key_path, params, read_timeout), self.key_path)
         self._polled = True
         self._etag = answer.headers.get("ETag")
