@@ -4,7 +4,8 @@ Knows nothing of torch or training; `spotguard` builds on it, never the reverse.
 """
 
 from cloud_adapters.notice import INTERRUPTION, MAINTENANCE, REBALANCE, Notice, NoticeSource, NoticeSourceError
-from cloud_adapters.storage import ObjectStore, open_store
+from cloud_adapters.storage import ObjectStore
+from cloud_adapters.stores import check_location, open_store
 
 __all__ = [
     "INTERRUPTION",
@@ -14,5 +15,6 @@ __all__ = [
     "NoticeSource",
     "NoticeSourceError",
     "ObjectStore",
+    "check_location",
     "open_store",
 ]

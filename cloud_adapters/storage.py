@@ -1,4 +1,6 @@
-"""Durable storage for checkpoints: one small protocol, a local filesystem store, and `open_store(url)`.
+"""Durable storage for checkpoints: one small protocol and a local filesystem store.
+
+`open_store(url)` is in cloud_adapters/stores.py: it imports the bucket stores, which import this module.
 
 Keys are relative to the store's root (the bucket prefix or directory given in the
 URL) and always use `/`. The checkpoint layer only ever talks to this protocol,
@@ -190,24 +192,11 @@ def file_url_path(url: str) -> str:
     return unquote(parts.path)
 
 
-def open_store(url: str | Path) -> ObjectStore:
-    """The store for a checkpoint location: s3://, gs://, az://, file:// or a plain path."""
-    text = str(url)
-    scheme = urlsplit(text).scheme if "://" in text else ""
-    if scheme == "":
-        return LocalStore(text)
-    if scheme == "file":
-        return LocalStore(file_url_path(text))
-    if scheme == "s3":
-        from cloud_adapters.aws.s3 import S3Store
+def __getattr__(name: str) -> object:
+    # Transitional, until spotguard/checkpoint/checkpointer.py and catalog.py import open_store
+    # from cloud_adapters.stores: this lazy forward is the last edge of the old import circle.
+    if name == "open_store":
+        from cloud_adapters.stores import open_store
 
-        return S3Store(text)
-    if scheme == "gs":
-        from cloud_adapters.gcp.gcs import GCSStore
-
-        return GCSStore(text)
-    if scheme == "az":
-        from cloud_adapters.azure.blob import BlobStore
-
-        return BlobStore(text)
-    raise ValueError(f"unsupported checkpoint location {text!r}: use a path, file://, s3://, gs:// or az://")
+        return open_store
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,12 +11,15 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
 
 from cloud_adapters.endpoints import normalise_base_url
 from cloud_adapters.notice import Notice
 from cloud_adapters.signals import parse_signal
 from cloud_adapters.sources import CLOUDS, metadata_emulator
 from cloud_adapters.storage import StoreError
+from cloud_adapters.stores import local_path
 
 log = logging.getLogger("spotguard")
 
@@ -58,8 +61,15 @@ def _port(text: str) -> int:
     return port
 
 
+class _Parser(argparse.ArgumentParser):
+    """A bad flag gets one line (argparse would print the whole usage above it); subcommands inherit this."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="spotguard", description=__doc__)
+    parser = _Parser(prog="spotguard", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -96,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ls = sub.add_parser("ls", help="list checkpoints of a directory or bucket")
     ls.add_argument("location")
-    ls.add_argument("--json", action="store_true")
+    ls.add_argument("--json", action="store_true", help="one JSON array of the steps ([] when there is none)")
 
     verify = sub.add_parser("verify", help="check checkpoints against their manifests")
     verify.add_argument("location", help="DIR, DIR/step-N, or a bucket URL")
@@ -192,10 +202,9 @@ def _demo(args: argparse.Namespace) -> int:
 def _ls(args: argparse.Namespace) -> int:
     from spotguard.checkpoint import list_checkpoints
 
-    rows = list_checkpoints(args.location)
+    rows = list_checkpoints(existing_location(args.location))
     if args.json:
-        for row in rows:
-            print(json.dumps(dataclasses.asdict(row), sort_keys=True))
+        print(json.dumps([dataclasses.asdict(row) for row in rows], indent=1, sort_keys=True))
         return 0
     if not rows:
         print(f"no checkpoints in {args.location}")
@@ -215,6 +224,7 @@ def _verify(args: argparse.Namespace) -> int:
     from spotguard.progress import cli_progress
 
     location, step = split_step(args.location)
+    existing_location(location)
     results = verify_checkpoint(location, step, progress=cli_progress)
     if not results:
         print(f"no checkpoints in {args.location}")
@@ -229,6 +239,17 @@ def _verify(args: argparse.Namespace) -> int:
             for problem in result.problems:
                 print(f"  - {problem}")
     return 1 if bad else 0
+
+
+def existing_location(location: str) -> str:
+    """`location` unless it is a local path that is not a directory (a typo would list as empty)."""
+    path = local_path(location)
+    if path is None:  # a bucket: its store tells what is wrong with it
+        return location
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
+        raise ValueError(f"{location}: {'not a directory' if directory.exists() else 'no such directory'}")
+    return location
 
 
 def split_step(location: str) -> tuple[str, int | None]:

@@ -9,6 +9,7 @@ training, so no cloud account and no setup are needed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -88,6 +89,15 @@ class _Run:
                 break
         threading.Thread(target=self.procs[0].stdout.read, daemon=True).start()  # keep draining
 
+    def __enter__(self) -> _Run:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.procs:  # a rank still running after a failure would write into a removed directory
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
     def wait(self, timeout_s: float = 180) -> list[int]:
         return [p.wait(timeout=timeout_s) for p in self.procs]
 
@@ -105,16 +115,23 @@ class DemoFailed(RuntimeError):
 
 
 def run_demo(directory: str | None = None, *, world_size: int = 2, cloud: str = "aws") -> int:
+    """Run the demo in `directory` (kept), or in a temporary directory removed at the end."""
+    if directory is not None:
+        return _demo(Path(directory), world_size, cloud, kept=True)
+    with tempfile.TemporaryDirectory(prefix="spotguard-demo-", ignore_cleanup_errors=True) as scratch:
+        return _demo(Path(scratch), world_size, cloud, kept=False)
+
+
+def _demo(work: Path, world_size: int, cloud: str, *, kept: bool) -> int:
     from cloud_adapters.sources import metadata_emulator
 
-    work = Path(directory or tempfile.mkdtemp(prefix="spotguard-demo-"))
     started = time.monotonic()
     _say(f"spotguard demo: {world_size} ranks (gloo, CPU), {STEPS} steps, checkpoints in {work / 'ckpt'}")
-    with metadata_emulator(cloud) as emulator:
+    with metadata_emulator(cloud) as emulator, contextlib.ExitStack() as runs:
         _say(f"  {cloud} metadata emulator on {emulator.url}")
 
         _say(f"run 1: training; the emulator raises an interruption once step {NOTICE_AT_STEP} is done")
-        first = _Run("run 1", work / "ckpt", world_size, cloud, emulator.url, work / "run1.json")
+        first = runs.enter_context(_Run("run 1", work / "ckpt", world_size, cloud, emulator.url, work / "run1.json"))
         first.wait_for_step(NOTICE_AT_STEP)
         emulator.raise_notice()
         codes = first.wait()
@@ -129,8 +146,10 @@ def run_demo(directory: str | None = None, *, world_size: int = 2, cloud: str = 
             "of the same training that is never interrupted"
         )
         emulator.clear()
-        second = _Run("run 2", work / "ckpt", world_size, cloud, emulator.url, work / "run2.json")
-        ref = _Run("reference", work / "reference-ckpt", world_size, cloud, emulator.url, work / "ref.json")
+        second = runs.enter_context(_Run("run 2", work / "ckpt", world_size, cloud, emulator.url, work / "run2.json"))
+        ref = runs.enter_context(
+            _Run("reference", work / "reference-ckpt", world_size, cloud, emulator.url, work / "ref.json")
+        )
         codes2 = second.wait()
         ref.wait()
         r2, r3 = second.result(), ref.result()
@@ -141,7 +160,8 @@ def run_demo(directory: str | None = None, *, world_size: int = 2, cloud: str = 
         f"final weights identical to the uninterrupted run: {'YES' if same else 'NO'} "
         f"(sha256 {r2['digest'][:16]}... vs {r3['digest'][:16]}...)"
     )
-    _say(f"demo finished in {time.monotonic() - started:.1f} s; inspect with: spotguard ls {work / 'ckpt'}")
+    where = f"inspect with: spotguard ls {work / 'ckpt'}" if kept else "its directory is removed (--dir DIR keeps it)"
+    _say(f"demo finished in {time.monotonic() - started:.1f} s; {where}")
     ok = same and all(c == 143 for c in codes) and all(c == 0 for c in codes2)
     return 0 if ok else 1
 
@@ -163,6 +183,12 @@ def _worker(ckpt_dir: str, cloud: str, metadata_url: str, result: str) -> None:
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
     ddp = DDP(model)
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    # DDP reduces the first backward in a bucket laid out in parameter order, then rebuilds it in
+    # gradient-ready order: a resumed run's first step would sum in another order than the same step
+    # of a fresh run, which at 3+ ranks changes the last bits (float addition is not associative).
+    # One backward before training gives every step of every run the rebuilt bucket.
+    ddp(torch.zeros(1, 32)).sum().backward()
+    optimizer.zero_grad(set_to_none=True)  # no step taken; DCP's optimizer loading needs grads unset
     state = {"model": ddp, "optim": optimizer}
     with spotguard.Guard(ckpt_dir, cloud=cloud, metadata_url=metadata_url, poll_interval=0.1) as guard:
         start = guard.resume(state)

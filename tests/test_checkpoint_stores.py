@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cloud_adapters.storage import open_store
+from cloud_adapters.stores import open_store
 from spotguard.checkpoint import Checkpointer, list_checkpoints, verify_checkpoint
 from tests.ckpt_workers import assert_same, make_model, snapshot, train
 

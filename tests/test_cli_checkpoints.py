@@ -36,7 +36,7 @@ def test_ls_lists_steps_and_marks_the_uncommitted_one(two_steps):
     assert "periodic" in rows[10] and "yes" in rows[10]
     assert "emergency" in rows[20] and "yes" in rows[20]
     assert "NO" in rows[30]
-    as_json = [json.loads(line) for line in cli("ls", str(two_steps), "--json").stdout.splitlines()]
+    as_json = json.loads(cli("ls", str(two_steps), "--json").stdout)
     assert [(r["step"], r["committed"]) for r in as_json] == [(10, True), (20, True), (30, False)]
 
 
@@ -52,15 +52,40 @@ def test_verify_reports_a_flipped_byte_and_exits_1(two_steps):
     assert "step 20: BAD" in out.stdout and shard.name in out.stdout
 
 
-def test_ls_of_a_missing_place_is_a_clear_message(tmp_path):
-    out = cli("ls", str(tmp_path / "nothing-here"))
-    assert out.returncode == 0 and "no checkpoints" in out.stdout
+def test_ls_of_an_empty_directory_says_so(tmp_path):
+    out = cli("ls", str(tmp_path))
+    assert out.returncode == 0 and out.stdout == f"no checkpoints in {tmp_path}\n"
+    as_json = cli("ls", str(tmp_path), "--json")
+    assert as_json.returncode == 0 and json.loads(as_json.stdout) == []
 
 
-def test_demo_runs_end_to_end(tmp_path):
-    out = cli("demo", "--dir", str(tmp_path), timeout=300)
+@pytest.mark.parametrize("command", ["ls", "verify"])
+@pytest.mark.parametrize("what,message", [("nothing-here", "no such directory"), ("a-file", "not a directory")])
+def test_a_location_that_is_no_directory_is_an_error(tmp_path, command, what, message):
+    (tmp_path / "a-file").write_text("x")
+    out = cli(command, str(tmp_path / what))
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == f"spotguard {command}: {tmp_path / what}: {message}\n"
+
+
+def test_verify_reports_a_nul_in_a_manifest_name_as_bad_and_goes_on(two_steps):
+    manifest = two_steps / "step-0000000010" / "spotguard.json"
+    body = json.loads(manifest.read_text())
+    body["files"][0]["name"] = "a\x00b"
+    manifest.write_text(json.dumps(body))
+    out = cli("verify", str(two_steps))
+    assert out.returncode == 1, out.stderr
+    assert "step 10: BAD" in out.stdout and "unsafe file name" in out.stdout
+    assert "step 20: OK" in out.stdout
+
+
+def test_demo_runs_end_to_end_at_three_ranks_and_removes_its_directory(tmp_path, monkeypatch):
+    # 3 ranks: the first where gradient summation order shows in the weights; 2 runs in CI's `spotguard demo`.
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    out = cli("demo", "--world-size", "3", timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     assert "final weights identical to the uninterrupted run: YES" in out.stdout
+    assert not list(tmp_path.glob("spotguard-demo-*"))
     for event in ("notice", "agreed", "save-start", "committed"):
         assert f" {event} " in out.stdout
 

@@ -6,6 +6,8 @@ proxy between the store and its server, or kill the server mid-upload.
 
 from __future__ import annotations
 
+import ast
+import graphlib
 import os
 import subprocess
 import sys
@@ -13,6 +15,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import pytest
@@ -24,8 +27,8 @@ from cloud_adapters.storage import (
     ObjectInfo,
     ObjectStore,
     StoreError,
-    open_store,
 )
+from cloud_adapters.stores import check_location, open_store
 from tests.conftest import Backend, backend_for, start_server
 from tests.servers import ROOT, Fault, FaultProxy
 
@@ -164,6 +167,57 @@ def test_file_urls_that_would_be_misread_are_refused(url):
     with pytest.raises(ValueError, match=r"write file:///ABSOLUTE/PATH") as refused:
         open_store(url)
     assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    "url,message",
+    [
+        ("s3://", "names no bucket"),
+        ("gs:///run-7", "names no bucket"),
+        ("az://", "names no bucket"),
+        ("ftp://x", "unsupported checkpoint location"),
+        ("file://ckpt", "write file:///ABSOLUTE/PATH"),
+        (" ", "empty location"),
+    ],
+)
+def test_check_location_refuses_a_bad_location_in_one_line_naming_the_argument(url, message):
+    with pytest.raises(ValueError) as refused:
+        check_location(url)
+    text = str(refused.value)
+    assert text.startswith("checkpoint_dir: ") and message in text and "\n" not in text
+
+
+@pytest.mark.parametrize(
+    "url", ["s3://bucket", "gs://bucket/run-7", "az://container/a/b", "file:///abs/ckpt", "rel/ckpt", Path("/abs")]
+)
+def test_check_location_passes_what_open_store_takes(url):
+    assert check_location(url) == str(url)
+
+
+def cloud_adapters_imports() -> dict[str, set[str]]:
+    """{module: the cloud_adapters modules it imports}, function-level (lazy) imports included."""
+    paths = {
+        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in (ROOT / "cloud_adapters").rglob("*.py")
+    }
+    graph = {}
+    for name, path in paths.items():
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module)
+            elif isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+        graph[name] = imported & paths.keys()
+    return graph
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="storage.py forwards open_store to stores.py until checkpointer.py and catalog.py import it from there",
+)
+def test_cloud_adapters_has_no_import_circle():
+    graphlib.TopologicalSorter(cloud_adapters_imports()).prepare()  # CycleError names the circle
 
 
 class Interrupted(Exception):

@@ -84,7 +84,7 @@ class Manifest:
                 )
             files = tuple(FileRecord(str(f["name"]), int(f["size"]), str(f["crc32c"])) for f in body["files"])
             for f in files:
-                if "/" in f.name or f.name in ("", ".", ".."):
+                if "/" in f.name or "\0" in f.name or f.name in ("", ".", ".."):  # a NUL makes os calls raise
                     raise ManifestError(f"manifest lists an unsafe file name {f.name!r}")
             return cls(
                 step=int(body["step"]),
