@@ -190,13 +190,3 @@ def file_url_path(url: str) -> str:
             f"{url!r} is not a local file URL: write file:///ABSOLUTE/PATH (three slashes) or a plain path"
         )
     return unquote(parts.path)
-
-
-def __getattr__(name: str) -> object:
-    # Transitional, until spotguard/checkpoint/checkpointer.py and catalog.py import open_store
-    # from cloud_adapters.stores: this lazy forward is the last edge of the old import circle.
-    if name == "open_store":
-        from cloud_adapters.stores import open_store
-
-        return open_store
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,6 +8,7 @@ used (its SDK is an install of its own: azure is an extra).
 from __future__ import annotations
 
 import importlib
+import os
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -34,6 +35,8 @@ def check_location(url: str | Path, *, argument: str = "checkpoint_dir") -> str:
 
     Checks the form only (scheme, bucket, file:// path): no import of a store's SDK, no request.
     """
+    if not isinstance(url, (str, os.PathLike)):
+        raise ValueError(f"{argument}: expected a path or a URL, not {type(url).__name__}")
     text = str(url)
     try:
         if not text.strip():

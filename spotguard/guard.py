@@ -35,6 +35,7 @@ from cloud_adapters.endpoints import normalise_base_url
 from cloud_adapters.notice import INTERRUPTION, REBALANCE, Notice
 from cloud_adapters.signals import SignalSource, parse_signal
 from cloud_adapters.sources import CLOUDS, cloud_sources
+from cloud_adapters.stores import check_location
 from spotguard import topology
 from spotguard.agreement import Decision, StepAgreement
 from spotguard.broadcast import EMERGENCY, Broadcast, inbox_connection, listener_store
@@ -108,7 +109,7 @@ class Guard:
             write_threads=write_threads,
             thread_count=thread_count,
         )
-        self.checkpoint_dir = str(checkpoint_dir)
+        self.checkpoint_dir = check_location(checkpoint_dir)
         self.cloud = cloud
         self.local_dir = local_dir
         self.metadata_url = normalise_base_url(metadata_url) if metadata_url else None

@@ -78,16 +78,17 @@ def test_a_gcp_preemption_is_saved_well_before_its_deadline(tmp_path):
 
 @pytest.mark.parametrize("saved", [True, False])
 def test_exit_code_after_an_emergency_says_whether_it_was_saved(tmp_path, saved):
-    if not saved:  # a file where the checkpoint directory should be: the save fails
-        (tmp_path / "blocker").write_text("")
-    ckpt = tmp_path if saved else tmp_path / "blocker" / "ckpt"
+    ckpt = tmp_path / "ckpt"
     script = textwrap.dedent(f"""
-        import os, signal, time, torch, spotguard
+        import os, pathlib, signal, time, torch, spotguard
         model = torch.nn.Linear(2, 2)
         with spotguard.Guard({str(ckpt)!r}, cloud="none") as guard:
             for step in range(1000):
                 time.sleep(0.01)
                 if step == 3:
+                    if not {saved}:  # the disk goes away under the job: the emergency save fails
+                        pathlib.Path({str(ckpt)!r}).rmdir()
+                        pathlib.Path({str(ckpt)!r}).write_text("")
                     os.kill(os.getpid(), signal.SIGTERM)
                 if guard.step(step, {{"model": model}}):
                     break
@@ -96,7 +97,7 @@ def test_exit_code_after_an_emergency_says_whether_it_was_saved(tmp_path, saved)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == (143 if saved else 75), proc.stderr[-2000:]
     assert "not reached" not in proc.stdout
-    assert [r for _, r in committed(tmp_path)] == (["emergency"] if saved else [])
+    assert [r for _, r in committed(ckpt)] == (["emergency"] if saved else [])
 
 
 def test_metadata_down_never_touches_the_training_loop(tmp_path, caplog):
@@ -110,10 +111,16 @@ def test_metadata_down_never_touches_the_training_loop(tmp_path, caplog):
 
 
 def test_a_failed_emergency_save_is_logged_and_still_stops_the_loop(tmp_path, caplog):
-    blocker = tmp_path / "not-a-directory"
-    blocker.write_text("a file where the checkpoints should go")
-    with spotguard.Guard(blocker / "ckpt", cloud="none", exit_code=None) as guard:
-        stopped = train(guard, make_state(), on_step=lambda s: s == 2 and os.kill(os.getpid(), signal.SIGTERM))
+    ckpt = tmp_path / "ckpt"
+
+    def lose_the_disk_then_sigterm(step):
+        if step == 2:
+            ckpt.rmdir()
+            ckpt.write_text("a file where the checkpoints should go")
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with spotguard.Guard(ckpt, cloud="none", exit_code=None) as guard:
+        stopped = train(guard, make_state(), on_step=lose_the_disk_then_sigterm)
     assert stopped is not None
     assert guard.last_save is None
     assert guard.interrupted and not guard.emergency_saved  # a loss is never reported as saved
@@ -150,17 +157,26 @@ def test_misuse_gets_clear_errors(tmp_path, monkeypatch):
         spotguard.Guard(tmp_path, poll_interval=0)
     with pytest.raises(ValueError, match="unknown signal"):
         spotguard.Guard(tmp_path, signals=["SIGNOPE"])
+    for bad in ("", None, "s3://", "ftp://host/x"):
+        with pytest.raises(ValueError, match="^checkpoint_dir: "):  # one line, from Guard(...) itself
+            spotguard.Guard(bad, cloud="none")
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RuntimeError, match="init_process_group"):
         with spotguard.Guard(tmp_path, cloud="none"):
             pass
 
 
-def test_a_failed_enter_leaves_nothing_behind(tmp_path):
+def test_a_failed_enter_leaves_nothing_behind(tmp_path, monkeypatch):
     before = set(threading.enumerate())
-    with pytest.raises(ValueError, match="unsupported checkpoint location"):
-        with spotguard.Guard("ftp://host/x", cloud="none"):
+    (tmp_path / "blocker").write_text("a file where the checkpoints should go")
+    with pytest.raises(ValueError, match="^checkpoint_dir: cannot create .*blocker/ckpt"):
+        with spotguard.Guard(tmp_path / "blocker" / "ckpt", cloud="none"):
             pass
+    (tmp_path / "ro").mkdir(mode=0o500)
+    if os.geteuid() != 0:  # root writes anywhere
+        with pytest.raises(ValueError, match="^local_dir: .* is not writable"):
+            with spotguard.Guard("s3://bucket/run", local_dir=tmp_path / "ro", cloud="none"):
+                pass
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     assert not [t for t in threading.enumerate() if t.name.startswith("spotguard") and t not in before]
     with pytest.raises(ValueError, match="metadata URL must look like"):

@@ -212,10 +212,6 @@ def cloud_adapters_imports() -> dict[str, set[str]]:
     return graph
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="storage.py forwards open_store to stores.py until checkpointer.py and catalog.py import it from there",
-)
 def test_cloud_adapters_has_no_import_circle():
     graphlib.TopologicalSorter(cloud_adapters_imports()).prepare()  # CycleError names the circle
 

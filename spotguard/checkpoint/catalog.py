@@ -10,7 +10,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from cloud_adapters.storage import LocalStore, ObjectInfo, ObjectStore, StoreError, open_store
+from cloud_adapters.storage import LocalStore, ObjectInfo, ObjectStore, StoreError
+from cloud_adapters.stores import open_store
 from spotguard.checkpoint.layout import MANIFEST_NAME, manifest_key, parse_step_dir, step_dir_name
 from spotguard.checkpoint.manifest import Manifest, ManifestError, check_file
 from spotguard.progress import TransferProgress

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import hashlib
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -36,7 +37,8 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import SavePlanner
 
 from cloud_adapters.notice import Notice, isoformat_z, parse_iso8601, utc_now
-from cloud_adapters.storage import AlreadyExists, LocalStore, ObjectStore, open_store
+from cloud_adapters.storage import AlreadyExists, LocalStore, ObjectStore
+from cloud_adapters.stores import open_store
 from spotguard.checkpoint import retention
 from spotguard.checkpoint.comm import FAILURES, Comm, describe
 from spotguard.checkpoint.commit import commit_dir
@@ -134,7 +136,9 @@ class Checkpointer:
         remote_root = Path(self.remote.url) if isinstance(self.remote, LocalStore) else None
         if local_dir is None and remote_root is None:
             local_dir = str(
-                Path(tempfile.gettempdir()) / "spotguard" / hashlib.sha256(self.remote.url.encode()).hexdigest()[:16]
+                Path(tempfile.gettempdir())
+                / "spotguard-staging"
+                / hashlib.sha256(self.remote.url.encode()).hexdigest()[:16]
             )
             log.info(
                 "staging checkpoints for %s in %s (set local_dir to choose a fast local disk)",
@@ -145,6 +149,10 @@ class Checkpointer:
         # Stage in the checkpoint directory itself only when it is a filesystem and no other local_dir is given.
         self.local_root: Path | None = None if local_root in (None, remote_root) else local_root
         self.stage_root: Path = self.local_root or remote_root  # type: ignore[assignment]
+        if remote_root is not None:
+            _writable_dir(remote_root, "checkpoint_dir")
+        if self.local_root is not None:
+            _writable_dir(self.local_root, "local_dir")
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spotguard-ckpt")
         self._pending: _InFlight | None = None
         # The store's own retry limit; a save with a deadline lowers it for its duration.
@@ -666,3 +674,13 @@ class Checkpointer:
                 retention.remove_abandoned(self.remote)
             except Exception as exc:
                 log.warning("cleaning abandoned uploads in %s failed: %s", self.remote.url, exc)
+
+
+def _writable_dir(path: Path, argument: str) -> None:
+    """Make `path` a directory this process can write in, or fail now, in one line: not at the first save."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ValueError(f"{argument}: cannot create {path}: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"{argument}: {path} is not writable by this process")
