@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -109,14 +110,22 @@ def write_durably(path: Path, data: bytes, *, exclusive: bool = False) -> None:
 
 
 class LocalStore:
-    """A directory on a local or shared filesystem (NFS, Lustre, FUSE mounts of buckets)."""
+    """A directory on a local or shared filesystem (NFS, Lustre, FUSE mounts of buckets).
+
+    Its objects are the regular files below the root. Symlinks are never followed, so
+    nothing outside the root is listed, read or deleted through the store.
+    """
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root).expanduser().resolve()
         self.url = str(self.root)
 
     def path(self, key: str) -> Path:
-        return self.root / key
+        """`root/key`; StoreError for a key that leads elsewhere (`..`, an absolute key, through a symlink)."""
+        path = self.root / key
+        if not path.is_relative_to(self.root) or path.resolve() != path:
+            raise StoreError(f"{self.url}: key {key!r} leads outside the store (.., absolute, or a symlink)")
+        return path
 
     def put_file(self, local_path: str | Path, key: str, *, progress: Progress | None = None) -> None:
         fill_then_rename(self.path(key), lambda tmp: _copy_file(local_path, tmp, progress), durable=True)
@@ -146,9 +155,11 @@ class LocalStore:
                 key = full.relative_to(self.root).as_posix()
                 if key.startswith(prefix):
                     try:
-                        found.append(ObjectInfo(key, full.stat().st_size))
+                        info = full.lstat()
                     except FileNotFoundError:  # removed while we walked
                         continue
+                    if stat.S_ISREG(info.st_mode):  # a symlink is no object: it may lead out of the store
+                        found.append(ObjectInfo(key, info.st_size))
         return sorted(found, key=lambda o: o.key)
 
     def exists(self, key: str) -> bool:

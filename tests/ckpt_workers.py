@@ -225,7 +225,49 @@ def big_save(group, rank: int, ckpt: str, out: str) -> None:
             (Path(out) / "step-2.done").touch()
 
 
-SCENARIOS = {f.__name__: f for f in (ddp_train_save, ddp_resume, emergency_during_periodic, big_save)}
+def _wrapped(wrap: str, seed: int):
+    """A small model wrapped in DDP or sharded with FSDP2 over all ranks, and its Adam."""
+    if wrap == "ddp":
+        return _ddp_setup(seed, width=32)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
+    model = make_model(seed, width=32)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def _local(snap: dict[str, Any]) -> dict[str, Any]:
+    """This rank's shard of each DTensor (FSDP2), so ranks compare without collectives."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: v.to_local() if isinstance(v, DTensor) else v for k, v in snap.items()}
+
+
+def wrapped_round_trip(group, rank: int, ckpt: str, wrap: str) -> None:
+    """Save a DDP/FSDP2 model, its Adam state and plain values, resume into fresh ones, compare on every rank."""
+    from spotguard.checkpoint import Checkpointer
+
+    model, optim = _wrapped(wrap, seed=0)
+    train(model, optim, range(2), rank)
+    values = {"epoch": 2, "name": "run-7", "losses": [0.5, 0.25], "config": {"lr": 0.01, "tags": ["a"]}, "raw": b"\x00"}
+    with Checkpointer(ckpt, group=group) as ck:
+        ck.save(2, {"model": model, "optim": optim, **values}, reason="periodic")
+        fresh_model, fresh_optim = _wrapped(wrap, seed=123)
+        placeholders = {"epoch": 0, "name": "", "losses": [], "config": {"lr": 0.0, "tags": []}, "raw": b""}
+        state = {"model": fresh_model, "optim": fresh_optim, **placeholders}
+        assert ck.resume(state) == 2
+    assert {k: state[k] for k in values} == values, state
+    assert_same(_local(snapshot(fresh_model, fresh_optim)), _local(snapshot(model, optim)))
+
+
+SCENARIOS = {
+    f.__name__: f for f in (ddp_train_save, ddp_resume, emergency_during_periodic, big_save, wrapped_round_trip)
+}
 
 
 def main() -> None:

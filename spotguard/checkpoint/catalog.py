@@ -78,18 +78,21 @@ def listing_problems(manifest: Manifest, files: dict[str, ObjectInfo]) -> list[s
 
 def dir_problems(step_dir: Path, manifest: Manifest, *, threads: int = 4) -> list[str]:
     """Full check of a local directory: sizes and CRC32C of every manifest file."""
+    if step_dir.is_symlink():  # its files would be wherever it points
+        return [f"{step_dir} is a symlink, not a step directory"]
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="spotguard-verify") as pool:
         results = pool.map(lambda r: check_file(step_dir / r.name, r), manifest.files)
         return [p for p in results if p]
 
 
-def committed_manifests(store: ObjectStore) -> list[Manifest]:
+def committed_manifests(store: ObjectStore, listing: dict[int, dict[str, ObjectInfo]] | None = None) -> list[Manifest]:
     """Manifests of the steps that look committed (manifest readable, files present), newest first.
 
     This does not read the data; checksums are checked before a step is loaded.
+    `listing` is `scan(store)` when the caller already has it.
     """
     good = []
-    for step, files in sorted(scan(store).items(), reverse=True):
+    for step, files in sorted((scan(store) if listing is None else listing).items(), reverse=True):
         if MANIFEST_NAME not in files:
             continue
         try:

@@ -10,6 +10,7 @@ import dataclasses
 import importlib.metadata
 import json
 import platform
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -82,10 +83,7 @@ class Manifest:
                 raise ManifestError(
                     f"manifest format {body['format_version']} is not supported (expected {FORMAT_VERSION})"
                 )
-            files = tuple(FileRecord(str(f["name"]), int(f["size"]), str(f["crc32c"])) for f in body["files"])
-            for f in files:
-                if "/" in f.name or "\0" in f.name or f.name in ("", ".", ".."):  # a NUL makes os calls raise
-                    raise ManifestError(f"manifest lists an unsafe file name {f.name!r}")
+            files = tuple(FileRecord(_file_name(f["name"]), int(f["size"]), str(f["crc32c"])) for f in body["files"])
             return cls(
                 step=int(body["step"]),
                 reason=str(body["reason"]),
@@ -101,6 +99,13 @@ class Manifest:
             raise
         except (ValueError, KeyError, TypeError) as exc:
             raise ManifestError(f"malformed manifest: {exc}") from exc
+
+
+def _file_name(name: object) -> str:
+    """A manifest file name, which must name a file inside the step directory and nothing else."""
+    if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0"):
+        raise ManifestError(f"manifest lists an unsafe file name {name!r}")
+    return name
 
 
 def crc32c_hex(data: bytes) -> str:
@@ -121,9 +126,12 @@ def checksum_file(path: Path) -> FileRecord:
 def check_file(path: Path, record: FileRecord) -> str | None:
     """None when `path` matches the record, else a one-line description of what is wrong."""
     try:
-        size = path.stat().st_size
+        info = path.lstat()
     except FileNotFoundError:
         return f"{record.name}: missing"
+    if not stat.S_ISREG(info.st_mode):  # a symlink could lead anywhere: a step holds its own files only
+        return f"{record.name}: not a regular file" + (" (a symlink)" if stat.S_ISLNK(info.st_mode) else "")
+    size = info.st_size
     if size != record.size:
         return f"{record.name}: size {size} != {record.size} in the manifest"
     actual = checksum_file(path)

@@ -4,21 +4,25 @@ Rank 0 lists the candidate steps. Before DCP reads a byte of a step, its files a
 checked against the manifest (size and CRC32C), and all ranks agree on the outcome
 before loading. With a separate local directory, each node's leader (LOCAL_RANK 0)
 makes sure a verified copy of the step is on its local disk, downloading it when
-needed, and every rank of the node reads from there.
+needed, and every rank of the node reads from there. A step that then fails to load
+(a refused pickle, a DCP error) is skipped on every rank alike, like one that failed
+verification. The checksums catch damage, not malice: what makes a tampered step
+harmless is that its pickles are read by `safe_pickle`, which cannot run code.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import pickle
 import shutil
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
 from cloud_adapters.storage import LocalStore, ObjectStore, StoreError, fsync_path, write_durably
 from spotguard.checkpoint.catalog import committed_manifests, dir_problems
@@ -27,31 +31,42 @@ from spotguard.checkpoint.commit import is_committed, set_aside
 from spotguard.checkpoint.errors import CheckpointError
 from spotguard.checkpoint.layout import DCP_METADATA_NAME, MANIFEST_NAME, manifest_key, sibling_name, step_dir_name
 from spotguard.checkpoint.manifest import Manifest, ManifestError, crc32c_hex
+from spotguard.checkpoint.safe_pickle import WeightsOnlyLoadPlanner, load_metadata
 from spotguard.checkpoint.state import load_from_dcp, to_dcp
 from spotguard.checkpoint.transfer import download
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 LOCAL, SHARED, FOLLOW = "local", "shared", "follow"  # where a rank reads from; FOLLOW: as its node leader says
 
 
 class VerifiedReader(FileSystemReader):
-    """A DCP reader that trusts only what the manifest vouches for.
+    """A DCP reader that trusts only what the manifest vouches for, and never unpickles with a general unpickler.
 
-    `.metadata` is a pickle: its bytes are checked against the manifest in memory
-    before unpickling, and every shard it points to must be a manifest file.
+    `.metadata` is a pickle: its bytes are checked against the manifest in memory, then
+    unpickled with only DCP's metadata types allowed; every shard it points to must be a
+    manifest file; non-tensor values are loaded by `WeightsOnlyLoadPlanner`.
     """
 
     def __init__(self, path: Path, manifest: Manifest) -> None:
         super().__init__(path)
+        record = manifest.file(DCP_METADATA_NAME)
+        data = (path / DCP_METADATA_NAME).read_bytes()
+        if record is None or len(data) != record.size or crc32c_hex(data) != record.crc32c:
+            raise CheckpointError(f"{path}/{DCP_METADATA_NAME} does not match the manifest")
+        # Read here rather than in read_metadata, whose errors DCP logs as "metadata not found".
+        self.metadata = load_metadata(data)
         self.manifest = manifest
 
     def read_metadata(self) -> Any:  # no rank kwarg: DCP must not fall back to rank-local metadata
-        record = self.manifest.file(DCP_METADATA_NAME)
-        data = (Path(self.path) / DCP_METADATA_NAME).read_bytes()
-        if record is None or len(data) != record.size or crc32c_hex(data) != record.crc32c:
-            raise CheckpointError(f"{self.path}/{DCP_METADATA_NAME} does not match the manifest")
-        return pickle.loads(data)
+        return self.metadata
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if not isinstance(planner, WeightsOnlyLoadPlanner):  # any other would unpickle non-tensor values freely
+            raise CheckpointError(f"VerifiedReader needs a WeightsOnlyLoadPlanner, not a {type(planner).__name__}")
+        return super().read_data(plan, planner)
 
     def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -85,6 +100,7 @@ def load_newest(
     steps = comm.broadcast(steps)
     if isinstance(steps, str):
         raise CheckpointError(steps)
+    unloadable = []
     for step in steps:
         try:
             where, why = _prepare(step, remote, local_root, comm, threads)
@@ -92,15 +108,21 @@ def load_newest(
             where, why = None, f"{comm.host}: {describe(exc)}"
         everyone = comm.all_gather((comm.host, where, why))
         problems = _problems(everyone, local_root is not None)
-        if problems:
-            if comm.is_coordinator:
-                log.warning("skipping %s: %s", step_dir_name(step), "; ".join(problems))
-            continue
-        step_dir = (local_root if local_root is not None else Path(remote.url)) / step_dir_name(step)
-        _load(step_dir, state, comm)
+        if not problems:
+            step_dir = (local_root if local_root is not None else Path(remote.url)) / step_dir_name(step)
+            failure = _load(step_dir, state, comm)
+            if failure is None:
+                if comm.is_coordinator:
+                    log.info("resumed from %s (world size %d)", step_dir, comm.world_size)
+                return step
+            unloadable.append(failure)
+            problems = [failure]
         if comm.is_coordinator:
-            log.info("resumed from %s (world size %d)", step_dir, comm.world_size)
-        return step
+            log.warning("skipping %s: %s", step_dir_name(step), "; ".join(problems))
+    if unloadable:
+        # Verified steps that did not fit the state: starting afresh would hide the cause (most
+        # likely a state that changed shape), and retention would then delete the new saves first.
+        raise CheckpointError("no checkpoint could be loaded: " + " | ".join(unloadable))
     if comm.is_coordinator:
         log.info("no usable checkpoint in %s%s", remote.url, f" or {local_root}" if local_root else "")
     return None
@@ -196,15 +218,43 @@ def _ensure_local(
     return LOCAL, None
 
 
-def _load(step_dir: Path, state: MutableMapping[str, Any], comm: Comm) -> None:
-    try:
-        manifest = Manifest.from_bytes((step_dir / MANIFEST_NAME).read_bytes())
-        loaded = to_dcp(state)
-        reader = VerifiedReader(step_dir, manifest)
-        with comm.dcp_args() as dist_args:
-            dcp.load(loaded, storage_reader=reader, **dist_args)
-    except (TypeError, ValueError):
-        raise  # the state itself is wrong (e.g. an optimizer without its model): the message is the user's
-    except FAILURES as exc:
-        raise CheckpointError(f"loading {step_dir} failed: {describe(exc)}") from None
+def _load(step_dir: Path, state: MutableMapping[str, Any], comm: Comm) -> str | None:
+    """Load `step_dir` into `state` on every rank; None, or why it failed on some rank (the same on all)."""
+    # Outside the checks: a state DCP cannot take (an optimizer without its model) is the user's error, on every rank.
+    loaded = to_dcp(state)
+    # Opening the step is agreed before dcp.load: a rank failing alone would leave the others waiting in it.
+    reader, failure = _on_every_rank(
+        comm, lambda: VerifiedReader(step_dir, Manifest.from_bytes((step_dir / MANIFEST_NAME).read_bytes()))
+    )
+    if failure is None:
+        # Tensors are loaded in place: if this fails midway, the next step tried overwrites them all again.
+        _, failure = _on_every_rank(comm, lambda: _dcp_load(reader, loaded, state, comm))
+    return None if failure is None else f"loading {step_dir} failed: {failure}"
+
+
+def _dcp_load(reader: VerifiedReader, loaded: dict[str, Any], state: MutableMapping[str, Any], comm: Comm) -> None:
+    with comm.dcp_args() as dist_args:
+        dcp.load(loaded, storage_reader=reader, planner=WeightsOnlyLoadPlanner(), **dist_args)
     load_from_dcp(state, loaded)
+
+
+def _on_every_rank(comm: Comm, action: Callable[[], T]) -> tuple[T | None, str | None]:
+    """(what `action` returned here, None) when it succeeded on every rank, else (None, why, by rank)."""
+    result, why = None, None
+    try:
+        result = action()
+    except CheckpointException as exc:  # DCP hands every rank all the ranks' failures: each tells its own
+        own = exc.failures.get(comm.rank)
+        why = describe(own[0]) if own else ""
+    except Exception as exc:
+        why = describe(exc)
+    gathered = comm.all_gather(why)
+    if all(w is None for w in gathered):
+        return result, None
+    ranks_by_reason: dict[str, list[str]] = {}
+    for rank, reason in enumerate(gathered):
+        if reason:
+            ranks_by_reason.setdefault(reason, []).append(str(rank))
+    return None, "; ".join(
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}: {reason}" for reason, ranks in ranks_by_reason.items()
+    )

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from cloud_adapters.storage import LocalStore, ObjectStore
-from spotguard.checkpoint.catalog import scan
+from spotguard.checkpoint.catalog import committed_manifests, scan
 from spotguard.checkpoint.commit import is_committed
 from spotguard.checkpoint.layout import MANIFEST_NAME, manifest_key, parse_leftover, parse_step_dir, step_dir_name
 
@@ -29,9 +29,14 @@ STALE_AFTER_S = 600.0
 
 def keep_last(store: ObjectStore, keep: int) -> list[int]:
     """Delete committed steps older than the newest `keep` (>= 1, checked by the Checkpointer) committed
-    ones; return the deleted steps."""
+    ones; return the deleted steps.
+
+    Committed means what it means to resume and `ls`: a step whose manifest is unreadable, unsafe
+    or contradicted by the listing neither counts (a bad newer step must not cost a good older
+    one) nor is deleted (it is left for a person to look at).
+    """
     steps = scan(store)
-    committed = sorted((s for s, files in steps.items() if MANIFEST_NAME in files), reverse=True)
+    committed = [m.step for m in committed_manifests(store, steps)]
     doomed = committed[keep:]
     for step in doomed:
         store.delete([manifest_key(step)])
@@ -68,8 +73,8 @@ def remove_leftovers(root: Path, *, older_than_s: float = STALE_AFTER_S) -> list
     for entry in root.iterdir():
         leftover = parse_leftover(entry.name) is not None
         uncommitted = parse_step_dir(entry.name) is not None and not is_committed(entry)
-        if not (leftover or uncommitted) or not entry.is_dir():
-            continue
+        if not (leftover or uncommitted) or entry.is_symlink() or not entry.is_dir():
+            continue  # a symlink is never followed: what it points to is not ours to delete
         try:
             age = now - entry.stat().st_mtime
         except FileNotFoundError:
