@@ -19,6 +19,7 @@ nodes of the job are reclaimed, the survivors save without them (see
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import sys
@@ -26,15 +27,17 @@ import threading
 import warnings
 from collections.abc import Mapping, MutableMapping, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from cloud_adapters.detect import detect_cloud
 from cloud_adapters.endpoints import normalise_base_url
-from cloud_adapters.notice import INTERRUPTION, REBALANCE, Notice
+from cloud_adapters.notice import INTERRUPTION, REBALANCE, Notice, isoformat_z, utc_now
 from cloud_adapters.signals import SignalSource, parse_signal
 from cloud_adapters.sources import CLOUDS, cloud_sources
+from cloud_adapters.storage import write_durably
 from cloud_adapters.stores import check_location
 from spotguard import topology
 from spotguard.agreement import Decision, StepAgreement
@@ -48,6 +51,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_EXIT_CODE = 143  # 128 + SIGTERM: what schedulers read as "terminated, restart me"
 DEFAULT_LOST_EXIT_CODE = 75  # EX_TEMPFAIL: interrupted, and no new checkpoint was committed
+# Where the node leader records how the job ended after an emergency: launchers such as torchrun
+# replace the workers' exit codes with their own, so a startup script reads this instead.
+EXIT_FILE_ENV = "SPOTGUARD_EXIT_FILE"
 
 
 class Guard:
@@ -130,6 +136,7 @@ class Guard:
         self.notice: Notice | None = None  # the interruption being handled, once one arrives
         self.interrupted = False  # step() returned True for an emergency
         self.emergency_saved = False  # ... and its checkpoint was committed
+        self.leaving = False  # ... and this node was the one reclaimed
         self.last_save: SaveReport | None = None
         self.timeline = Timeline()
         self._entered = False
@@ -190,6 +197,8 @@ class Guard:
         self._entered = False
         exiting = self.interrupted and self.exit_code is not None and exc_type is None
         code = self.exit_code if self.emergency_saved else self.lost_exit_code
+        if exiting:
+            self._record_exit(code)
         if exiting and self.emergency_saved and not self.last_save.durable:  # type: ignore[union-attr]
             # The upload was abandoned at the deadline: closing the stores would wait for SDK
             # threads still sending it, and the VM is going away. Leave now.
@@ -287,6 +296,7 @@ class Guard:
             self._watcher.ack(notice)  # Azure may proceed early only once the checkpoint is safe
         self.interrupted = True
         self.emergency_saved = report is not None
+        self.leaving = self.topology.rank in emergency.leaving or not departure
         return True
 
     def _save(
@@ -352,6 +362,24 @@ class Guard:
                 ranks=self.topology.world_size,
                 **({"leaving": ",".join(map(str, decision.leaving))} if decision.leaving else {}),
             )
+
+    def _record_exit(self, code: int) -> None:
+        """Write $SPOTGUARD_EXIT_FILE (node leader): why this node's job is about to exit."""
+        path = os.environ.get(EXIT_FILE_ENV)
+        if not path or not self.topology.is_node_leader:
+            return
+        record = {
+            "exit_code": code,
+            "committed": self.emergency_saved,
+            "step": self.last_save.step if self.emergency_saved and self.last_save else None,
+            "leaving": self.leaving,
+            "node": self.topology.node,
+            "at": isoformat_z(utc_now()),
+        }
+        try:
+            write_durably(Path(path), (json.dumps(record) + "\n").encode())
+        except OSError as exc:
+            log.warning("could not write %s=%s: %s", EXIT_FILE_ENV, path, exc)
 
     def _interval_timer(self) -> None:
         while not self._stop_timer.wait(self.save_interval_s):

@@ -29,6 +29,7 @@ class Node:
         self.rank = rank
         self.emulator = AWSMetadataEmulator().__enter__()
         self.local_dir = tmp / f"node{rank}"
+        self.exit_file = tmp / f"exit-node{rank}.json"  # SPOTGUARD_EXIT_FILE: how the node's job ended
         self.lines: list[str] = []
         self._new_line = threading.Condition()
         cmd = [
@@ -40,6 +41,7 @@ class Node:
             "--checkpoint-dir", ckpt, "--local-dir", str(self.local_dir), "--cloud", "aws", *args,
         ]  # fmt: skip
         env = {**os.environ, "SPOTGUARD_METADATA_URL": self.emulator.url, "OMP_NUM_THREADS": "1"}
+        env["SPOTGUARD_EXIT_FILE"] = str(self.exit_file)
         env.update(GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True

@@ -329,8 +329,11 @@ def test_user_mistakes_get_one_line_errors(tmp_path):
 
 def test_a_failed_save_raises_and_commits_nothing(tmp_path):
     blocker = tmp_path / "file"
+    ck = Checkpointer(str(blocker))  # a directory at first: the disk goes away under the job
+    blocker.rmdir()
     blocker.write_text("a file where the checkpoint directory should be")
-    ck = Checkpointer(str(blocker))
+    with pytest.raises(ValueError, match="^checkpoint_dir: cannot create .*: File exists"):
+        Checkpointer(str(blocker))  # a new one is refused at once
     with pytest.raises(CheckpointError, match="step 3 failed, nothing committed"):
         ck.save(3, {"t": torch.ones(3)}, reason="emergency")
     ck.save(4, {"t": torch.ones(3)}, reason="periodic", wait=False)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import time
 
 import pytest
@@ -82,6 +83,11 @@ def test_survivors_commit_without_the_reclaimed_node_and_resume_bit_identical(sh
     manifest = manifest_of(ckpt, info.step)
     assert manifest["saved_by"] == [0] and manifest["leaving"] == [1] and manifest["world_size"] == 2
     assert manifest["notice"]["node"].endswith("/node-1")
+    exits = [json.loads(n.exit_file.read_text()) for n in nodes]  # what a startup script reads under torchrun
+    assert [(e["exit_code"], e["committed"], e["leaving"], e["step"]) for e in exits] == [
+        (143, True, False, info.step),
+        (143, True, True, info.step),
+    ]
     # Only the survivor's staging dir ever held the step: the reclaimed VM's disk is not needed.
     assert not list((tmp_path / "node1").glob("step-*"))
     assert ("handed" if sharding == "fsdp" else "save step") in nodes[1].output()
@@ -147,6 +153,9 @@ def test_the_reclaimed_node_killed_at_a_random_moment(sharding, whose, line, mus
     assert all(r.ok for r in verify_checkpoint(str(ckpt))), nodes[0].tail()
     assert [c.reason for c in steps] in ([], ["emergency"])
     assert (said == "committed") == bool(steps), nodes[0].tail()  # never a loss reported as saved
+    if said != "other":  # (a crash in the training step itself leaves no record)
+        record = json.loads(nodes[0].exit_file.read_text())
+        assert (record["exit_code"], record["committed"]) == ((143, True) if steps else (75, False))
     if steps:
         assert manifest_of(ckpt, steps[0].step)["saved_by"] == [0]
     if must_commit:
@@ -170,3 +179,43 @@ def test_object_store_survivors_upload_and_a_fresh_pair_of_nodes_resumes(tmp_pat
     assert all(r.ok for r in verify_checkpoint(backend.url))
     fresh = tmp_path / "fresh"  # new VMs: empty staging dirs, everything comes from the bucket
     assert run(2, backend.url, fresh, BASE + ["--fsdp"], fresh / "resumed.json")["start"] == info.step + 1
+
+
+def test_sigterm_to_one_node_makes_only_that_node_leave(tmp_path):
+    """A signal (Kubernetes deleting one pod, Slurm, torchrun forwarding) dooms only its own node."""
+    ckpt = tmp_path / "ckpt"
+    nodes = start_nodes(2, str(ckpt), tmp_path, BASE)
+    try:
+        nodes[0].step_reached(random.Random().randint(2, 15))
+        nodes[1].proc.send_signal(signal.SIGTERM)  # the agent forwards it to its workers
+        for node in nodes:
+            node.finish(120)
+    finally:
+        stop_all(nodes)
+    assert outcome(nodes[0]) == "committed", nodes[0].tail()
+    (info,) = committed_steps(ckpt)
+    manifest = manifest_of(ckpt, info.step)
+    assert manifest["leaving"] == [1] and manifest["notice"]["cloud"] == "signal"
+
+
+def test_the_node_hosting_the_store_is_reclaimed(tmp_path):
+    """Node 0 hosts the job's store (the static rendezvous): when it is reclaimed and vanishes, the
+    survivor never hangs; it commits if it formed its group before the store went, else it says it
+    did not, within a bounded time."""
+    ckpt = tmp_path / "ckpt"
+    nodes = start_nodes(2, str(ckpt), tmp_path, ["--steps", "200", "--step-time", "0.02"])
+    try:
+        reclaim(nodes, 0, random.Random().randint(2, 10))
+        assert nodes[0].wait_for(r"save-start .*as=leaving"), nodes[0].tail()
+        time.sleep(random.Random().uniform(0, 0.2))
+        nodes[0].kill()
+        started = time.monotonic()
+        nodes[1].finish(120)
+        assert time.monotonic() - started < 60
+    finally:
+        stop_all(nodes)
+    steps = committed_steps(ckpt)
+    assert all(r.ok for r in verify_checkpoint(str(ckpt)))
+    assert (outcome(nodes[1]) == "committed") == bool(steps), nodes[1].tail()
+    if steps:
+        assert manifest_of(ckpt, steps[0].step)["saved_by"] == [1]
