@@ -354,6 +354,8 @@ class Guard:
             leaving = self._broadcast.interrupted_nodes
             log.warning("node %s is being reclaimed (%s)", self.notice.node, self.notice.source)
         decision = self._agreement.agree(index, event, timeout, leaving)
+        if decision is not None and event["type"] == EMERGENCY:
+            self._ckpt.abandon_background_uploads()  # the training thread may be waiting on one
         if decision is not None:
             self.timeline.add(
                 "agreed",

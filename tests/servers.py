@@ -176,7 +176,7 @@ class FaultProxy:
     async def _start(self) -> None:
         app = web.Application(client_max_size=1 << 30)
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)  # held requests are dropped
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
         self._session = ClientSession(

@@ -139,3 +139,41 @@ def wait_for(condition, timeout_s: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < limit, "timed out waiting"
         time.sleep(0.05)
+
+
+def test_a_stuck_background_upload_never_holds_the_emergency_back(storage_servers, monkeypatch, tmp_path):
+    """save_every with a bucket whose link stalls: the training thread waits on the previous background
+    save's upload; a SIGTERM must still get the emergency step committed locally within seconds."""
+    import os
+    import signal
+
+    import spotguard
+
+    backend, proxy = slow_s3(storage_servers, monkeypatch, tmp_path, slow_s=0.0)
+    model = torch.nn.Linear(512, 512)
+    stalled = threading.Event()
+
+    def on_step(step):
+        if step == 6 and not stalled.is_set():  # step 5's background upload is under way: the link stalls
+            proxy.slow_s = 600.0
+            stalled.set()
+            threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+
+    try:
+        with spotguard.Guard(
+            backend.url, cloud="none", local_dir=str(tmp_path / "vm"), save_every=5, grace_s=20, exit_code=None
+        ) as guard:
+            for step in range(10_000):
+                on_step(step)
+                time.sleep(0.01)
+                if guard.step(step, {"model": model}):
+                    break
+    finally:
+        proxy.slow_s = 0.0
+        proxy.close()
+        backend.point_at(backend.server.url)
+    entries = {e.event: e for e in guard.timeline.entries}
+    signalled, committed = entries["notice"].at, entries["committed"].at
+    assert (committed - signalled).total_seconds() < 5, guard.timeline.format()
+    assert guard.emergency_saved and guard.last_save.reason == "emergency"
+    assert [c.reason for c in list_checkpoints(str(tmp_path / "vm")) if c.committed][-1] == "emergency"

@@ -50,7 +50,7 @@ from spotguard.checkpoint.ownership import SurvivorPlanner, expects_handoff, fla
 from spotguard.checkpoint.resume import load_newest
 from spotguard.checkpoint.save import write_shards
 from spotguard.checkpoint.state import copy_to_cpu, to_dcp
-from spotguard.checkpoint.transfer import Cutoff, upload
+from spotguard.checkpoint.transfer import Cutoff, upload, within
 from spotguard.progress import TransferProgress
 from spotguard.timeline import seconds
 
@@ -155,6 +155,7 @@ class Checkpointer:
             _writable_dir(self.local_root, "local_dir")
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spotguard-ckpt")
         self._pending: _InFlight | None = None
+        self._uploads_abandoned = False  # an emergency is coming: background saves commit locally only
         # The store's own retry limit; a save with a deadline lowers it for its duration.
         self._retry_deadline_s: float | None = getattr(self.remote, "retry_deadline_s", None)
         self.on_event = on_event
@@ -191,6 +192,8 @@ class Checkpointer:
         self._finish_pending(cutoff)
         state_dict = to_dcp(state)
         started_at = utc_now()
+        if not wait and self._uploads_abandoned:
+            cutoff.bring_forward(time.monotonic())
         if departure is not None and departure.survivors(self.comm.world_size):
             if not wait:
                 raise ValueError("a save with a departure is an emergency: it needs wait=True")
@@ -205,6 +208,17 @@ class Checkpointer:
         future = self._worker.submit(self._save, step, snapshot, reason, notice, deadline, cutoff, started_at)
         self._pending = _InFlight(step, future, cutoff)
         return None
+
+    def abandon_background_uploads(self) -> None:
+        """An emergency has been agreed (called from any thread, on every rank alike): the background
+        save in flight, and any started before the emergency step, stop uploading at once and keep
+        their local commit, so no upload stands between the notice and the emergency save."""
+        self._uploads_abandoned = True
+        pending = self._pending
+        if pending is not None and not pending.future.done():
+            log.warning("an emergency is coming: the background save of step %d stops uploading", pending.step)
+            pending.cutoff.bring_forward(time.monotonic())
+            self._limit_retries(pending.cutoff)
 
     def wait(self, timeout: float | None = None) -> SaveReport | None:
         """Finish the in-flight async save; its report, or None when none was in flight.
@@ -443,9 +457,11 @@ class Checkpointer:
                 )
                 durable, upload_error, durable_at = self.local_root is None, None, committed_at
                 if self.local_root is not None:
-                    durable, upload_error = self._upload(step, commit, records, stage, final, deadline, cutoff, comm)
+                    durable, upload_error, uploaded = self._upload(
+                        step, commit, records, stage, final, deadline, cutoff, comm
+                    )
                     durable_at = utc_now() if durable else None
-                    if durable and not commit["remote_has_it"]:
+                    if uploaded:
                         self.upload_bytes_per_s = commit["bytes"] / max(time.monotonic() - t_committed, 1e-9)
             finally:
                 # A copy that was not committed here (failed, or another node's partial copy) is abandoned.
@@ -525,15 +541,17 @@ class Checkpointer:
             "error": None,
             "path": str(final),
             "created": created,
-            "remote_has_it": self.local_root is not None and self._remote_has(step),
             "bytes": manifest.total_bytes,
             "files": len(manifest.files),
         }
 
-    def _remote_has(self, step: int) -> bool:
-        """Whether `step` is already committed in the object store (never upload over a committed step)."""
+    def _remote_has(self, step: int, cutoff: Cutoff) -> bool:
+        """Whether `step` is already committed in the object store (never upload over a committed step).
+
+        Asked within the save's cutoff: a stalled link must not hold a local commit back.
+        """
         try:
-            return self.remote.exists(manifest_key(step))
+            return within(lambda: self.remote.exists(manifest_key(step)), cutoff)
         except Exception as exc:  # the upload itself will tell whether the store works
             log.warning("could not check %s for an existing step %d: %s", self.remote.url, step, exc)
             return False
@@ -548,8 +566,8 @@ class Checkpointer:
         deadline: datetime | None,
         cutoff: Cutoff,
         comm: Comm,
-    ) -> tuple[bool, str | None]:
-        """Every rank uploads its files, then rank 0 the manifest, create-only. (durable, error).
+    ) -> tuple[bool, str | None, bool]:
+        """Every rank uploads its files, then rank 0 the manifest, create-only. (durable, error, uploaded).
 
         The upload uses the whole window but never goes past `cutoff` (`DEADLINE_RESERVE_S`
         before the deadline, or earlier when a later save takes over): what is unfinished
@@ -557,10 +575,10 @@ class Checkpointer:
         """
         if deadline is not None and comm.is_coordinator:
             self._plan(comm, step, commit["bytes"], cutoff.left())
-        if commit["remote_has_it"]:
+        if comm.broadcast(self._remote_has(step, cutoff) if comm.is_coordinator else None):
             if comm.is_coordinator:
                 log.warning("step %d is already committed in %s; not uploading it again", step, self.remote.url)
-            return True, None
+            return True, None, False
         error = None
         try:
             mine = records
@@ -586,8 +604,9 @@ class Checkpointer:
         if comm.is_coordinator:
             outcome = "; ".join(e for e in errors if e) or None
             if outcome is None:
+                manifest = (final / MANIFEST_NAME).read_bytes()
                 try:
-                    self.remote.put_bytes(manifest_key(step), (final / MANIFEST_NAME).read_bytes(), create_only=True)
+                    within(lambda: self.remote.put_bytes(manifest_key(step), manifest, create_only=True), cutoff)
                 except AlreadyExists:
                     log.warning("step %d was committed in %s meanwhile; keeping that copy", step, self.remote.url)
                 except Exception as exc:
@@ -601,7 +620,7 @@ class Checkpointer:
                     outcome,
                 )
         outcome = comm.broadcast(outcome)
-        return outcome is None, outcome
+        return outcome is None, outcome, outcome is None
 
     def _plan(self, comm: Comm, step: int, nbytes: int, window_s: float) -> None:
         """Log (and report) how long the upload should take against the time left."""

@@ -7,11 +7,13 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TypeVar
 
 from cloud_adapters.storage import ObjectStore, Progress
 
 # How often a waiting transfer checks whether its cutoff was brought forward.
 _CHECK_EVERY_S = 0.2
+T = TypeVar("T")
 
 
 class DeadlineExceeded(OSError):
@@ -121,3 +123,28 @@ def download(
 ) -> None:
     """Download each (key, local file) pair in parallel."""
     _run_all([lambda k=key, p=path: store.get_file(k, p, progress=progress) for key, path in items], threads, Cutoff())
+
+
+def within(call: Callable[[], T], cutoff: Cutoff) -> T:
+    """`call()`'s result (or its exception), waited for until `cutoff`: DeadlineExceeded then, and
+    the call is abandoned on its daemon thread, as `_run_all` abandons transfers."""
+    box: dict[str, object] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller below
+            box["error"] = exc
+        finally:
+            done.set()
+
+    if cutoff.passed():
+        raise DeadlineExceeded("no time was left before the deadline")
+    threading.Thread(target=run, name="spotguard-xfer", daemon=True).start()
+    while not done.wait(cutoff.check_within(_CHECK_EVERY_S)):
+        if cutoff.passed():
+            raise DeadlineExceeded("no answer before the deadline")
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["value"]  # type: ignore[return-value]
