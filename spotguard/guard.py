@@ -42,7 +42,7 @@ from cloud_adapters.stores import check_location
 from spotguard import topology
 from spotguard.agreement import Decision, StepAgreement
 from spotguard.broadcast import EMERGENCY, Broadcast, inbox_connection, listener_store
-from spotguard.checkpoint import Checkpointer, SaveReport
+from spotguard.checkpoint import Checkpointer, CheckpointError, SaveReport
 from spotguard.checkpoint.handoff import Departure
 from spotguard.timeline import Timeline, seconds
 from spotguard.watcher import Watcher
@@ -319,6 +319,10 @@ class Guard:
                 wait=wait,
                 departure=departure,
             )
+        except CheckpointError as exc:  # says what failed, where and why: one line is enough
+            log.error("%s checkpoint of step %d failed: %s", reason, step, exc)
+            self.timeline.add("save-failed", step=step, reason=reason)
+            return None
         except Exception:  # noqa: BLE001 - invariant 3: a failed save never crashes the training loop
             log.exception("%s checkpoint of step %d failed", reason, step)
             self.timeline.add("save-failed", step=step, reason=reason)

@@ -369,12 +369,18 @@ class Checkpointer:
         rank, world = dist.get_rank(), self.comm.world_size
         survivors = departure.survivors(world)
         # Only the survivors create (and wait for each other in) this group: the leaving ranks never block it.
-        group = dist.new_group(
-            survivors,
-            backend="gloo",
-            timeout=timedelta(seconds=max(30.0, cutoff.left() or 0.0)),
-            use_local_synchronization=True,
-        )
+        try:
+            group = dist.new_group(
+                survivors,
+                backend="gloo",
+                timeout=timedelta(seconds=max(30.0, cutoff.left() or 0.0)),
+                use_local_synchronization=True,
+            )
+        except FAILURES as exc:  # the job's store went away (its host was the node leaving?)
+            raise CheckpointError(
+                f"the survivors could not form their group to save step {step} (is the job's store gone?): "
+                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            ) from None
         comm = Comm(group)
         try:
             flat_state = flat(state_dict)
