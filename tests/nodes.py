@@ -25,7 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 class Node:
     """One node: a torchrun agent with its workers, its own emulator and staging dir."""
 
-    def __init__(self, rank: int, nnodes: int, port: int, ckpt: str, tmp: Path, args: list[str]) -> None:
+    def __init__(
+        self, rank: int, nnodes: int, port: int, ckpt: str, tmp: Path, args: list[str], env: dict[str, str]
+    ) -> None:
         self.rank = rank
         self.emulator = AWSMetadataEmulator().__enter__()
         self.local_dir = tmp / f"node{rank}"
@@ -40,7 +42,7 @@ class Node:
             str(ROOT / "examples" / "train_ddp.py"),
             "--checkpoint-dir", ckpt, "--local-dir", str(self.local_dir), "--cloud", "aws", *args,
         ]  # fmt: skip
-        env = {**os.environ, "SPOTGUARD_METADATA_URL": self.emulator.url, "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, **env, "SPOTGUARD_METADATA_URL": self.emulator.url, "OMP_NUM_THREADS": "1"}
         env["SPOTGUARD_EXIT_FILE"] = str(self.exit_file)
         env.update(GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
@@ -109,9 +111,9 @@ class Node:
         return "\n".join(self.lines[-n:])
 
 
-def start_nodes(nnodes: int, ckpt: str, tmp: Path, args: list[str]) -> list[Node]:
+def start_nodes(nnodes: int, ckpt: str, tmp: Path, args: list[str], env: dict[str, str] | None = None) -> list[Node]:
     port = free_port()
-    return [Node(i, nnodes, port, ckpt, tmp, args) for i in range(nnodes)]
+    return [Node(i, nnodes, port, ckpt, tmp, args, env or {}) for i in range(nnodes)]
 
 
 def stop_all(nodes: list[Node]) -> None:

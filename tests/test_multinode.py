@@ -219,3 +219,22 @@ def test_the_node_hosting_the_store_is_reclaimed(tmp_path):
     assert (outcome(nodes[1]) == "committed") == bool(steps), nodes[1].tail()
     if steps:
         assert manifest_of(ckpt, steps[0].step)["saved_by"] == [1]
+
+
+def test_a_handoff_that_cannot_happen_is_a_loss_told_truthfully_on_both_nodes(tmp_path):
+    """The survivor cannot listen where it was told to (an address not on this host), so the sharded
+    state never arrives: nothing is committed, and both nodes say so at once, not at the deadline."""
+    ckpt = tmp_path / "ckpt"
+    nodes = start_nodes(2, str(ckpt), tmp_path, BASE + ["--fsdp"], env={"SPOTGUARD_HANDOFF_HOST": "203.0.113.7"})
+    try:
+        reclaim(nodes, 1, random.Random().randint(2, 15))
+        started = time.monotonic()
+        for node in nodes:
+            node.finish(120)
+        assert time.monotonic() - started < 30  # the notice gave 120 s: nobody waited for the deadline
+    finally:
+        stop_all(nodes)
+    assert [outcome(n) for n in nodes] == ["lost", "lost"], nodes[0].tail() + nodes[1].tail()
+    assert not committed_steps(ckpt) and not list(ckpt.glob("step-*"))
+    assert "did not arrive whole" in nodes[0].output() and "the survivors gave up" in nodes[1].output()
+    assert [json.loads(n.exit_file.read_text())["exit_code"] for n in nodes] == [75, 75]
