@@ -202,7 +202,11 @@ class Guard:
         if exiting and self.emergency_saved and not self.last_save.durable:  # type: ignore[union-attr]
             # The upload was abandoned at the deadline: closing the stores would wait for SDK
             # threads still sending it, and the VM is going away. Leave now.
-            log.warning("emergency checkpoint kept locally only; exiting with code %d now", code)
+            log.warning(
+                "emergency checkpoint committed, not durable yet (%s); exiting with code %d now",
+                self.last_save.error,  # type: ignore[union-attr]
+                code,
+            )
             logging.shutdown()
             sys.stdout.flush()
             sys.stderr.flush()
@@ -270,20 +274,25 @@ class Guard:
 
     # ---- internals ---------------------------------------------------------------
     def _run_due(self, step: int, state: Mapping[str, Any], due: list[Decision]) -> bool:
-        emergency = next((d for d in due if d.event["type"] == EMERGENCY), None)
-        if emergency is None:
+        emergencies = [d for d in due if d.event["type"] == EMERGENCY]
+        if not emergencies:
             self._save(step, state, reason=due[-1].event.get("reason", "periodic"), wait=False)
             return False
-        notice = Notice.from_json(emergency.event["notice"])
+        # Several nodes' interruptions due at one step (the same on every rank): all of them leave,
+        # and the save keeps to the earliest deadline.
+        notices = [Notice.from_json(d.event["notice"]) for d in emergencies]
+        notice = min(notices, key=lambda n: (n.deadline is None, n.deadline or n.detected_at))
+        leaving = frozenset(r for d in emergencies for r in d.leaving)
         departure = None
-        if emergency.leaving and len(emergency.leaving) < self.topology.world_size:
-            prefix = f"{self._prefix}emergency/{emergency.round}/"
-            departure = Departure(frozenset(emergency.leaving), self._meeting_store, prefix)
+        if leaving and len(leaving) < self.topology.world_size:
+            prefix = f"{self._prefix}emergency/{emergencies[0].round}/"
+            departure = Departure(leaving, self._meeting_store, prefix)
+        self.leaving = self.topology.rank in leaving or departure is None
         self.timeline.add(
             "save-start",
             step=step,
             reason="emergency",
-            **({"as": "leaving" if self.topology.rank in emergency.leaving else "survivor"} if departure else {}),
+            **({"as": "leaving" if self.leaving else "survivor"} if departure else {}),
         )
         report = self._save(step, state, reason="emergency", wait=True, notice=notice, departure=departure)
         if report is None:
@@ -292,11 +301,12 @@ class Guard:
                 "the work since the last committed checkpoint is lost, and resume will start from that one",
                 step,
             )
-        if self.topology.is_node_leader and report is not None and report.durable:
-            self._watcher.ack(notice)  # Azure may proceed early only once the checkpoint is safe
+        if self.topology.is_node_leader and report is not None and (report.durable or departure):
+            # Azure may proceed early only once the checkpoint is safe: durable, or (leaving a job
+            # that goes on) committed by the survivors, who hold everything of this node's.
+            self._watcher.ack(notice)
         self.interrupted = True
         self.emergency_saved = report is not None
-        self.leaving = self.topology.rank in emergency.leaving or not departure
         return True
 
     def _save(

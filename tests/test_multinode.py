@@ -23,6 +23,12 @@ COMMITTED = r"emergency checkpoint committed; exiting with code 143"
 LOST = r"interrupted without a new checkpoint; exiting with code 75"
 
 
+@pytest.fixture
+def rng(request):
+    """Random choices that repeat for the same test (the timing of processes still varies)."""
+    return random.Random(request.node.nodeid)
+
+
 def run(nnodes, ckpt, tmp, args, out=None):
     """A whole run with no interruption; returns what rank 0 wrote to `out`."""
     nodes = start_nodes(nnodes, str(ckpt), tmp, [*args, *(["--out", str(out)] if out else [])])
@@ -68,11 +74,11 @@ def manifest_of(ckpt, step):
 
 
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
-def test_survivors_commit_without_the_reclaimed_node_and_resume_bit_identical(sharding, tmp_path, references):
+def test_survivors_commit_without_the_reclaimed_node_and_resume_bit_identical(sharding, tmp_path, references, rng):
     ckpt = tmp_path / "ckpt"
     nodes = start_nodes(2, str(ckpt), tmp_path, BASE + SHARDING[sharding])
     try:
-        reclaim(nodes, 1, random.Random().randint(2, 15))
+        reclaim(nodes, 1, rng.randint(2, 15))
         for node in nodes:
             node.finish(120)
     finally:
@@ -98,11 +104,11 @@ def test_survivors_commit_without_the_reclaimed_node_and_resume_bit_identical(sh
     assert resumed["digest"] == references(sharding)
 
 
-def test_three_nodes_the_two_survivors_share_the_writing(tmp_path):
+def test_three_nodes_the_two_survivors_share_the_writing(tmp_path, rng):
     ckpt = tmp_path / "ckpt"
     nodes = start_nodes(3, str(ckpt), tmp_path, BASE)
     try:
-        reclaim(nodes, 1, random.Random().randint(2, 15))
+        reclaim(nodes, 1, rng.randint(2, 15))
         for node in nodes:
             node.finish(120)
     finally:
@@ -135,13 +141,13 @@ TRIALS = [(*kill, trial) for kill in KILLS for trial in range(3)]
 
 
 @pytest.mark.parametrize("sharding,whose,line,must_commit,trial", TRIALS)
-def test_the_reclaimed_node_killed_at_a_random_moment(sharding, whose, line, must_commit, trial, tmp_path):
+def test_the_reclaimed_node_killed_at_a_random_moment(sharding, whose, line, must_commit, trial, tmp_path, rng):
     ckpt = tmp_path / "ckpt"
     nodes = start_nodes(2, str(ckpt), tmp_path, ["--steps", "200", "--step-time", "0.02", *SHARDING[sharding]])
     try:
-        reclaim(nodes, 1, random.Random().randint(2, 10))
+        reclaim(nodes, 1, rng.randint(2, 10))
         assert nodes[whose].wait_for(line), nodes[whose].tail()
-        time.sleep(random.Random().uniform(0, 0.2))
+        time.sleep(rng.uniform(0, 0.2))
         nodes[1].kill()
         started = time.monotonic()
         nodes[0].finish(120)
@@ -164,11 +170,11 @@ def test_the_reclaimed_node_killed_at_a_random_moment(sharding, whose, line, mus
         assert "received" in nodes[0].output()  # committed only with the handed-over shards
 
 
-def test_object_store_survivors_upload_and_a_fresh_pair_of_nodes_resumes(tmp_path, storage_servers, monkeypatch):
+def test_object_store_survivors_upload_and_a_fresh_pair_of_nodes_resumes(tmp_path, storage_servers, monkeypatch, rng):
     backend = backend_for("s3", storage_servers, monkeypatch, tmp_path)
     nodes = start_nodes(2, backend.url, tmp_path, BASE + ["--fsdp"])
     try:
-        reclaim(nodes, 1, random.Random().randint(2, 15))
+        reclaim(nodes, 1, rng.randint(2, 15))
         nodes[1].wait_for("free to go")
         nodes[1].kill()
         nodes[0].finish(120)
@@ -181,12 +187,12 @@ def test_object_store_survivors_upload_and_a_fresh_pair_of_nodes_resumes(tmp_pat
     assert run(2, backend.url, fresh, BASE + ["--fsdp"], fresh / "resumed.json")["start"] == info.step + 1
 
 
-def test_sigterm_to_one_node_makes_only_that_node_leave(tmp_path):
+def test_sigterm_to_one_node_makes_only_that_node_leave(tmp_path, rng):
     """A signal (Kubernetes deleting one pod, Slurm, torchrun forwarding) dooms only its own node."""
     ckpt = tmp_path / "ckpt"
     nodes = start_nodes(2, str(ckpt), tmp_path, BASE)
     try:
-        nodes[0].step_reached(random.Random().randint(2, 15))
+        nodes[0].step_reached(rng.randint(2, 15))
         nodes[1].proc.send_signal(signal.SIGTERM)  # the agent forwards it to its workers
         for node in nodes:
             node.finish(120)
@@ -198,16 +204,16 @@ def test_sigterm_to_one_node_makes_only_that_node_leave(tmp_path):
     assert manifest["leaving"] == [1] and manifest["notice"]["cloud"] == "signal"
 
 
-def test_the_node_hosting_the_store_is_reclaimed(tmp_path):
+def test_the_node_hosting_the_store_is_reclaimed(tmp_path, rng):
     """Node 0 hosts the job's store (the static rendezvous): when it is reclaimed and vanishes, the
     survivor never hangs; it commits if it formed its group before the store went, else it says it
     did not, within a bounded time."""
     ckpt = tmp_path / "ckpt"
     nodes = start_nodes(2, str(ckpt), tmp_path, ["--steps", "200", "--step-time", "0.02"])
     try:
-        reclaim(nodes, 0, random.Random().randint(2, 10))
+        reclaim(nodes, 0, rng.randint(2, 10))
         assert nodes[0].wait_for(r"save-start .*as=leaving"), nodes[0].tail()
-        time.sleep(random.Random().uniform(0, 0.2))
+        time.sleep(rng.uniform(0, 0.2))
         nodes[0].kill()
         started = time.monotonic()
         nodes[1].finish(120)
@@ -221,13 +227,13 @@ def test_the_node_hosting_the_store_is_reclaimed(tmp_path):
         assert manifest_of(ckpt, steps[0].step)["saved_by"] == [1]
 
 
-def test_a_handoff_that_cannot_happen_is_a_loss_told_truthfully_on_both_nodes(tmp_path):
+def test_a_handoff_that_cannot_happen_is_a_loss_told_truthfully_on_both_nodes(tmp_path, rng):
     """The survivor cannot listen where it was told to (an address not on this host), so the sharded
     state never arrives: nothing is committed, and both nodes say so at once, not at the deadline."""
     ckpt = tmp_path / "ckpt"
     nodes = start_nodes(2, str(ckpt), tmp_path, BASE + ["--fsdp"], env={"SPOTGUARD_HANDOFF_HOST": "203.0.113.7"})
     try:
-        reclaim(nodes, 1, random.Random().randint(2, 15))
+        reclaim(nodes, 1, rng.randint(2, 15))
         started = time.monotonic()
         for node in nodes:
             node.finish(120)

@@ -43,7 +43,7 @@ from spotguard.checkpoint import retention
 from spotguard.checkpoint.comm import FAILURES, Comm, describe
 from spotguard.checkpoint.commit import commit_dir
 from spotguard.checkpoint.errors import CheckpointError
-from spotguard.checkpoint.handoff import Departure, HandoffError, Receiver, send_shards
+from spotguard.checkpoint.handoff import Departure, Receiver, send_shards
 from spotguard.checkpoint.layout import MANIFEST_NAME, manifest_key, sibling_name, step_dir_name
 from spotguard.checkpoint.manifest import REASONS, FileRecord, Manifest, versions
 from spotguard.checkpoint.ownership import SurvivorPlanner, expects_handoff, flat, unique_shards
@@ -60,6 +60,9 @@ log = logging.getLogger(__name__)
 DEADLINE_RESERVE_S = 3.0
 # How long the ranks of an emergency without a deadline wait for each other's handoff and outcome.
 NO_DEADLINE_WAIT_S = 120.0
+# How long a survivor waits for a leaving rank to say whether it hands anything over, when the survivor
+# expects nothing from it: bounded, since a leaving rank may already be gone.
+DECLARE_GRACE_S = 3.0
 
 # Called on rank 0 as a save goes: ("committed" | "upload-plan" | "durable" | "not-durable", details).
 SaveEvents = Callable[..., Any]
@@ -82,17 +85,6 @@ class SaveReport:
     durable_at: datetime | None
     local_location: str | None = None  # the committed local copy, when staging in local_dir
     error: str | None = None  # why it is not durable
-
-    def to_json(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        for name in ("started_at", "committed_at", "durable_at"):
-            out[name] = isoformat_z(out[name]) if out[name] else None
-        return out
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> SaveReport:
-        times = {n: parse_iso8601(data[n]) if data[n] else None for n in ("started_at", "committed_at", "durable_at")}
-        return cls(**{**data, **times})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +181,8 @@ class Checkpointer:
         cutoff = Cutoff()
         if deadline is not None:
             cutoff.bring_forward(time.monotonic() + (deadline - utc_now()).total_seconds() - DEADLINE_RESERVE_S)
+        elif departure is not None:  # the ranks wait on each other: never without a bound
+            cutoff.bring_forward(time.monotonic() + NO_DEADLINE_WAIT_S)
         self._finish_pending(cutoff)
         state_dict = to_dcp(state)
         started_at = utc_now()
@@ -197,11 +191,9 @@ class Checkpointer:
         if departure is not None and departure.survivors(self.comm.world_size):
             if not wait:
                 raise ValueError("a save with a departure is an emergency: it needs wait=True")
-            if cutoff.at is None:
-                cutoff.bring_forward(time.monotonic() + NO_DEADLINE_WAIT_S)
             if dist.get_rank() in departure.leaving:
                 return self._leave(step, state_dict, departure, cutoff, started_at)
-            return self._survive(step, state_dict, reason, notice, deadline, cutoff, started_at, departure)
+            return self._survive(step, state_dict, reason, notice, cutoff, started_at, departure)
         if wait:
             return self._save(step, state_dict, reason, notice, deadline, cutoff, started_at)
         snapshot = copy_to_cpu(state_dict)
@@ -313,11 +305,14 @@ class Checkpointer:
         """A leaving rank: hand over what only it holds, then learn the survivors' outcome.
 
         Nothing here waits on this rank's disk, and the survivors wait for nothing but the handoff.
+        The outcome is the survivors' word, whatever happened to the handoff on this side.
         """
         rank, world = dist.get_rank(), self.comm.world_size
         survivors = set(departure.survivors(world))
         t0 = time.monotonic()
-        if expects_handoff(flat(state_dict), rank, survivors):
+        handing = expects_handoff(flat(state_dict), rank, survivors)
+        departure.declare(rank, handing)
+        if handing:
             to = departure.receiver_of(rank, world)
             try:
                 shards = unique_shards(state_dict, rank, survivors)
@@ -330,20 +325,17 @@ class Checkpointer:
                     to,
                 )
                 nbytes = send_shards(departure, rank, to, step, shards, cutoff)
-            except (HandoffError, OSError) as exc:
-                raise CheckpointError(
-                    f"rank {rank} could not hand its shards of step {step} to rank {to} ({exc}): "
-                    "the survivors will not commit the step"
-                ) from None
-            log.warning(
-                "rank %d handed %d shards (%.1f MB) of step %d to rank %d in %.2f s; free to go",
-                rank,
-                len(shards),
-                nbytes / 1e6,
-                step,
-                to,
-                time.monotonic() - t0,
-            )
+                log.warning(
+                    "rank %d handed %d shards (%.1f MB) of step %d to rank %d in %.2f s; free to go",
+                    rank,
+                    len(shards),
+                    nbytes / 1e6,
+                    step,
+                    to,
+                    time.monotonic() - t0,
+                )
+            except Exception as exc:  # noqa: BLE001 - the survivors' outcome below says what became of the step
+                log.error("rank %d could not hand its shards of step %d to rank %d: %s", rank, step, to, exc)
         else:
             log.warning("rank %d is leaving: the survivors hold all it has and save step %d without it", rank, step)
         handed_s = time.monotonic() - t0
@@ -352,7 +344,23 @@ class Checkpointer:
             raise CheckpointError(f"the survivors did not confirm a commit of step {step} before the deadline")
         if outcome["error"]:
             raise CheckpointError(f"the survivors could not commit step {step}: {outcome['error']}")
-        return dataclasses.replace(SaveReport.from_json(outcome["report"]), write_s=handed_s, started_at=started_at)
+        done = outcome["committed"]
+        return SaveReport(
+            step=step,
+            reason="emergency",
+            bytes=done["bytes"],
+            files=done["files"],
+            write_s=handed_s,
+            commit_s=0.0,
+            upload_s=0.0,
+            location=done["location"],
+            durable=done["durable"],
+            margin_s=None,
+            started_at=started_at,
+            committed_at=parse_iso8601(done["committed_at"]),
+            durable_at=None,
+            error=None if done["durable"] else "committed by the survivors, who upload it",
+        )
 
     def _survive(
         self,
@@ -360,14 +368,16 @@ class Checkpointer:
         state_dict: dict[str, Any],
         reason: str,
         notice: Notice | None,
-        deadline: datetime | None,
         cutoff: Cutoff,
         started_at: datetime,
         departure: Departure,
     ) -> SaveReport:
-        """A survivor: take the handoffs meant for this rank, then save and commit with the other survivors."""
-        rank, world = dist.get_rank(), self.comm.world_size
-        survivors = departure.survivors(world)
+        """A survivor: take the handoffs meant for this rank, then save and commit with the other survivors.
+
+        The leaving node's deadline bounds the handoff only: the survivors are staying, so their
+        upload is not cut at it (the leaving ranks learn the outcome at the local commit).
+        """
+        survivors = departure.survivors(self.comm.world_size)
         # Only the survivors create (and wait for each other in) this group: the leaving ranks never block it.
         try:
             group = dist.new_group(
@@ -383,14 +393,7 @@ class Checkpointer:
             ) from None
         comm = Comm(group)
         try:
-            flat_state = flat(state_dict)
-            senders = [r for r in departure.senders_to(rank, world) if expects_handoff(flat_state, r, set(survivors))]
-            received, why = [], None
-            if senders:
-                try:
-                    received = Receiver(departure, rank, senders, step).collect(cutoff)
-                except (HandoffError, OSError) as exc:
-                    why = f"rank {rank}: {exc}"
+            received, why = self._receive_handoffs(step, state_dict, departure, cutoff)
             failed = [w for w in comm.all_gather(why) if w]
             if failed:
                 raise CheckpointError(
@@ -401,12 +404,13 @@ class Checkpointer:
                 state_dict,
                 reason,
                 notice,
-                deadline,
-                cutoff,
+                None,
+                Cutoff(),
                 started_at,
                 comm=comm,
                 planner=SurvivorPlanner(received),
                 leaving=tuple(sorted(departure.leaving)),
+                on_commit=lambda done: departure.publish_outcome({"error": None, "committed": done}),
             )
         except FAILURES as exc:
             if comm.is_coordinator:
@@ -414,9 +418,30 @@ class Checkpointer:
             raise
         finally:
             dist.destroy_process_group(group)
-        if comm.is_coordinator:
-            departure.publish_outcome({"error": None, "report": report.to_json()})
         return report
+
+    def _receive_handoffs(
+        self, step: int, state_dict: dict[str, Any], departure: Departure, cutoff: Cutoff
+    ) -> tuple[list, str | None]:
+        """(the shards handed to this survivor, or why not). Every rank infers from its own state who
+        must hand over what; a leaving rank that declares shards this survivor did not expect (state
+        laid out differently on each rank) makes the step fail rather than commit without them."""
+        rank, world = dist.get_rank(), self.comm.world_size
+        survivors = set(departure.survivors(world))
+        flat_state = flat(state_dict)
+        assigned = departure.senders_to(rank, world)
+        senders = [r for r in assigned if expects_handoff(flat_state, r, survivors)]
+        try:
+            received = Receiver(departure, rank, senders, step).collect(cutoff) if senders else []
+            surprising = departure.declared_handoffs([r for r in assigned if r not in senders], DECLARE_GRACE_S)
+        except Exception as exc:  # noqa: BLE001 - reported through the all_gather, so ranks stay in step
+            return [], f"rank {rank}: {exc}"
+        if surprising:
+            return [], (
+                f"rank {rank}: leaving ranks {surprising} hold shards no survivor expected (is the state laid out "
+                "differently on each rank, e.g. pipeline stages?)"
+            )
+        return received, None
 
     def _save(
         self,
@@ -431,7 +456,9 @@ class Checkpointer:
         comm: Comm | None = None,
         planner: SavePlanner | None = None,
         leaving: tuple[int, ...] = (),
+        on_commit: Callable[[dict[str, Any]], None] | None = None,
     ) -> SaveReport:
+        """The save protocol on `comm`'s ranks; `on_commit` hears of the local commit on its rank 0."""
         with self._retries_until(cutoff):
             comm = comm or self.comm
             t0 = time.monotonic()
@@ -453,6 +480,16 @@ class Checkpointer:
                 if commit["error"]:
                     raise CheckpointError(f"checkpoint of step {step} failed, nothing committed: {commit['error']}")
                 final = Path(commit["path"])
+                if on_commit is not None and comm.is_coordinator:
+                    on_commit(
+                        {
+                            "location": str(final),
+                            "durable": self.local_root is None,
+                            "bytes": commit["bytes"],
+                            "files": commit["files"],
+                            "committed_at": isoformat_z(committed_at),
+                        }
+                    )
                 self._emit(
                     comm,
                     "committed",

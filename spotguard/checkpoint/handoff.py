@@ -15,6 +15,7 @@ leaving rank can tell the truth about a checkpoint it no longer takes part in.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import logging
 import os
@@ -37,8 +38,10 @@ log = logging.getLogger(__name__)
 
 CHUNK = 4 << 20
 IDLE_TIMEOUT_S = 10.0  # a peer silent this long is gone (a VM that vanished sends no FIN)
+HELLO_TIMEOUT_S = 2.0
 _FRAME = struct.Struct("!Q")
 _MAX_FRAME = 64 << 20  # a header for many thousands of shards, never an unbounded read
+_MAX_HELLO = 4096
 HOST_ENV = "SPOTGUARD_HANDOFF_HOST"
 
 
@@ -68,6 +71,22 @@ class Departure:
     def senders_to(self, survivor: int, world_size: int) -> list[int]:
         return [r for r in sorted(self.leaving) if self.receiver_of(r, world_size) == survivor]
 
+    def declare(self, rank: int, handing: bool) -> None:
+        """Leaving `rank` says whether it hands anything over (see `declared_handoffs`)."""
+        try:
+            self.store.set(f"{self.prefix}declared/{rank}", "1" if handing else "0")
+        except Exception as exc:  # noqa: BLE001 - the survivors then wait a few seconds for nothing
+            log.warning("could not tell the survivors whether rank %d hands shards over (%s)", rank, exc)
+
+    def declared_handoffs(self, ranks: list[int], grace_s: float) -> list[int]:
+        """Which of leaving `ranks` declared shards to hand over, waiting up to `grace_s` in all for
+        their word (one that is already gone never says)."""
+        keys = {r: f"{self.prefix}declared/{r}" for r in ranks}
+        waited_until = time.monotonic() + grace_s
+        while not self.store.check(list(keys.values())) and time.monotonic() < waited_until:
+            time.sleep(0.01)
+        return [r for r, key in keys.items() if self.store.check([key]) and self.store.get(key) == b"1"]
+
     def publish_outcome(self, outcome: dict[str, Any]) -> None:
         try:
             self.store.set(self.prefix + "outcome", json.dumps(outcome))
@@ -94,12 +113,30 @@ def advertised_host() -> str:
     if os.environ.get(HOST_ENV):
         return os.environ[HOST_ENV]
     peer = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    host = _route_to(peer)
+    if ipaddress.ip_address(host).is_loopback and not _is_loopback(peer):
+        # The store host is this very host (its name maps to 127.0.x.x in /etc/hosts): peers on
+        # other hosts reach us on the default route's interface. TEST-NET: the probe sends nothing.
+        host = _route_to("192.0.2.1")
+    return host
+
+
+def _route_to(peer: str) -> str:
+    """The local address of the route to `peer` (a UDP connect sends no packet)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         try:
             probe.connect((peer, 9))
             return probe.getsockname()[0]
         except OSError:
             return "127.0.0.1"
+
+
+def _is_loopback(host: str) -> bool:
+    """A loopback address written as such (a host name that maps to 127.0.x.x here does not count)."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 # -- the sending side ---------------------------------------------------------------------
@@ -182,7 +219,11 @@ class Receiver:
         self._token = secrets.token_hex(16)
         self._listener = socket.create_server((advertised_host(), 0))
         host, port = self._listener.getsockname()[:2]
-        departure.store.set(f"{departure.prefix}handoff/{rank}", f"{host} {port} {self._token}")
+        try:
+            departure.store.set(f"{departure.prefix}handoff/{rank}", f"{host} {port} {self._token}")
+        except BaseException:
+            self._listener.close()
+            raise
 
     def collect(self, cutoff: Cutoff) -> Shards:
         """Every sender's shards, checksummed; HandoffError naming who failed and why."""
@@ -225,8 +266,8 @@ class Receiver:
         sender = None
         with conn:
             try:
-                conn.settimeout(_timeout(cutoff))
-                hello = _recv_json(conn, cutoff)
+                # Small and quick until the token is checked: strangers cost little and go soon.
+                hello = _recv_json(conn, cutoff, limit=_MAX_HELLO, idle_s=HELLO_TIMEOUT_S)
                 if hello.get("token") != self._token or hello.get("rank") not in self.senders:
                     return None, "a connection without the right token"
                 sender = int(hello["rank"])
@@ -280,9 +321,9 @@ def _allocate(entry: dict[str, Any]) -> tuple[WriteItem, torch.Tensor]:
 # -- framing ---------------------------------------------------------------------------------
 
 
-def _timeout(cutoff: Cutoff) -> float:
+def _timeout(cutoff: Cutoff, idle_s: float = IDLE_TIMEOUT_S) -> float:
     left = cutoff.left()
-    return IDLE_TIMEOUT_S if left is None else max(0.01, min(IDLE_TIMEOUT_S, left))
+    return idle_s if left is None else max(0.01, min(idle_s, left))
 
 
 def _send_json(sock: socket.socket, obj: Any) -> None:
@@ -290,28 +331,30 @@ def _send_json(sock: socket.socket, obj: Any) -> None:
     sock.sendall(_FRAME.pack(len(body)) + body)
 
 
-def _recv_json(sock: socket.socket, cutoff: Cutoff) -> dict[str, Any]:
+def _recv_json(
+    sock: socket.socket, cutoff: Cutoff, limit: int = _MAX_FRAME, idle_s: float = IDLE_TIMEOUT_S
+) -> dict[str, Any]:
     head = bytearray(_FRAME.size)
-    _recv_into(sock, memoryview(head), cutoff)
+    _recv_into(sock, memoryview(head), cutoff, idle_s)
     (length,) = _FRAME.unpack(head)
-    if length > _MAX_FRAME:
+    if length > limit:
         raise HandoffError(f"a {length}-byte frame is too large")
     body = bytearray(length)
-    _recv_into(sock, memoryview(body), cutoff)
+    _recv_into(sock, memoryview(body), cutoff, idle_s)
     value = json.loads(body)
     if not isinstance(value, dict):
         raise HandoffError("malformed frame")
     return value
 
 
-def _recv_into(sock: socket.socket, view: memoryview, cutoff: Cutoff) -> str:
+def _recv_into(sock: socket.socket, view: memoryview, cutoff: Cutoff, idle_s: float = IDLE_TIMEOUT_S) -> str:
     """Fill `view` from `sock` by `cutoff`; returns the CRC32C of what arrived.
 
     The checksum is taken in one pass at the end (GB/s, in C): per-recv bookkeeping in Python
     would cost more than the bytes themselves.
     """
     got = 0
-    sock.settimeout(_timeout(cutoff))  # each recv waits at most this long; the cutoff is checked between
+    sock.settimeout(_timeout(cutoff, idle_s))  # each recv waits at most this long; the cutoff is checked between
     while got < len(view):
         if cutoff.passed():
             raise HandoffError("the deadline passed during the handoff")

@@ -35,8 +35,8 @@ def holders(tensor: DTensor, rank: int) -> set[int]:
     """The global ranks that hold the same local shard of `tensor` as `rank` does."""
     mesh = tensor.device_mesh.mesh
     found = (mesh == rank).nonzero()
-    if len(found) == 0:
-        return {rank}
+    if len(found) == 0:  # not in the tensor's mesh: it holds none of it
+        return set()
     coordinate = found[0].tolist()
     index = tuple(slice(None) if p.is_replicate() else c for p, c in zip(tensor.placements, coordinate))
     return set(mesh[index].flatten().tolist())
@@ -47,7 +47,7 @@ def hands_over(value: Any, rank: int, survivors: set[int]) -> bool:
     `rank` is the lowest of the ranks that do."""
     if isinstance(value, DTensor):
         owners = holders(value, rank)
-        return not owners & survivors and rank == min(owners)
+        return bool(owners) and not owners & survivors and rank == min(owners)
     # Other sharded types (ShardedTensor) do not say who else holds a shard: hand it over.
     return _is_sharded(value)
 

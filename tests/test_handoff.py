@@ -1,0 +1,168 @@
+"""The handoff wire protocol between a leaving rank and a survivor, over real TCP on 127.0.0.1 with
+an in-process store: whole shards arrive checksummed; a stranger, a flood, a peer that dies
+mid-stream or one that reports its own failure never yields a partial handoff, and nobody waits
+for the deadline when the answer is already known."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from spotguard.checkpoint.handoff import Departure, HandoffError, Receiver, send_shards
+from spotguard.checkpoint.transfer import Cutoff
+
+STEP = 7
+
+
+def shard(name: str, values: torch.Tensor, offset: int = 0, whole: int | None = None):
+    item = WriteItem(
+        index=MetadataIndex(name, torch.Size([offset])),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(torch.Size([offset]), values.shape),
+            properties=TensorProperties(dtype=values.dtype),
+            size=torch.Size([whole or len(values)]),
+        ),
+    )
+    return item, values
+
+
+def shards():
+    return [
+        shard("w", torch.randn(3 << 20), offset=3 << 20, whole=6 << 20),  # 12 MB: several chunks
+        shard("h", torch.arange(10, dtype=torch.bfloat16)),
+        shard("empty", torch.empty(0)),
+    ]
+
+
+def cutoff(s: float = 20.0) -> Cutoff:
+    return Cutoff(time.monotonic() + s)
+
+
+class Survivor:
+    """Rank 0 receiving from leaving rank 1 on a background thread."""
+
+    def __init__(self, departure: Departure, senders=(1,), wait_s: float = 20.0) -> None:
+        self.receiver = Receiver(departure, 0, list(senders), STEP)
+        self.result: list | BaseException | None = None
+        self.thread = threading.Thread(target=self._collect, args=(wait_s,))
+        self.thread.start()
+
+    def _collect(self, wait_s: float) -> None:
+        try:
+            self.result = self.receiver.collect(cutoff(wait_s))
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            self.result = exc
+
+    def join(self):
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+        return self.result
+
+
+def address(departure: Departure) -> tuple[str, int, str]:
+    host, port, token = departure.store.get(f"{departure.prefix}handoff/0").decode().split()
+    return host, int(port), token
+
+
+@pytest.fixture
+def departure():
+    return Departure(frozenset({1}), dist.HashStore(), "run/emergency/1/")
+
+
+def test_whole_shards_arrive_bit_for_bit(departure):
+    sent = shards()
+    survivor = Survivor(departure)
+    assert send_shards(departure, 1, 0, STEP, sent, cutoff()) == sum(t.numel() * t.element_size() for _, t in sent)
+    got = survivor.join()
+    assert [item.index for item, _ in got] == [item.index for item, _ in sent]
+    for (item, tensor), (want_item, want) in zip(got, sent):
+        assert tensor.dtype == want.dtype and torch.equal(tensor, want)
+        assert item.tensor_data == want_item.tensor_data
+
+
+def test_strangers_and_floods_are_dropped_and_the_real_sender_still_gets_through(departure):
+    survivor = Survivor(departure)
+    host, port, _ = address(departure)
+    strangers = []
+    for hello in ({"token": "guess", "rank": 1, "step": STEP}, "x" * 100_000):  # wrong token; an oversized frame
+        s = socket.create_connection((host, port))
+        body = json.dumps(hello).encode()
+        s.sendall(struct.pack("!Q", len(body)) + body)
+        strangers.append(s)
+    flood = [socket.create_connection((host, port)) for _ in range(30)]  # silent connections
+    sent = shards()
+    send_shards(departure, 1, 0, STEP, sent, cutoff())
+    got = survivor.join()
+    assert len(got) == len(sent) and torch.equal(got[0][1], sent[0][1])
+    for s in strangers + flood:
+        s.close()
+
+
+def test_a_sender_that_dies_mid_stream_is_a_failed_handoff_not_a_partial_one(departure):
+    survivor = Survivor(departure)
+    host, port, token = address(departure)
+    item, tensor = shard("w", torch.randn(1 << 20))
+    with socket.create_connection((host, port)) as s:
+        for frame in ({"token": token, "rank": 1, "step": STEP},
+                      {"shards": [{"fqn": "w", "offsets": [0], "sizes": [1 << 20], "size": [1 << 20],
+                                   "dtype": "float32", "bytes": 4 << 20}]}):  # fmt: skip
+            body = json.dumps(frame).encode()
+            s.sendall(struct.pack("!Q", len(body)) + body)
+        s.sendall(tensor.numpy().tobytes()[: 1 << 20])  # a quarter of the bytes, then the VM is gone
+    started = time.monotonic()
+    failure = survivor.join()
+    assert isinstance(failure, HandoffError) and "from rank 1" in str(failure) and "closed after" in str(failure)
+    assert time.monotonic() - started < 5  # learnt from the closed connection, not the deadline
+
+
+def test_a_corrupted_byte_on_the_way_is_refused(departure, monkeypatch):
+    """The trailer's CRC32C must match what arrived: a flipped byte means no handoff."""
+    import spotguard.checkpoint.handoff as handoff
+
+    survivor = Survivor(departure)
+    real_send_json = handoff._send_json
+
+    def flip_a_checksum(sock, obj):
+        if "crc32c" in obj:  # what a corrupted stream looks like to the survivor
+            obj = {"crc32c": ["00000000"] + obj["crc32c"][1:]}
+        real_send_json(sock, obj)
+
+    monkeypatch.setattr(handoff, "_send_json", flip_a_checksum)
+    with pytest.raises(HandoffError, match="refused the handoff: .*CRC32C"):
+        send_shards(departure, 1, 0, STEP, shards(), cutoff())
+    assert isinstance(survivor.join(), HandoffError)
+
+
+def test_a_leaving_rank_that_reports_its_failure_ends_the_survivor_s_wait_at_once(departure):
+    survivor = Survivor(departure, wait_s=60)
+    departure.store.set(f"{departure.prefix}handoff/0/failed/1", "MemoryError: copying the shards to CPU")
+    started = time.monotonic()
+    failure = survivor.join()
+    assert isinstance(failure, HandoffError) and "MemoryError" in str(failure)
+    assert time.monotonic() - started < 5
+
+
+def test_a_leaving_rank_stops_waiting_once_the_survivors_gave_up(departure):
+    departure.publish_outcome({"error": "rank 0: cannot listen on 203.0.113.7"})
+    started = time.monotonic()
+    with pytest.raises(HandoffError, match="the survivors gave up: rank 0: cannot listen"):
+        send_shards(departure, 1, 0, STEP, shards(), cutoff(60))
+    assert time.monotonic() - started < 5
+
+
+def test_declarations_are_waited_for_a_bounded_time(departure):
+    departure.declare(1, True)
+    departure.declare(2, False)
+    started = time.monotonic()
+    assert departure.declared_handoffs([1, 2, 3], grace_s=1.0) == [1]  # rank 3 never says: waited 1 s at most
+    assert time.monotonic() - started < 3
