@@ -39,6 +39,13 @@ class Abandoned(StoreError):
     """A transfer cancelled because its caller gave up on it (at a deadline)."""
 
 
+class Unreachable(StoreError):
+    """The store did not answer, or only with transient errors (network, throttling, 5xx), by the call's deadline.
+
+    Nothing is known about the object: it may be fine and readable once the store is back.
+    """
+
+
 @dataclasses.dataclass(frozen=True)
 class ObjectInfo:
     key: str

@@ -233,12 +233,14 @@ def _verify(args: argparse.Namespace) -> int:
     for result in results:
         if result.ok:
             print(f"step {result.step}: OK")
+        elif not result.committed:  # no manifest: not a checkpoint (resume and retention ignore it), not a fault
+            print(f"step {result.step}: uncommitted (no manifest)")
         else:
             bad += 1
             print(f"step {result.step}: BAD")
             for problem in result.problems:
                 print(f"  - {problem}")
-    return 1 if bad else 0
+    return 1 if bad or not any(r.committed for r in results) else 0  # no checkpoint at all: as for an empty dir
 
 
 def existing_location(location: str) -> str:

@@ -9,7 +9,9 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -17,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 
@@ -69,6 +72,13 @@ class ServerProcess:
                 time.sleep(0.1)
         raise RuntimeError(f"{self.name} did not listen on {self.url} within {timeout:.0f} s")
 
+    def freeze(self) -> None:
+        """SIGSTOP: the port still accepts connections (the kernel's backlog), nothing answers."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
     def kill(self) -> None:
         """SIGKILL, as a crashed or preempted server would go."""
         if self.proc.poll() is None:
@@ -77,6 +87,7 @@ class ServerProcess:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
+            self.thaw()  # a frozen server would not act on SIGTERM
             self.proc.terminate()
             try:
                 self.proc.wait(timeout=5)
@@ -142,6 +153,11 @@ class FaultProxy:
         self.faulted = 0
         self.slow_s = 0.0  # delay before forwarding each request: a slow network or server
         self.drop_headers: set[str] = set()  # answer headers (lower case) the proxy strips, e.g. {"etag"}
+        # Requests never answered nor read (a blackholed network): the client fills its socket buffer and waits.
+        self.blackhole = False
+        # Answer bodies longer than this are cut after it by a connection reset (a flaky network mid-download).
+        self.reset_after: int | None = None
+        self._closing: asyncio.Event | None = None
         self._fault: Fault | None = None
         self._lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
@@ -174,6 +190,7 @@ class FaultProxy:
         self._loop.run_forever()
 
     async def _start(self) -> None:
+        self._closing = asyncio.Event()
         app = web.Application(client_max_size=1 << 30)
         app.router.add_route("*", "/{tail:.*}", self._handle)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)  # held requests are dropped
@@ -184,6 +201,11 @@ class FaultProxy:
         )
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
+        if self.blackhole:
+            with self._lock:
+                self.seen.append((request.method, request.path_qs, dict(request.headers)))
+            await self._closing.wait()
+            _reset(request)
         body = await request.read()
         with self._lock:
             self.seen.append((request.method, request.path_qs, dict(request.headers)))
@@ -201,13 +223,32 @@ class FaultProxy:
             if request.method == "HEAD":  # no body, but the size the client asked about
                 size = answer.headers.get("Content-Length")
                 return web.Response(status=answer.status, headers={**out, **({"Content-Length": size} if size else {})})
+            cut = self.reset_after
+            if cut is not None and len(payload) > cut:
+                whole = {**out, "Content-Length": str(len(payload))}  # promised, never delivered
+                response = web.StreamResponse(status=answer.status, headers=whole)
+                await response.prepare(request)
+                await response.write(payload[:cut])
+                self.faulted += 1
+                _reset(request)
             return web.Response(status=answer.status, body=payload, headers=out)
 
     def close(self) -> None:
         async def shutdown() -> None:
+            self._closing.set()  # held requests end with a reset
             await self._session.close()
             await self._runner.cleanup()
 
         asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+
+
+def _reset(request: web.Request) -> NoReturn:
+    """Reset the connection (RST, not a clean close) and end the handler."""
+    sock = request.transport.get_extra_info("socket") if request.transport else None
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    if request.transport:
+        request.transport.close()
+    raise asyncio.CancelledError

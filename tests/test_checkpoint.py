@@ -367,7 +367,7 @@ def test_a_transfer_dying_of_a_base_exception_fails_the_download_instead_of_hang
     thread.start()
     thread.join(10)
     assert not thread.is_alive(), "download() hung on a transfer that died"
-    assert isinstance(outcome.get("error"), OSError) and "3 of 3 transfers failed: Stop: pulled the plug" in str(
+    assert isinstance(outcome.get("error"), OSError) and "of 3 transfers failed: Stop: pulled the plug" in str(
         outcome["error"]
     )
 

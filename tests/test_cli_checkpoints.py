@@ -52,6 +52,14 @@ def test_verify_reports_a_flipped_byte_and_exits_1(two_steps):
     assert "step 20: BAD" in out.stdout and shard.name in out.stdout
 
 
+def test_verify_lists_steps_without_a_manifest_as_uncommitted_not_bad(two_steps):
+    (two_steps / "step-0000000010" / "spotguard.json").unlink()  # retention killed right after the manifest
+    out = cli("verify", str(two_steps))
+    assert out.returncode == 0, out.stdout + out.stderr[-2000:]
+    assert "step 10: uncommitted" in out.stdout and "step 30: uncommitted" in out.stdout
+    assert "step 20: OK" in out.stdout and "BAD" not in out.stdout
+
+
 def test_ls_of_an_empty_directory_says_so(tmp_path):
     out = cli("ls", str(tmp_path))
     assert out.returncode == 0 and out.stdout == f"no checkpoints in {tmp_path}\n"

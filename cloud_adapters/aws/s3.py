@@ -27,12 +27,14 @@ from botocore.exceptions import (
     ReadTimeoutError,
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
-from s3transfer.exceptions import CancelledError
+from s3transfer.exceptions import CancelledError, RetriesExceededError
 from s3transfer.futures import TransferFuture
 from s3transfer.manager import TransferManager
 
 from cloud_adapters.retry import (
+    CONNECT_TIMEOUT_S,
     DEFAULT_RETRY_DEADLINE_S,
+    READ_TIMEOUT_S,
     RETRYABLE_STATUS,
     ProgressLedger,
     RetryingStore,
@@ -80,8 +82,8 @@ class S3Store(RetryingStore):
             "s3",
             config=Config(
                 retries={"mode": "standard", "max_attempts": 3},  # per request, parts included
-                connect_timeout=5,
-                read_timeout=60,
+                connect_timeout=CONNECT_TIMEOUT_S,
+                read_timeout=READ_TIMEOUT_S,
                 max_pool_connections=max_concurrency + 4,
                 tcp_keepalive=True,
             ),
@@ -95,7 +97,8 @@ class S3Store(RetryingStore):
         )
         self._manager = None
         self._manager_lock = threading.Lock()
-        self._in_flight: set[TransferFuture] = set()  # being waited for; cancelled when abandoned
+        # Transfers being waited for, by the thread waiting: cancelled when abandoned.
+        self._in_flight: dict[TransferFuture, int] = {}
 
     # ---- ObjectStore ----------------------------------------------------------------
     def put_file(self, local_path: str | Path, key: str, *, progress: Progress | None = None) -> None:
@@ -172,8 +175,12 @@ class S3Store(RetryingStore):
                 )
 
     # ---- S3 specifics ---------------------------------------------------------------
-    def abort_multipart_uploads(self, prefix: str = "") -> int:
-        """Abort unfinished multipart uploads under `prefix` (their parts cost storage); returns how many."""
+    def abort_multipart_uploads(self, prefix: str = "", *, select: Callable[[str], bool] | None = None) -> int:
+        """Abort unfinished multipart uploads under `prefix` (their parts cost storage); returns how many.
+
+        Only keys under the store's own prefix are touched, and of those only the ones `select`
+        (given the key relative to the store) accepts: a bucket may hold other applications' uploads.
+        """
 
         def abort() -> int:
             pages = self.client.get_paginator("list_multipart_uploads").paginate(
@@ -182,6 +189,8 @@ class S3Store(RetryingStore):
             count = 0
             for page in pages:
                 for upload in page.get("Uploads", []):
+                    if select is not None and not select(self._key(upload["Key"])):
+                        continue
                     self.client.abort_multipart_upload(
                         Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
                     )
@@ -225,12 +234,19 @@ class S3Store(RetryingStore):
         """Start a transfer on the shared manager and wait for it, tracked so that it can be cancelled."""
         future = start(self._transfer())
         with self._manager_lock:
-            self._in_flight.add(future)
+            self._in_flight[future] = threading.get_ident()
         try:
             future.result()
         finally:
             with self._manager_lock:
-                self._in_flight.discard(future)
+                self._in_flight.pop(future, None)
+
+    def _abandon(self, worker: threading.Thread) -> None:
+        """Cancel the transfer of an attempt given up at its deadline: it would hold the manager's threads."""
+        with self._manager_lock:
+            futures = [f for f, ident in self._in_flight.items() if ident == worker.ident]
+        for future in futures:
+            future.cancel()
 
     def _transfer(self) -> TransferManager:
         """One transfer manager per store: parts of all concurrent files share its thread pool."""
@@ -245,7 +261,8 @@ class S3Store(RetryingStore):
             code = exc.response.get("Error", {}).get("Code", "")
             status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
             return code in _TRANSIENT_CODES or status in RETRYABLE_STATUS
-        return isinstance(exc, (BotoConnectionError, HTTPClientError, ReadTimeoutError))
+        # RetriesExceededError: s3transfer's own retries of a download whose connection kept breaking.
+        return isinstance(exc, (BotoConnectionError, HTTPClientError, ReadTimeoutError, RetriesExceededError))
 
     def _translate(self, exc: BaseException, what: str) -> StoreError:
         if isinstance(exc, ClientError):

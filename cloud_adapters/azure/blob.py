@@ -14,9 +14,12 @@ import threading
 from collections.abc import Iterable
 from pathlib import Path
 
+import requests
+
 try:
     from azure.core.exceptions import (
         HttpResponseError,
+        IncompleteReadError,
         ResourceExistsError,
         ResourceNotFoundError,
         ServiceRequestError,
@@ -26,7 +29,15 @@ try:
 except ImportError as exc:  # an optional extra: say how to get it, in one line
     raise ImportError("az:// checkpoints need azure-storage-blob: pip install spotguard[azure]") from exc
 
-from cloud_adapters.retry import DEFAULT_RETRY_DEADLINE_S, RETRYABLE_STATUS, ProgressLedger, RetryingStore, one_line
+from cloud_adapters.retry import (
+    CONNECT_TIMEOUT_S,
+    DEFAULT_RETRY_DEADLINE_S,
+    READ_TIMEOUT_S,
+    RETRYABLE_STATUS,
+    ProgressLedger,
+    RetryingStore,
+    one_line,
+)
 from cloud_adapters.storage import AlreadyExists, NotFound, ObjectInfo, Progress, StoreError
 
 MiB = 1 << 20
@@ -57,8 +68,8 @@ class BlobStore(RetryingStore):
             # The SDK's default waits 15 s between tries; a short linear backoff per request, and
             # our own deadline-bounded retries around whole calls.
             retry_policy=LinearRetry(backoff=0.5, random_jitter_range=0.25, retry_total=2),
-            connection_timeout=5,
-            read_timeout=60,
+            connection_timeout=CONNECT_TIMEOUT_S,
+            read_timeout=READ_TIMEOUT_S,
         )
         if conn := os.environ.get(CONNECTION_STRING_ENV):
             service = BlobServiceClient.from_connection_string(conn, **options)
@@ -132,9 +143,12 @@ class BlobStore(RetryingStore):
 
     # ---- errors ---------------------------------------------------------------------
     def _is_transient(self, exc: BaseException) -> bool:
+        if isinstance(exc, IncompleteReadError):  # the connection broke mid-body
+            return True
         if isinstance(exc, HttpResponseError):
             return exc.status_code in RETRYABLE_STATUS
-        return isinstance(exc, (ServiceRequestError, ServiceResponseError))
+        # requests' ChunkedEncodingError reaches us unwrapped when a download stream is reset.
+        return isinstance(exc, (ServiceRequestError, ServiceResponseError, requests.exceptions.ChunkedEncodingError))
 
     def _translate(self, exc: BaseException, what: str) -> StoreError:
         code = getattr(exc, "error_code", None) or ""

@@ -12,6 +12,7 @@ parallelism comes from uploading several files at once.
 
 from __future__ import annotations
 
+import contextvars
 import io
 import os
 from collections.abc import Callable, Iterable
@@ -25,12 +26,20 @@ from google.auth.exceptions import DefaultCredentialsError, TransportError
 from google.cloud import storage
 from google.resumable_media.common import DataCorruption, InvalidResponse
 
-from cloud_adapters.retry import DEFAULT_RETRY_DEADLINE_S, RETRYABLE_STATUS, ProgressLedger, RetryingStore, one_line
+from cloud_adapters.retry import (
+    CONNECT_TIMEOUT_S,
+    DEFAULT_RETRY_DEADLINE_S,
+    READ_TIMEOUT_S,
+    RETRYABLE_STATUS,
+    ProgressLedger,
+    RetryingStore,
+    one_line,
+)
 from cloud_adapters.storage import AlreadyExists, NotFound, ObjectInfo, Progress, StoreError
 
 MiB = 1 << 20
 CHUNK_ALIGN = 256 * 1024  # resumable upload chunks must be multiples of 256 KiB
-TIMEOUT = (5, 60)  # (connect, read) seconds per request
+TIMEOUT = (CONNECT_TIMEOUT_S, READ_TIMEOUT_S)  # per request
 CHECKSUM = "crc32c"
 
 
@@ -131,7 +140,8 @@ class GCSStore(RetryingStore):
                 pass  # already gone is what we wanted
 
         with ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="gcs-delete") as pool:
-            list(pool.map(delete_one, keys))
+            # Each in a copy of the caller's context: a `calls_until` around delete() holds in the pool too.
+            list(pool.map(lambda key: contextvars.copy_context().run(delete_one, key), keys))
 
     # ---- errors ---------------------------------------------------------------------
     def _bucket_exists(self) -> bool:
@@ -145,7 +155,9 @@ class GCSStore(RetryingStore):
             return exc.code in RETRYABLE_STATUS
         if isinstance(exc, InvalidResponse):
             return getattr(exc.response, "status_code", 0) in RETRYABLE_STATUS
-        return isinstance(exc, (requests.ConnectionError, requests.Timeout, TransportError, DataCorruption))
+        # ChunkedEncodingError: the connection broke mid-body (a reset during a download).
+        transient = (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError)
+        return isinstance(exc, (*transient, TransportError, DataCorruption))
 
     def _translate(self, exc: BaseException, what: str) -> StoreError:
         if isinstance(exc, gexc.NotFound):

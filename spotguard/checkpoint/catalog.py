@@ -10,7 +10,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from cloud_adapters.storage import LocalStore, ObjectInfo, ObjectStore, StoreError
+from cloud_adapters.storage import LocalStore, NotFound, ObjectInfo, ObjectStore, StoreError
 from cloud_adapters.stores import open_store
 from spotguard.checkpoint.layout import MANIFEST_NAME, manifest_key, parse_step_dir, step_dir_name
 from spotguard.checkpoint.manifest import Manifest, ManifestError, check_file
@@ -19,6 +19,10 @@ from spotguard.progress import TransferProgress
 log = logging.getLogger(__name__)
 
 ProgressFactory = Callable[[str, int], TransferProgress]
+
+# What every step directory's name starts with (layout.step_dir_name): a bucket shared with
+# other applications is listed no wider than that.
+STEP_PREFIX = "step-"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,28 +41,37 @@ class CheckpointInfo:
 @dataclasses.dataclass(frozen=True)
 class VerifyResult:
     step: int
-    ok: bool
+    ok: bool  # committed, and every file matches the manifest
     problems: list[str]
     location: str
+    committed: bool = True  # False: a step directory without a manifest, which is no checkpoint (and no fault)
 
 
 def scan(store: ObjectStore) -> dict[int, dict[str, ObjectInfo]]:
     """{step: {file name: info}} for every `step-N/` directory in the store (leftover siblings excluded)."""
     steps: dict[int, dict[str, ObjectInfo]] = defaultdict(dict)
-    for info in store.list():
-        head, _, name = info.key.partition("/")
-        step = parse_step_dir(head)
-        if step is not None and name and "/" not in name:
-            steps[step][name] = info
+    for info in store.list(STEP_PREFIX):  # a bucket shared with others: list only what may be ours
+        step = step_of_key(info.key)
+        if step is not None:
+            steps[step][info.key.partition("/")[2]] = info
     return dict(steps)
 
 
+def step_of_key(key: str) -> int | None:
+    """The step of a key that is a file of a step directory (`step-N/name`), None for any other key."""
+    head, _, name = key.partition("/")
+    return parse_step_dir(head) if name and "/" not in name else None
+
+
 def read_manifest(store: ObjectStore, step: int) -> Manifest:
-    """The manifest of `step`; ManifestError when missing, unreadable or about another step."""
+    """The manifest of `step`; ManifestError when missing, malformed or about another step.
+
+    Any other StoreError (an unreachable store) propagates: it says nothing about the step.
+    """
     try:
         manifest = Manifest.from_bytes(store.get_bytes(manifest_key(step)))
-    except StoreError as exc:
-        raise ManifestError(f"no readable manifest: {exc}") from exc
+    except NotFound as exc:
+        raise ManifestError(f"no manifest: {exc}") from exc
     if manifest.step != step:
         raise ManifestError(f"manifest says step {manifest.step}, directory says {step}")
     return manifest
@@ -89,7 +102,8 @@ def committed_manifests(store: ObjectStore, listing: dict[int, dict[str, ObjectI
     """Manifests of the steps that look committed (manifest readable, files present), newest first.
 
     This does not read the data; checksums are checked before a step is loaded.
-    `listing` is `scan(store)` when the caller already has it.
+    `listing` is `scan(store)` when the caller already has it. A manifest the store cannot
+    deliver (StoreError) fails the whole call: skipping it would make an older step look newest.
     """
     good = []
     for step, files in sorted((scan(store) if listing is None else listing).items(), reverse=True):
@@ -130,7 +144,7 @@ def list_checkpoints(location: str) -> list[CheckpointInfo]:
                     world_size=manifest.world_size,
                     problem="; ".join(problems) or None,
                 )
-            except ManifestError as exc:
+            except (ManifestError, StoreError) as exc:
                 info = dataclasses.replace(info, problem=str(exc))
         out.append(info)
     return out
@@ -142,7 +156,7 @@ def verify_step(
     """Problems with `step` (empty when every file matches the manifest's size and CRC32C)."""
     try:
         manifest = read_manifest(store, step)
-    except ManifestError as exc:
+    except (ManifestError, StoreError) as exc:
         return [str(exc)]
     if isinstance(store, LocalStore):
         return dir_problems(store.path(step_dir_name(step)), manifest, threads=threads)
@@ -175,12 +189,18 @@ def verify_checkpoint(
 ) -> list[VerifyResult]:
     """Check one step, or every step directory at `location`; each result lists its problems.
 
+    A step directory without a manifest (a save that never committed, or retention stopped
+    half-way, which deletes the manifest first) is reported as uncommitted, not as bad.
     `progress(label, total_bytes)` makes a progress reporter for each remote step downloaded.
     """
     store = open_store(location)
-    steps = [step] if step is not None else sorted(scan(store))
+    listing = scan(store)
     results = []
-    for s in steps:
+    for s in [step] if step is not None else sorted(listing):
+        where = f"{store.url}/{step_dir_name(s)}"
+        if s in listing and MANIFEST_NAME not in listing[s]:
+            results.append(VerifyResult(s, False, [], where, committed=False))
+            continue
         problems = verify_step(store, s, progress=progress)
-        results.append(VerifyResult(s, not problems, problems, f"{store.url}/{step_dir_name(s)}"))
+        results.append(VerifyResult(s, not problems, problems, where))
     return results

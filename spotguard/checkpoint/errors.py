@@ -1,5 +1,12 @@
-"""The one error the checkpoint layer raises for a save or load that could not be done."""
+"""The errors the checkpoint layer raises for a save or load that could not be done."""
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded (the message says which step, where and why)."""
+
+
+class CheckpointUnavailable(CheckpointError):
+    """Committed checkpoints may exist but could not be read in time (the store was unreachable or failing).
+
+    Raised by resume instead of starting afresh: a fresh start would throw the saved progress away.
+    """

@@ -16,6 +16,8 @@ from typing import Any
 
 import google_crc32c
 
+from cloud_adapters.notice import NoticeSourceError, parse_iso8601
+
 FORMAT_VERSION = 1
 # emergency: an interruption; periodic: every N steps; interval: every N seconds;
 # rebalance: an AWS rebalance recommendation; manual: guard.save().
@@ -88,7 +90,7 @@ class Manifest:
                 step=int(body["step"]),
                 reason=str(body["reason"]),
                 world_size=int(body["world_size"]),
-                created_at=str(body["created_at"]),
+                created_at=_timestamp(body["created_at"]),
                 files=files,
                 notice=body.get("notice"),
                 versions=dict(body.get("versions") or {}),
@@ -106,6 +108,15 @@ def _file_name(name: object) -> str:
     if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0"):
         raise ManifestError(f"manifest lists an unsafe file name {name!r}")
     return name
+
+
+def _timestamp(value: object) -> str:
+    """The commit time, which must be ISO-8601: retention orders steps by it."""
+    try:
+        parse_iso8601(str(value))
+    except NoticeSourceError:
+        raise ManifestError(f"manifest has an unreadable created_at {value!r}") from None
+    return str(value)
 
 
 def crc32c_hex(data: bytes) -> str:

@@ -1,4 +1,4 @@
-"""Load the newest good step into the user's state, falling back to older steps on any problem.
+"""Load the newest good step into the user's state, falling back to older steps when one is bad.
 
 Rank 0 lists the candidate steps. Before DCP reads a byte of a step, its files are
 checked against the manifest (size and CRC32C), and all ranks agree on the outcome
@@ -6,15 +6,20 @@ before loading. With a separate local directory, each node's leader (LOCAL_RANK 
 makes sure a verified copy of the step is on its local disk, downloading it when
 needed, and every rank of the node reads from there. A step that then fails to load
 (a refused pickle, a DCP error) is skipped on every rank alike, like one that failed
-verification. The checksums catch damage, not malice: what makes a tampered step
-harmless is that its pickles are read by `safe_pickle`, which cannot run code.
+verification. A step the store cannot deliver (network or store errors) is not bad:
+resume tries again, within RESUME_TIMEOUT_S, and then fails loudly rather than start
+afresh. The checksums catch damage, not malice: what makes a tampered step harmless
+is that its pickles are read by `safe_pickle`, which cannot run code.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 import os
 import shutil
+import time
 from collections.abc import Callable, MutableMapping
 from concurrent.futures import Future
 from pathlib import Path
@@ -24,22 +29,38 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
-from cloud_adapters.storage import LocalStore, ObjectStore, StoreError, fsync_path, write_durably
+from cloud_adapters.retry import calls_until
+from cloud_adapters.storage import (
+    LocalStore,
+    NotFound,
+    ObjectStore,
+    StoreError,
+    Unreachable,
+    fsync_path,
+    write_durably,
+)
 from spotguard.checkpoint.catalog import committed_manifests, dir_problems
 from spotguard.checkpoint.comm import FAILURES, Comm, describe
 from spotguard.checkpoint.commit import is_committed, set_aside
-from spotguard.checkpoint.errors import CheckpointError
+from spotguard.checkpoint.errors import CheckpointError, CheckpointUnavailable
 from spotguard.checkpoint.layout import DCP_METADATA_NAME, MANIFEST_NAME, manifest_key, sibling_name, step_dir_name
 from spotguard.checkpoint.manifest import Manifest, ManifestError, crc32c_hex
 from spotguard.checkpoint.safe_pickle import WeightsOnlyLoadPlanner, load_metadata
 from spotguard.checkpoint.state import load_from_dcp, to_dcp
-from spotguard.checkpoint.transfer import download
+from spotguard.checkpoint.transfer import Cutoff, DeadlineExceeded, download
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# How long resume keeps trying while the store cannot deliver committed steps (network or store
+# errors); then CheckpointUnavailable. Read at each resume.
+RESUME_TIMEOUT_S = 300.0
+_RETRY_PAUSES_S = (1.0, 2.0, 4.0, 8.0, 15.0)
+
 LOCAL, SHARED, FOLLOW = "local", "shared", "follow"  # where a rank reads from; FOLLOW: as its node leader says
+UNAVAILABLE = "unavailable"  # the store did not deliver the step: try again later, never skip it
+OK, BAD = "ok", "bad"  # a step's verdict, with UNAVAILABLE
 
 
 class VerifiedReader(FileSystemReader):
@@ -90,25 +111,84 @@ def load_newest(
 
     `local_root` is None when `remote` is a filesystem read directly; otherwise steps
     are read from `local_root` (a newer committed local step wins over the remote one).
+    A bad step (checksums, manifest, a refused pickle, a DCP error) is skipped for the one
+    before it. A step the store cannot deliver (a network or store error) is not: the whole
+    resume is tried again until RESUME_TIMEOUT_S has passed, then CheckpointUnavailable is
+    raised, since starting afresh would throw the committed progress away.
     """
-    steps: list[int] | str | None = None
+    until = time.monotonic() + RESUME_TIMEOUT_S  # rank 0's clock decides when every rank gives up
+    bad: set[int] = set()
+    unloadable: list[str] = []
+    pauses = itertools.chain(_RETRY_PAUSES_S, itertools.repeat(_RETRY_PAUSES_S[-1]))
+    with calls_until(until):
+        while isinstance(
+            outcome := _load_newest_once(state, remote, local_root, comm, threads, Cutoff(until), bad, unloadable),
+            _Unavailable,
+        ):
+            pause = next(pauses)
+            pause = comm.broadcast(pause if comm.is_coordinator and until - time.monotonic() > pause else None)
+            if pause is None:
+                raise CheckpointUnavailable(
+                    f"checkpoints in {remote.url} could not be read within {RESUME_TIMEOUT_S:.0f} s ({outcome.why}); "
+                    "not starting afresh: fix the store or the network, then restart"
+                )
+            if comm.is_coordinator:
+                log.warning(
+                    "%s; trying again in %.0f s (for %.0f s more)", outcome.why, pause, until - time.monotonic()
+                )
+            time.sleep(pause)
+    if outcome is not None:
+        return outcome
+    if unloadable:
+        # Verified steps that did not fit the state: starting afresh would hide the cause (most
+        # likely a state that changed shape), and retention would then delete the new saves first.
+        raise CheckpointError("no checkpoint could be loaded: " + " | ".join(unloadable))
+    if comm.is_coordinator:
+        log.info("no usable checkpoint in %s%s", remote.url, f" or {local_root}" if local_root else "")
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Unavailable:
+    why: str
+
+
+def _load_newest_once(
+    state: MutableMapping[str, Any],
+    remote: ObjectStore,
+    local_root: Path | None,
+    comm: Comm,
+    threads: int,
+    cutoff: Cutoff,
+    bad: set[int],
+    unloadable: list[str],
+) -> int | None | _Unavailable:
+    """One pass over the committed steps, newest first: the step loaded, None, or what the store could not deliver.
+
+    Adds the steps found bad to `bad` (not tried again) and the load failures to `unloadable`.
+    """
+    steps: list[int] | str | _Unavailable | None = None
     if comm.is_coordinator:
         try:
-            steps = _candidate_steps(remote, local_root)
+            steps = [s for s in _candidate_steps(remote, local_root) if s not in bad]
+        except Unreachable as exc:
+            steps = _Unavailable(f"listing checkpoints: {exc}")
         except FAILURES as exc:  # every rank must hear of it, or the others would wait for the list forever
             steps = f"listing checkpoints in {remote.url} failed: {describe(exc)}"
     steps = comm.broadcast(steps)
     if isinstance(steps, str):
         raise CheckpointError(steps)
-    unloadable = []
+    if isinstance(steps, _Unavailable):
+        return steps
     for step in steps:
         try:
-            where, why = _prepare(step, remote, local_root, comm, threads)
+            where, why = _prepare(step, remote, local_root, comm, threads, cutoff)
         except FAILURES as exc:  # reported through the all_gather below, so ranks stay in step
-            where, why = None, f"{comm.host}: {describe(exc)}"
-        everyone = comm.all_gather((comm.host, where, why))
-        problems = _problems(everyone, local_root is not None)
-        if not problems:
+            where, why = (UNAVAILABLE if _undelivered(exc) else None), f"{comm.host}: {describe(exc)}"
+        verdict, problems = _verdict(comm.all_gather((comm.host, where, why)), local_root is not None)
+        if verdict == UNAVAILABLE:
+            return _Unavailable(f"{step_dir_name(step)}: " + "; ".join(problems))
+        if verdict == OK:
             step_dir = (local_root if local_root is not None else Path(remote.url)) / step_dir_name(step)
             failure = _load(step_dir, state, comm)
             if failure is None:
@@ -117,14 +197,9 @@ def load_newest(
                 return step
             unloadable.append(failure)
             problems = [failure]
+        bad.add(step)
         if comm.is_coordinator:
             log.warning("skipping %s: %s", step_dir_name(step), "; ".join(problems))
-    if unloadable:
-        # Verified steps that did not fit the state: starting afresh would hide the cause (most
-        # likely a state that changed shape), and retention would then delete the new saves first.
-        raise CheckpointError("no checkpoint could be loaded: " + " | ".join(unloadable))
-    if comm.is_coordinator:
-        log.info("no usable checkpoint in %s%s", remote.url, f" or {local_root}" if local_root else "")
     return None
 
 
@@ -135,21 +210,35 @@ def _candidate_steps(remote: ObjectStore, local_root: Path | None) -> list[int]:
     return sorted(steps, reverse=True)
 
 
-def _problems(everyone: list[tuple[str, str | None, str | None]], per_node: bool) -> list[str]:
-    """The same verdict on every rank, from every rank's (host, where, why)."""
+def _verdict(everyone: list[tuple[str, str | None, str | None]], per_node: bool) -> tuple[str, list[str]]:
+    """(OK, BAD or UNAVAILABLE, the problems): the same on every rank, from every rank's (host, where, why).
+
+    Bad on any node wins: that step is skipped however the others fared.
+    """
     problems = [why or "unknown problem" for _, where, why in everyone if where is None]
     if per_node:
-        ready = {host for host, where, _ in everyone if where == LOCAL}
+        answered = {host for host, where, _ in everyone if where != FOLLOW}
         problems += [
-            f"{host}: no rank with LOCAL_RANK=0 prepared the local copy" for host in {h for h, _, _ in everyone} - ready
+            f"{host}: no rank with LOCAL_RANK=0 prepared the local copy"
+            for host in sorted({h for h, _, _ in everyone} - answered)
         ]
-    return problems
+    if problems:
+        return BAD, problems
+    undelivered = [why or "unknown problem" for _, where, why in everyone if where == UNAVAILABLE]
+    return (UNAVAILABLE, undelivered) if undelivered else (OK, [])
+
+
+def _undelivered(exc: BaseException | None) -> bool:
+    """Whether the store or the network failed to deliver (try again later), as opposed to a bad step."""
+    while exc is not None and not isinstance(exc, (StoreError, DeadlineExceeded)):
+        exc = exc.__cause__
+    return exc is not None and not isinstance(exc, NotFound)
 
 
 def _prepare(
-    step: int, remote: ObjectStore, local_root: Path | None, comm: Comm, threads: int
+    step: int, remote: ObjectStore, local_root: Path | None, comm: Comm, threads: int, cutoff: Cutoff
 ) -> tuple[str | None, str | None]:
-    """(where this rank can read `step` from, or None with the reason)."""
+    """(where this rank can read `step` from, or None (a bad step) or UNAVAILABLE with the reason)."""
     if local_root is None:
         if not comm.is_coordinator:
             return FOLLOW, None
@@ -157,7 +246,7 @@ def _prepare(
         return (SHARED, None) if why is None else (None, why)
     if not comm.is_node_leader:
         return FOLLOW, None
-    return _ensure_local(step, remote, local_root, comm.host, threads)
+    return _ensure_local(step, remote, local_root, comm.host, threads, cutoff)
 
 
 def _verify(step_dir: Path, step: int, threads: int) -> str | None:
@@ -172,7 +261,7 @@ def _verify(step_dir: Path, step: int, threads: int) -> str | None:
 
 
 def _ensure_local(
-    step: int, remote: ObjectStore, local_root: Path, host: str, threads: int
+    step: int, remote: ObjectStore, local_root: Path, host: str, threads: int, cutoff: Cutoff
 ) -> tuple[str | None, str | None]:
     """Make `local_root/step-N` a verified copy, downloading it from `remote` when it is missing or damaged."""
     final = local_root / step_dir_name(step)
@@ -185,7 +274,8 @@ def _ensure_local(
         raw = remote.get_bytes(manifest_key(step))
         manifest = Manifest.from_bytes(raw)
     except (StoreError, ManifestError) as exc:
-        return None, f"{host}: no good local copy of {step_dir_name(step)} and none in {remote.url}: {exc}"
+        where = UNAVAILABLE if _undelivered(exc) else None
+        return where, f"{host}: no good local copy of {step_dir_name(step)} and none in {remote.url}: {exc}"
     scratch = local_root / sibling_name(step, "dl")
     try:
         scratch.mkdir(parents=True)
@@ -196,9 +286,8 @@ def _ensure_local(
             manifest.total_bytes / 1e6,
             remote.url,
         )
-        download(
-            remote, [(f"{step_dir_name(step)}/{r.name}", scratch / r.name) for r in manifest.files], threads=threads
-        )
+        items = [(f"{step_dir_name(step)}/{r.name}", scratch / r.name) for r in manifest.files]
+        download(remote, items, threads=threads, cutoff=cutoff)
         problems = dir_problems(scratch, manifest, threads=threads)
         if problems:
             return (
@@ -212,7 +301,8 @@ def _ensure_local(
         os.rename(scratch, final)
         fsync_path(local_root)
     except OSError as exc:
-        return None, f"{host}: download of {step_dir_name(step)} from {remote.url} failed: {exc}"
+        where = UNAVAILABLE if _undelivered(exc) else None
+        return where, f"{host}: download of {step_dir_name(step)} from {remote.url} failed: {exc}"
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return LOCAL, None

@@ -2,12 +2,15 @@
 
 Only committed steps older than the newest `keep_last` committed ones are deleted, the
 manifest first (so a half-deleted step is simply uncommitted, never mistaken for good).
-Uncommitted leftovers on a filesystem (staging siblings, step directories without a
-manifest) are removed once they are older than STALE_AFTER_S, so a save that may still
-be writing one is never disturbed. In an object store, a step without a manifest that is
-older than the newest committed step is an abandoned upload (saves run one at a time, and
-a resumed job saves only newer steps): its objects are deleted, and unfinished multipart
-uploads are aborted.
+Older means committed earlier (the manifest's `created_at`), not a lower step number: a job
+restarted from scratch, or resumed from an older step, saves low-numbered steps that are its
+newest. Uncommitted leftovers on a filesystem (staging siblings, step directories without a
+manifest) are removed once they are older than STALE_AFTER_S, so a save that may still be
+writing one is never disturbed. In an object store, a step without a manifest that is older
+than the newest committed step is an abandoned upload (saves run one at a time, and a resumed
+job saves only newer steps): its objects are deleted, and our unfinished multipart uploads are
+aborted. Only keys laid out as ours (`step-N/file`) are ever touched, and the store calls of
+each cleanup end within RETENTION_TIMEOUT_S: a dead store must not hold a save (or the exit).
 """
 
 from __future__ import annotations
@@ -15,52 +18,65 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from datetime import datetime
 from pathlib import Path
 
+from cloud_adapters.notice import parse_iso8601
+from cloud_adapters.retry import calls_until
 from cloud_adapters.storage import LocalStore, ObjectStore
-from spotguard.checkpoint.catalog import committed_manifests, scan
+from spotguard.checkpoint.catalog import STEP_PREFIX, committed_manifests, scan, step_of_key
 from spotguard.checkpoint.commit import is_committed
 from spotguard.checkpoint.layout import MANIFEST_NAME, manifest_key, parse_leftover, parse_step_dir, step_dir_name
+from spotguard.checkpoint.manifest import Manifest
 
 log = logging.getLogger(__name__)
 
 STALE_AFTER_S = 600.0
+RETENTION_TIMEOUT_S = 30.0
 
 
-def keep_last(store: ObjectStore, keep: int) -> list[int]:
-    """Delete committed steps older than the newest `keep` (>= 1, checked by the Checkpointer) committed
-    ones; return the deleted steps.
+def keep_last(store: ObjectStore, keep: int, *, timeout_s: float = RETENTION_TIMEOUT_S) -> list[int]:
+    """Delete committed steps committed before the newest `keep` (>= 1, checked by the Checkpointer)
+    committed ones; return the deleted steps.
 
-    Committed means what it means to resume and `ls`: a step whose manifest is unreadable, unsafe
+    Committed means what it means to resume and `ls`: a step whose manifest is malformed, unsafe
     or contradicted by the listing neither counts (a bad newer step must not cost a good older
-    one) nor is deleted (it is left for a person to look at).
+    one) nor is deleted (it is left for a person to look at). A store error stops it all.
     """
-    steps = scan(store)
-    committed = [m.step for m in committed_manifests(store, steps)]
-    doomed = committed[keep:]
-    for step in doomed:
-        store.delete([manifest_key(step)])
-        if isinstance(store, LocalStore):
-            store.delete_tree(step_dir_name(step))
-        else:
-            store.delete([f"{step_dir_name(step)}/{name}" for name in steps[step] if name != MANIFEST_NAME])
-        log.info("retention: deleted %s/%s (keeping the newest %d)", store.url, step_dir_name(step), keep)
+    with calls_until(time.monotonic() + timeout_s):
+        steps = scan(store)
+        newest_first = sorted(committed_manifests(store, steps), key=_commit_order, reverse=True)
+        doomed = [m.step for m in newest_first[keep:]]
+        for step in doomed:
+            store.delete([manifest_key(step)])
+            if isinstance(store, LocalStore):
+                store.delete_tree(step_dir_name(step))
+            else:
+                store.delete([f"{step_dir_name(step)}/{name}" for name in steps[step] if name != MANIFEST_NAME])
+            log.info("retention: deleted %s/%s (keeping the newest %d)", store.url, step_dir_name(step), keep)
     return doomed
 
 
-def remove_abandoned(store: ObjectStore) -> list[int]:
+def _commit_order(manifest: Manifest) -> tuple[datetime, int]:
+    # created_at is validated when the manifest is read; the step breaks a tie within a millisecond.
+    return parse_iso8601(manifest.created_at), manifest.step
+
+
+def remove_abandoned(store: ObjectStore, *, timeout_s: float = RETENTION_TIMEOUT_S) -> list[int]:
     """Right after a commit: delete uploads of uncommitted steps older than the newest committed one,
-    and abort every unfinished multipart upload (none of this job's is in flight then). Returns the
+    and abort our unfinished multipart uploads (none of this job's is in flight then). Returns the
     steps deleted."""
-    steps = scan(store)
-    committed = [s for s, files in steps.items() if MANIFEST_NAME in files]
-    doomed = sorted(s for s, files in steps.items() if MANIFEST_NAME not in files and s < max(committed, default=-1))
-    for step in doomed:
-        store.delete([f"{step_dir_name(step)}/{name}" for name in steps[step]])
-        log.info("retention: removed the abandoned upload %s/%s", store.url, step_dir_name(step))
-    abort = getattr(store, "abort_multipart_uploads", None)  # S3 keeps (and bills) unfinished parts
-    if abort is not None:
-        abort()
+    with calls_until(time.monotonic() + timeout_s):
+        steps = scan(store)
+        committed = [s for s, files in steps.items() if MANIFEST_NAME in files]
+        newest = max(committed, default=-1)
+        doomed = sorted(s for s, files in steps.items() if MANIFEST_NAME not in files and s < newest)
+        for step in doomed:
+            store.delete([f"{step_dir_name(step)}/{name}" for name in steps[step]])
+            log.info("retention: removed the abandoned upload %s/%s", store.url, step_dir_name(step))
+        abort = getattr(store, "abort_multipart_uploads", None)  # S3 keeps (and bills) unfinished parts
+        if abort is not None:
+            abort(STEP_PREFIX, select=lambda key: step_of_key(key) is not None)
     return doomed
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextvars
 import queue
 import threading
 import time
@@ -9,11 +10,13 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
-from cloud_adapters.storage import ObjectStore, Progress
+from cloud_adapters.storage import Abandoned, ObjectStore, Progress
 
 # How often a waiting transfer checks whether its cutoff was brought forward.
 _CHECK_EVERY_S = 0.2
 T = TypeVar("T")
+
+Job = Callable[[Progress], None]  # one transfer, reporting its bytes through the callback it is given
 
 
 class DeadlineExceeded(OSError):
@@ -54,13 +57,16 @@ class Cutoff:
             self._at = at if self._at is None else min(self._at, at)
 
 
-def _run_all(jobs: list[Callable[[], None]], threads: int, cutoff: Cutoff) -> None:
-    """Run every job on `threads` daemon threads; raise one error naming all that failed.
+def _run_all(jobs: list[Job], threads: int, cutoff: Cutoff, progress: Progress | None) -> None:
+    """Run every job on `threads` daemon threads; at the first failure, or once `cutoff` passes, start
+    no more and raise at once.
 
-    Daemon threads, not an executor: once `cutoff` passes (even if it is brought forward
-    meanwhile), no job starts and the caller gets DeadlineExceeded within a fraction of a
-    second, so the process can still exit on time; transfers still in flight are
-    abandoned (their data is never committed).
+    Daemon threads, not an executor: the caller gets the failure, or DeadlineExceeded within a
+    fraction of a second of the cutoff (even one brought forward meanwhile), however long the jobs
+    still in flight hang, so the process can still exit on time; what they were doing is abandoned
+    (their data is never committed): each job reports its bytes through the progress callback it
+    is given, which stops it with Abandoned once the caller has been answered. Each thread runs in
+    a copy of the caller's context, so the store deadlines set with `calls_until` hold there too.
     """
     if not jobs:
         return
@@ -69,30 +75,42 @@ def _run_all(jobs: list[Callable[[], None]], threads: int, cutoff: Cutoff) -> No
     todo: queue.SimpleQueue = queue.SimpleQueue()
     for job in jobs:
         todo.put(job)
-    errors: list[str] = []
+    errors: list[BaseException] = []
     finished = threading.Semaphore(0)
+    answered = threading.Event()
+
+    def report(delta: int) -> None:
+        if answered.is_set():
+            raise Abandoned("transfer abandoned: another one failed, or the deadline passed")
+        if progress is not None:
+            progress(delta)
 
     def worker() -> None:
-        while not cutoff.passed():
+        while not (cutoff.passed() or errors):  # after one failure the step cannot be whole: stop
             try:
                 job = todo.get_nowait()
             except queue.Empty:
                 return
             try:
-                job()
+                job(report)
             except BaseException as exc:  # noqa: BLE001 - any failure of a job is reported by the caller, not lost
-                errors.append(f"{type(exc).__name__}: {exc}")
+                errors.append(exc)
             finally:
                 finished.release()
 
     for _ in range(max(1, min(threads, len(jobs)))):
-        threading.Thread(target=worker, name="spotguard-xfer", daemon=True).start()
-    for done in range(len(jobs)):
-        while not finished.acquire(timeout=cutoff.check_within(_CHECK_EVERY_S)):
-            if cutoff.passed():
-                raise DeadlineExceeded(f"{len(jobs) - done} of {len(jobs)} transfers unfinished at the deadline")
-    if errors:
-        raise OSError(f"{len(errors)} of {len(jobs)} transfers failed: " + "; ".join(errors[:3]))
+        context = contextvars.copy_context()
+        threading.Thread(target=context.run, args=(worker,), name="spotguard-xfer", daemon=True).start()
+    try:
+        for done in range(len(jobs)):
+            while not finished.acquire(timeout=cutoff.check_within(_CHECK_EVERY_S)):
+                if cutoff.passed():
+                    raise DeadlineExceeded(f"{len(jobs) - done} of {len(jobs)} transfers unfinished at the deadline")
+            if errors:
+                described = "; ".join(f"{type(e).__name__}: {e}" for e in errors[:3])
+                raise OSError(f"{len(errors)} of {len(jobs)} transfers failed: {described}") from errors[0]
+    finally:
+        answered.set()
 
 
 def upload(
@@ -105,13 +123,13 @@ def upload(
 ) -> None:
     """Upload each (local file, key) pair in parallel, by `cutoff` if given.
 
-    Uploads abandoned at the cutoff are cancelled in stores that can (S3), so they stop
-    taking bandwidth and threads from what comes next.
+    Uploads abandoned at the cutoff or after a failure are cancelled in stores that can (S3),
+    so they stop taking bandwidth and threads from what comes next.
     """
-    jobs = [lambda p=path, k=key: store.put_file(p, k, progress=progress) for path, key in items]
+    jobs = [lambda report, p=path, k=key: store.put_file(p, k, progress=report) for path, key in items]
     try:
-        _run_all(jobs, threads, cutoff or Cutoff())
-    except DeadlineExceeded:
+        _run_all(jobs, threads, cutoff or Cutoff(), progress)
+    except OSError:  # at the cutoff, or after a failure: what still runs is of no use
         cancel = getattr(store, "cancel_transfers", None)
         if cancel is not None:
             cancel()
@@ -119,10 +137,16 @@ def upload(
 
 
 def download(
-    store: ObjectStore, items: Iterable[tuple[str, Path]], *, threads: int, progress: Progress | None = None
+    store: ObjectStore,
+    items: Iterable[tuple[str, Path]],
+    *,
+    threads: int,
+    cutoff: Cutoff | None = None,
+    progress: Progress | None = None,
 ) -> None:
-    """Download each (key, local file) pair in parallel."""
-    _run_all([lambda k=key, p=path: store.get_file(k, p, progress=progress) for key, path in items], threads, Cutoff())
+    """Download each (key, local file) pair in parallel, by `cutoff` if given."""
+    jobs = [lambda report, k=key, p=path: store.get_file(k, p, progress=report) for key, path in items]
+    _run_all(jobs, threads, cutoff or Cutoff(), progress)
 
 
 def within(call: Callable[[], T], cutoff: Cutoff) -> T:
