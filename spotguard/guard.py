@@ -42,7 +42,7 @@ from cloud_adapters.stores import check_location
 from spotguard import topology
 from spotguard.agreement import Decision, StepAgreement
 from spotguard.broadcast import EMERGENCY, Broadcast, inbox_connection, listener_store
-from spotguard.checkpoint import Checkpointer, CheckpointError, SaveReport
+from spotguard.checkpoint import Checkpointer, CheckpointError, CheckpointUnavailable, SaveReport
 from spotguard.checkpoint.handoff import Departure
 from spotguard.timeline import Timeline, seconds
 from spotguard.watcher import Watcher
@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_EXIT_CODE = 143  # 128 + SIGTERM: what schedulers read as "terminated, restart me"
 DEFAULT_LOST_EXIT_CODE = 75  # EX_TEMPFAIL: interrupted, and no new checkpoint was committed
+UNAVAILABLE_EXIT_CODE = 69  # EX_UNAVAILABLE: committed checkpoints exist but cannot be read now
 # Where the node leader records how the job ended after an emergency: launchers such as torchrun
 # replace the workers' exit codes with their own, so a startup script reads this instead.
 EXIT_FILE_ENV = "SPOTGUARD_EXIT_FILE"
@@ -250,7 +251,14 @@ class Guard:
     def resume(self, state: MutableMapping[str, Any]) -> int:
         """Load the newest committed checkpoint into `state`; returns the step to start from (0 if none)."""
         self._require_entered("resume")
-        step = self._ckpt.resume(state)
+        try:
+            step = self._ckpt.resume(state)
+        except CheckpointUnavailable as exc:
+            if self.exit_code is None:
+                raise
+            # Committed work exists but cannot be read now: starting afresh would throw it away.
+            log.error("%s; exiting with code %d (start again once the storage answers)", exc, UNAVAILABLE_EXIT_CODE)
+            raise SystemExit(UNAVAILABLE_EXIT_CODE) from None
         if step is None:
             self.timeline.add("fresh-start", checkpoint_dir=self.checkpoint_dir)
             return 0

@@ -124,3 +124,38 @@ def test_a_step_without_a_manifest_is_uncommitted_for_verify(tmp_path):
     results = {r.step: r for r in verify_checkpoint(str(tmp_path))}
     assert results[2].ok and results[2].committed
     assert not results[1].committed and not results[1].problems
+
+
+GUARD_RESUMES = """
+import sys, torch, spotguard
+import spotguard.checkpoint.resume as resume
+resume.RESUME_TIMEOUT_S = 4.0
+with spotguard.Guard(sys.argv[1], cloud="none", local_dir=sys.argv[2]) as guard:
+    print("started at", guard.resume({"w": torch.zeros(1 << 20)}), flush=True)
+"""
+
+
+def test_the_guard_exits_69_rather_than_start_afresh(storage_servers, monkeypatch, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    backend = backend_for("s3", storage_servers, monkeypatch, tmp_path)
+    save_steps(backend.url, tmp_path / "old-vm", (1, 2))
+    proxy = FaultProxy(backend.server.url)
+    proxy.reset_after = 1 << 20  # every shard download is cut
+    backend.point_at(proxy.url)  # the child reads the endpoint from the environment
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", GUARD_RESUMES, backend.url, str(tmp_path / "new-vm")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=dict(os.environ),
+        )
+    finally:
+        proxy.close()
+        backend.point_at(backend.server.url)
+    assert done.returncode == 69, done.stderr[-2000:]
+    assert "started at" not in done.stdout
+    assert "exiting with code 69" in done.stderr

@@ -6,7 +6,7 @@ the manifest, written last. A directory without a manifest does not exist for re
 
 from spotguard.checkpoint.catalog import CheckpointInfo, VerifyResult, list_checkpoints, verify_checkpoint
 from spotguard.checkpoint.checkpointer import Checkpointer, SaveReport
-from spotguard.checkpoint.errors import CheckpointError
+from spotguard.checkpoint.errors import CheckpointError, CheckpointUnavailable
 from spotguard.checkpoint.layout import MANIFEST_NAME, parse_step_dir, step_dir_name
 from spotguard.checkpoint.manifest import Manifest, ManifestError
 from spotguard.checkpoint.state import state_digest
@@ -14,6 +14,7 @@ from spotguard.checkpoint.state import state_digest
 __all__ = [
     "MANIFEST_NAME",
     "CheckpointError",
+    "CheckpointUnavailable",
     "CheckpointInfo",
     "Checkpointer",
     "Manifest",
