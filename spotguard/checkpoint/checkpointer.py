@@ -7,8 +7,9 @@ A save is one protocol on every rank, in the same order:
   4. for an object store, every rank uploads its own files, then rank 0 uploads
      the manifest last, create-only;
   5. retention (not in a save with a deadline: the next save cleans up).
-Async saves (wait=False) snapshot the state to CPU in the caller and run the same
-protocol on one background thread, one save at a time.
+Async saves (wait=False) copy the state into host buffers reused from save to save
+(`staging.Stager`: the training thread pays a memcpy) and run the same protocol on one
+background thread, one save at a time.
 An emergency in which only some nodes are reclaimed (a `Departure`) runs the protocol on
 the survivors alone, in a process group the leaving ranks take no part in: a leaving rank
 only hands the shards that exist nowhere else to a survivor's memory (`handoff`), and is
@@ -49,7 +50,8 @@ from spotguard.checkpoint.manifest import REASONS, FileRecord, Manifest, version
 from spotguard.checkpoint.ownership import SurvivorPlanner, expects_handoff, flat, unique_shards
 from spotguard.checkpoint.resume import load_newest
 from spotguard.checkpoint.save import write_shards
-from spotguard.checkpoint.state import copy_to_cpu, to_dcp
+from spotguard.checkpoint.staging import Stager
+from spotguard.checkpoint.state import to_dcp
 from spotguard.checkpoint.transfer import Cutoff, upload, within
 from spotguard.progress import TransferProgress
 from spotguard.timeline import seconds
@@ -147,6 +149,7 @@ class Checkpointer:
             _writable_dir(self.local_root, "local_dir")
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spotguard-ckpt")
         self._pending: _InFlight | None = None
+        self._stager = Stager()  # background saves copy into its buffers, reused from save to save
         self._uploads_abandoned = False  # an emergency is coming: background saves commit locally only
         # The store's own retry limit; a save with a deadline lowers it for its duration.
         self._retry_deadline_s: float | None = getattr(self.remote, "retry_deadline_s", None)
@@ -169,7 +172,7 @@ class Checkpointer:
         """Save `state` as `step` on every rank (a collective: all ranks call it in the same order).
 
         wait=True returns the SaveReport once committed (raises CheckpointError when
-        nothing could be committed). wait=False snapshots the state to CPU memory and
+        nothing could be committed). wait=False copies the state into reused host buffers and
         returns None at once; `wait()` collects the result. With a `deadline`, the upload
         and the store's retries end `DEADLINE_RESERVE_S` before it, and a background save
         in flight gives up its upload at once. With a `departure` (wait=True only), the
@@ -196,7 +199,7 @@ class Checkpointer:
             return self._survive(step, state_dict, reason, notice, cutoff, started_at, departure)
         if wait:
             return self._save(step, state_dict, reason, notice, deadline, cutoff, started_at)
-        snapshot = copy_to_cpu(state_dict)
+        snapshot = self._stager.stage(state_dict)
         future = self._worker.submit(self._save, step, snapshot, reason, notice, deadline, cutoff, started_at)
         self._pending = _InFlight(step, future, cutoff)
         return None

@@ -7,7 +7,6 @@ from a DDP run loads into a plain module and back.
 
 from __future__ import annotations
 
-import copy
 import ctypes
 import hashlib
 from collections.abc import Mapping, MutableMapping
@@ -70,17 +69,6 @@ def load_from_dcp(state: MutableMapping[str, Any], loaded: Mapping[str, Any]) ->
                 value.copy_(loaded[key])
         else:
             state[key] = loaded[key]
-
-
-def copy_to_cpu(tree: Any) -> Any:
-    """A deep copy with every tensor copied to CPU memory: a snapshot training can no longer change."""
-    if isinstance(tree, torch.Tensor):
-        return tree.detach().to("cpu", copy=True)
-    if isinstance(tree, Mapping):
-        return {k: copy_to_cpu(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(copy_to_cpu(v) for v in tree)
-    return copy.deepcopy(tree)
 
 
 def state_digest(state_dict: Mapping[str, torch.Tensor]) -> str:
