@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import shutil
 import stat
-import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -91,8 +91,10 @@ def fill_then_rename(
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    os.close(fd)
+    tmp = str(target.parent / f".{target.name}.{secrets.token_hex(6)}.tmp")
+    # Created as every other file is (mode 0666 less the umask), not mkstemp's 0600: readers running
+    # as another user on shared storage must be able to read a manifest as they read the shards.
+    os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
     try:
         fill(tmp)
         if durable:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import operator
 import os
 import sys
 import threading
@@ -79,8 +80,8 @@ class Guard:
         store: the torch.distributed Store to broadcast through (default: the default group's).
         agreement_timeout_s: longest wait for all ranks to agree on a step.
         save_on_rebalance: take a background save when AWS recommends a rebalance.
-        write_threads: files each rank writes in parallel when saving (2 was fastest on a
-            2-core VM; more can help with many cores per rank and a fast NVMe disk).
+        write_threads: files each rank writes in parallel when saving; default: this node's
+            cores shared among its ranks, 2 to 8 (2 was fastest on a 2-core VM with 2 ranks).
         thread_count: parallel uploads / downloads / verifications per rank.
     """
 
@@ -102,7 +103,7 @@ class Guard:
         store: dist.Store | None = None,
         agreement_timeout_s: float = 30.0,
         save_on_rebalance: bool = True,
-        write_threads: int = 2,
+        write_threads: int | None = None,
         thread_count: int = 4,
     ) -> None:
         if cloud not in CLOUDS + ("none", "auto"):
@@ -138,9 +139,9 @@ class Guard:
         self.interrupted = False  # step() returned True for an emergency
         self.emergency_saved = False  # ... and its checkpoint was committed
         self.leaving = False  # ... and this node was the one reclaimed
-        self.last_save: SaveReport | None = None
         self.timeline = Timeline()
         self._entered = False
+        self._ckpt: Checkpointer | None = None
         self._stop_timer = threading.Event()
         self._agreement: StepAgreement | _NotEntered = _NotEntered()
 
@@ -247,6 +248,11 @@ class Guard:
             cloud = detect_cloud(self.metadata_url) if self.cloud == "auto" else self.cloud
             sources += cloud_sources(cloud, self.metadata_url)
 
+    @property
+    def last_save(self) -> SaveReport | None:
+        """The report of the last save that committed, a background one too (None before any)."""
+        return self._ckpt.last_report if self._ckpt is not None else None
+
     # ---- the training loop's calls ----------------------------------------------
     def resume(self, state: MutableMapping[str, Any]) -> int:
         """Load the newest committed checkpoint into `state`; returns the step to start from (0 if none)."""
@@ -268,6 +274,8 @@ class Guard:
 
     def step(self, step: int, state: Mapping[str, Any]) -> bool:
         """Call after every training step; True once the emergency checkpoint of `step` is committed."""
+        if type(step) is not int or step < 0:  # the fast path is one comparison; anything else is checked
+            step = _as_step(step)
         due = self._agreement.reached(step)
         if due:
             return self._run_due(step, state, due)
@@ -278,7 +286,7 @@ class Guard:
     def save(self, step: int, state: Mapping[str, Any]) -> SaveReport | None:
         """Save now, on demand. With several ranks, every rank must call it at the same step."""
         self._require_entered("save")
-        return self._save(step, state, reason="manual", wait=True)
+        return self._save(_as_step(step), state, reason="manual", wait=True)
 
     # ---- internals ---------------------------------------------------------------
     def _run_due(self, step: int, state: Mapping[str, Any], due: list[Decision]) -> bool:
@@ -345,8 +353,6 @@ class Guard:
             log.exception("%s checkpoint of step %d failed", reason, step)
             self.timeline.add("save-failed", step=step, reason=reason)
             return None
-        if report is not None:
-            self.last_save = report
         return report
 
     def _on_notice(self, notice: Notice) -> None:
@@ -428,3 +434,16 @@ def _require_positive(**values: float | None) -> None:
     for name, value in values.items():
         if value is not None and value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
+
+
+def _as_step(step: Any) -> int:
+    """`step` as an int (numpy integers and 0-dim integer tensors too), or a one-line error at the call."""
+    if isinstance(step, bool):
+        raise TypeError(f"step must be an int, not bool ({step!r})")
+    try:
+        value = operator.index(step)
+    except TypeError:
+        raise TypeError(f"step must be an int, not {type(step).__name__} ({step!r})") from None
+    if value < 0:
+        raise ValueError(f"step must be >= 0, got {value}")
+    return value

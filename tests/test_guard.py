@@ -132,6 +132,12 @@ def test_background_saves_every_n_steps_with_retention(tmp_path):
     with spotguard.Guard(tmp_path, cloud="none", save_every=10, keep_last=2) as guard:
         assert train(guard, make_state(), steps=45, step_time=0) is None
     assert committed(tmp_path) == [(30, "periodic"), (40, "periodic")]
+    assert (guard.last_save.step, guard.last_save.reason) == (40, "periodic")  # background saves report too
+    manifest, shard = (
+        tmp_path / "step-0000000040" / "spotguard.json",
+        next((tmp_path / "step-0000000040").glob("*.distcp")),
+    )
+    assert manifest.stat().st_mode == shard.stat().st_mode  # one mode for every file: readable by the same users
 
 
 def test_interval_saves_and_rebalance_saves_are_agreed_then_taken_in_the_background(tmp_path):
@@ -157,6 +163,15 @@ def test_misuse_gets_clear_errors(tmp_path, monkeypatch):
         spotguard.Guard(tmp_path, poll_interval=0)
     with pytest.raises(ValueError, match="unknown signal"):
         spotguard.Guard(tmp_path, signals=["SIGNOPE"])
+    import numpy as np
+
+    with spotguard.Guard(tmp_path, cloud="none") as entered:
+        for bad, error in (("3", TypeError), (2.5, TypeError), (True, TypeError), (-1, ValueError)):
+            with pytest.raises(error, match="^step must be"):  # at the call, before any notice is pending
+                entered.step(bad, {})
+        with pytest.raises(TypeError, match="^step must be an int, not str"):
+            entered.save("5", {})
+        assert not entered.step(np.int64(3), {}) and not entered.step(torch.tensor(4), {})
     for bad in ("", None, "s3://", "ftp://host/x"):
         with pytest.raises(ValueError, match="^checkpoint_dir: "):  # one line, from Guard(...) itself
             spotguard.Guard(bad, cloud="none")

@@ -90,8 +90,9 @@ class Comm:
         return out
 
 
-def describe(exc: BaseException) -> str:
-    """One line per failing rank, without DCP's tracebacks."""
+def describe(exc: BaseException, rank: int | None = None) -> str:
+    """One line per failing rank, without DCP's tracebacks; `rank` names the rank of an error that
+    does not say which one it is (DCP's do: they are not named twice)."""
     if isinstance(exc, CheckpointException):
-        return "; ".join(f"rank {rank}: {type(e).__name__}: {e}" for rank, (e, _) in sorted(exc.failures.items()))
-    return f"{type(exc).__name__}: {exc}"
+        return "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, (e, _) in sorted(exc.failures.items()))
+    return f"{'' if rank is None else f'rank {rank}: '}{type(exc).__name__}: {exc}"
