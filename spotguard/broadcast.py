@@ -37,6 +37,9 @@ log = logging.getLogger(__name__)
 # the connection that waits gets a long one so an idle guard stays quiet (ticks wake it anyway).
 INBOX_WAIT_TIMEOUT = timedelta(hours=24)
 _NO_QUEUES = (NotImplementedError, AttributeError)  # FileStore, the legacy TCPStore server, older torch
+# A publish (on the watcher's thread) that the store does not answer in this long fails, and the
+# watcher tries again at its next poll: c10d's store requests have no timeout of their own.
+PUBLISH_TIMEOUT_S = 10.0
 EMERGENCY = "emergency"  # an interruption notice: save and stop
 CHECKPOINT = "checkpoint"  # a save the job keeps running after (interval, rebalance advisory)
 
@@ -125,6 +128,16 @@ class EventLog:
     def count(self) -> int:
         return int(self.store.add(self.prefix + "seq", 0))
 
+    def handled(self, index: int) -> None:
+        """One more rank is done with event `index`; the last one removes it from the store."""
+        key = f"{self.prefix}event/{index}"
+        try:
+            if int(self.store.add(f"{key}/handled", 1)) == self.world_size:
+                self.store.delete_key(key)
+                self.store.delete_key(f"{key}/handled")
+        except Exception as exc:  # noqa: BLE001 - a leftover event costs a few bytes, not the listener
+            log.debug("could not clean up event %d: %s", index, exc)
+
     def get(self, index: int, wait_s: float = 10.0) -> dict[str, Any] | None:
         """The event at `index`, or None if its writer never finished it (died between add and set).
 
@@ -159,8 +172,11 @@ class Broadcast:
         world_size: int,
         poll_s: float = 0.05,
         tick_s: float = 5.0,
+        publish_timeout_s: float = PUBLISH_TIMEOUT_S,
     ) -> None:
         self.log = EventLog(store, prefix, world_size)
+        self.publish_timeout_s = publish_timeout_s
+        self._unanswered: threading.Thread | None = None  # a publish the store never answered
         self._listen_log = EventLog(listen_store, prefix, world_size)
         self._inbox = inbox
         self.on_event = on_event
@@ -176,7 +192,8 @@ class Broadcast:
 
     def publish_interruption(self, notice: Notice) -> bool:
         """Announce an interruption of `notice.node` to every rank; False if that node's was announced first."""
-        won = self.log.claim(f"{EMERGENCY}/{notice.node}", {"type": EMERGENCY, "notice": notice.to_json()})
+        event = {"type": EMERGENCY, "notice": notice.to_json()}
+        won = self._bounded(lambda: self.log.claim(f"{EMERGENCY}/{notice.node}", event))
         if won:
             log.info("published %s interruption notice of node %s to all ranks", notice.source, notice.node)
         return won
@@ -187,7 +204,30 @@ class Broadcast:
         return {node for node in nodes if store.check([f"{self.log.prefix}claim/{EMERGENCY}/{node}"])}
 
     def request_checkpoint(self, reason: str) -> int:
-        return self.log.append({"type": CHECKPOINT, "reason": reason})
+        return self._bounded(lambda: self.log.append({"type": CHECKPOINT, "reason": reason}))
+
+    def _bounded(self, call: Callable[[], Any]) -> Any:
+        """`call()` on a thread of its own, waited for `publish_timeout_s`: a hung store then costs the
+        caller that long, not the store's own timeout, and never more than one stuck thread."""
+        if self._unanswered is not None and self._unanswered.is_alive():
+            raise TimeoutError("the store has still not answered the previous publish")
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["value"] = call()
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+                box["error"] = exc
+
+        thread = threading.Thread(target=run, name="spotguard-publish", daemon=True)
+        thread.start()
+        thread.join(self.publish_timeout_s)
+        if thread.is_alive():
+            self._unanswered = thread
+            raise TimeoutError(f"the store did not answer within {self.publish_timeout_s:g} s")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
 
     def start(self) -> None:
         self._threads = [threading.Thread(target=self._listen, name="spotguard-listener", daemon=True)]
@@ -239,6 +279,7 @@ class Broadcast:
                     self.on_event(seen, event)
                 except Exception:  # noqa: BLE001 - one bad event must not stop the listener
                     log.exception("handling event %d (%s) failed", seen, event.get("type"))
+                self._listen_log.handled(seen)
 
     def _await_news(self) -> None:
         """Return when the log may have grown (or when asked to stop)."""

@@ -132,3 +132,44 @@ def test_a_store_without_queues_gets_no_inbox_and_keeps_working(tmp_path):
     assert inbox_connection(store) is None
     store.set("still", "usable")
     assert store.get("still") == b"usable"
+
+
+STORE_SERVER = """
+import sys, time
+from datetime import timedelta
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", int(sys.argv[1]), 1, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_frozen_store_never_holds_the_publisher_for_long():
+    """The store's host freezes (SIGSTOP): c10d requests have no timeout of their own, so a publish
+    fails after `publish_timeout_s` (the watcher retries at its next poll), and the next publish fails
+    at once while the first is still unanswered, instead of piling up threads."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", STORE_SERVER, str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        job_store = dist.TCPStore("127.0.0.1", port, 1, False, timeout=timedelta(minutes=30))
+        publisher = Broadcast(
+            job_store, job_store, "run/", lambda *_: None, inbox=None, rank=0, world_size=1, publish_timeout_s=2.0
+        )
+        os.kill(server.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="did not answer within 2 s"):
+            publisher.publish_interruption(notice())
+        assert time.monotonic() - started < 4
+        started = time.monotonic()
+        with pytest.raises(TimeoutError, match="still not answered"):
+            publisher.request_checkpoint("interval")
+        assert time.monotonic() - started < 1
+    finally:
+        os.kill(server.pid, signal.SIGKILL)
+        server.wait()
