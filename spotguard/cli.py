@@ -104,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--world-size", type=int, default=2, choices=range(1, 5), metavar="N")
     demo.add_argument("--cloud", choices=CLOUDS, default="aws")
 
+    # Both use SPOTGUARD_CHECKPOINT_KEY when it is set: steps not signed with it are then not committed / BAD.
     ls = sub.add_parser("ls", help="list checkpoints of a directory or bucket")
     ls.add_argument("location")
     ls.add_argument("--json", action="store_true", help="one JSON array of the steps ([] when there is none)")
@@ -201,19 +202,20 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _ls(args: argparse.Namespace) -> int:
     from spotguard.checkpoint import list_checkpoints
+    from spotguard.checkpoint.auth import resolve_key
 
-    rows = list_checkpoints(existing_location(args.location))
+    rows = list_checkpoints(existing_location(args.location), key=resolve_key())
     if args.json:
         print(json.dumps([dataclasses.asdict(row) for row in rows], indent=1, sort_keys=True))
         return 0
     if not rows:
         print(f"no checkpoints in {args.location}")
         return 0
-    print(f"{'STEP':>10}  {'REASON':<10} {'SIZE':>10} {'FILES':>5}  {'COMMITTED':<9}  CREATED")
+    print(f"{'STEP':>10}  {'REASON':<10} {'SIZE':>10} {'FILES':>5}  {'COMMITTED':<9}  {'SIGNED':<6}  CREATED")
     for row in rows:
         print(
             f"{row.step:>10}  {row.reason or '-':<10} {_size(row.size):>10} {row.files:>5}  "
-            f"{'yes' if row.committed else 'NO':<9}  {row.created_at or '-'}"
+            f"{'yes' if row.committed else 'NO':<9}  {'yes' if row.signed else 'no':<6}  {row.created_at or '-'}"
             + (f"  ({row.problem})" if row.problem else "")
         )
     return 0
@@ -221,11 +223,12 @@ def _ls(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     from spotguard.checkpoint import verify_checkpoint
+    from spotguard.checkpoint.auth import resolve_key
     from spotguard.progress import cli_progress
 
     location, step = split_step(args.location)
     existing_location(location)
-    results = verify_checkpoint(location, step, progress=cli_progress)
+    results = verify_checkpoint(location, step, progress=cli_progress, key=resolve_key())
     if not results:
         print(f"no checkpoints in {args.location}")
         return 1

@@ -44,6 +44,7 @@ from spotguard import topology
 from spotguard.agreement import Decision, StepAgreement
 from spotguard.broadcast import EMERGENCY, Broadcast, inbox_connection, listener_store
 from spotguard.checkpoint import Checkpointer, CheckpointError, CheckpointUnavailable, SaveReport
+from spotguard.checkpoint.auth import resolve_key
 from spotguard.checkpoint.handoff import Departure
 from spotguard.timeline import Timeline, seconds
 from spotguard.watcher import Watcher
@@ -83,6 +84,8 @@ class Guard:
         write_threads: files each rank writes in parallel when saving; default: this node's
             cores shared among its ranks, 2 to 8 (2 was fastest on a 2-core VM with 2 ranks).
         thread_count: parallel uploads / downloads / verifications per rank.
+        checkpoint_key: a secret (bytes or str) to sign saves with and to require on resume;
+            default: SPOTGUARD_CHECKPOINT_KEY when set, else no authentication.
     """
 
     def __init__(
@@ -105,6 +108,7 @@ class Guard:
         save_on_rebalance: bool = True,
         write_threads: int | None = None,
         thread_count: int = 4,
+        checkpoint_key: bytes | str | None = None,
     ) -> None:
         if cloud not in CLOUDS + ("none", "auto"):
             raise ValueError(f"cloud must be one of {CLOUDS + ('none', 'auto')}, not {cloud!r}")
@@ -133,6 +137,7 @@ class Guard:
         self.save_on_rebalance = save_on_rebalance
         self.write_threads = write_threads
         self.thread_count = thread_count
+        self._checkpoint_key = resolve_key(checkpoint_key)  # checked now; kept out of reprs and logs
         self._store = store
 
         self.notice: Notice | None = None  # the interruption being handled, once one arrives
@@ -168,6 +173,7 @@ class Guard:
             write_threads=self.write_threads,
             thread_count=self.thread_count,
             on_event=self.timeline.add,
+            checkpoint_key=self._checkpoint_key,
         )
         # The default group's store (a private accessor, present since torch 1.x) is the one every rank shares.
         store = self._store or (

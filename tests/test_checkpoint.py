@@ -124,7 +124,9 @@ def test_shards_are_checksummed_as_written_and_the_zip_crc_setting_comes_back(tm
     from spotguard.checkpoint import save, shard_io
 
     reread = []
-    monkeypatch.setattr(shard_io, "checksum_file", lambda path: reread.append(path.name) or checksum_file(path))
+    monkeypatch.setattr(
+        shard_io, "checksum_file", lambda path, **kw: reread.append(path.name) or checksum_file(path, **kw)
+    )
     seen_during_save = []
     real_dcp_save = save.dcp.save
     monkeypatch.setattr(

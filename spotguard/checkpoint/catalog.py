@@ -1,4 +1,8 @@
-"""What a checkpoint location holds: list steps, verify them, find the newest good one."""
+"""What a checkpoint location holds: list steps, verify them, find the newest good one.
+
+With a checkpoint key (`auth`), a step must also be signed with it, and every file must
+match its SHA-256; without one, signatures are neither needed nor checked.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from pathlib import Path
 
 from cloud_adapters.storage import LocalStore, NotFound, ObjectInfo, ObjectStore, StoreError
 from cloud_adapters.stores import open_store
+from spotguard.checkpoint.auth import signature_problem
 from spotguard.checkpoint.layout import MANIFEST_NAME, manifest_key, parse_step_dir, step_dir_name
 from spotguard.checkpoint.manifest import Manifest, ManifestError, check_file
 from spotguard.progress import TransferProgress
@@ -36,6 +41,7 @@ class CheckpointInfo:
     world_size: int | None
     location: str
     problem: str | None = None  # why it is not committed, when it has a manifest
+    signed: bool = False  # its manifest carries an HMAC (checked when listed with a key)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +69,9 @@ def step_of_key(key: str) -> int | None:
     return parse_step_dir(head) if name and "/" not in name else None
 
 
-def read_manifest(store: ObjectStore, step: int) -> Manifest:
-    """The manifest of `step`; ManifestError when missing, malformed or about another step.
+def read_manifest(store: ObjectStore, step: int, key: bytes | None = None) -> Manifest:
+    """The manifest of `step`; ManifestError when missing, malformed, about another step, or
+    (with a checkpoint `key`) not signed with `key`.
 
     Any other StoreError (an unreachable store) propagates: it says nothing about the step.
     """
@@ -74,6 +81,8 @@ def read_manifest(store: ObjectStore, step: int) -> Manifest:
         raise ManifestError(f"no manifest: {exc}") from exc
     if manifest.step != step:
         raise ManifestError(f"manifest says step {manifest.step}, directory says {step}")
+    if key is not None and (unsigned := signature_problem(manifest, key)):
+        raise ManifestError(unsigned)
     return manifest
 
 
@@ -89,17 +98,23 @@ def listing_problems(manifest: Manifest, files: dict[str, ObjectInfo]) -> list[s
     return problems
 
 
-def dir_problems(step_dir: Path, manifest: Manifest, *, threads: int = 4) -> list[str]:
-    """Full check of a local directory: sizes and CRC32C of every manifest file."""
+def dir_problems(step_dir: Path, manifest: Manifest, *, threads: int = 4, key: bytes | None = None) -> list[str]:
+    """Full check of a local directory: sizes and CRC32C of every manifest file; with a checkpoint
+    `key`, the manifest's HMAC first and every file's SHA-256."""
     if step_dir.is_symlink():  # its files would be wherever it points
         return [f"{step_dir} is a symlink, not a step directory"]
+    if key is not None and (unsigned := signature_problem(manifest, key)):  # nothing in it is worth reading then
+        return [unsigned]
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="spotguard-verify") as pool:
-        results = pool.map(lambda r: check_file(step_dir / r.name, r), manifest.files)
+        results = pool.map(lambda r: check_file(step_dir / r.name, r, sha256=key is not None), manifest.files)
         return [p for p in results if p]
 
 
-def committed_manifests(store: ObjectStore, listing: dict[int, dict[str, ObjectInfo]] | None = None) -> list[Manifest]:
-    """Manifests of the steps that look committed (manifest readable, files present), newest first.
+def committed_manifests(
+    store: ObjectStore, listing: dict[int, dict[str, ObjectInfo]] | None = None, *, key: bytes | None = None
+) -> list[Manifest]:
+    """Manifests of the steps that look committed (manifest readable, signed with `key` when one
+    is given, files present), newest first.
 
     This does not read the data; checksums are checked before a step is loaded.
     `listing` is `scan(store)` when the caller already has it. A manifest the store cannot
@@ -110,7 +125,7 @@ def committed_manifests(store: ObjectStore, listing: dict[int, dict[str, ObjectI
         if MANIFEST_NAME not in files:
             continue
         try:
-            manifest = read_manifest(store, step)
+            manifest = read_manifest(store, step, key)
         except ManifestError as exc:
             log.warning("ignoring %s/%s: %s", store.url, step_dir_name(step), exc)
             continue
@@ -122,8 +137,11 @@ def committed_manifests(store: ObjectStore, listing: dict[int, dict[str, ObjectI
     return good
 
 
-def list_checkpoints(location: str) -> list[CheckpointInfo]:
-    """Every step directory at `location` (path, file://, s3://, gs://, az://), oldest first."""
+def list_checkpoints(location: str, *, key: bytes | None = None) -> list[CheckpointInfo]:
+    """Every step directory at `location` (path, file://, s3://, gs://, az://), oldest first.
+
+    With a checkpoint `key`, a step not signed with it is listed as not committed, as resume sees it.
+    """
     store = open_store(location)
     out = []
     for step, files in sorted(scan(store).items()):
@@ -134,6 +152,8 @@ def list_checkpoints(location: str) -> list[CheckpointInfo]:
             try:
                 manifest = read_manifest(store, step)
                 problems = listing_problems(manifest, files)
+                if key is not None and (unsigned := signature_problem(manifest, key)):
+                    problems.insert(0, unsigned)
                 info = dataclasses.replace(
                     info,
                     committed=not problems,
@@ -143,6 +163,7 @@ def list_checkpoints(location: str) -> list[CheckpointInfo]:
                     created_at=manifest.created_at,
                     world_size=manifest.world_size,
                     problem="; ".join(problems) or None,
+                    signed=manifest.hmac is not None,
                 )
             except (ManifestError, StoreError) as exc:
                 info = dataclasses.replace(info, problem=str(exc))
@@ -151,15 +172,21 @@ def list_checkpoints(location: str) -> list[CheckpointInfo]:
 
 
 def verify_step(
-    store: ObjectStore, step: int, *, threads: int = 4, progress: ProgressFactory | None = None
+    store: ObjectStore,
+    step: int,
+    *,
+    threads: int = 4,
+    progress: ProgressFactory | None = None,
+    key: bytes | None = None,
 ) -> list[str]:
-    """Problems with `step` (empty when every file matches the manifest's size and CRC32C)."""
+    """Problems with `step` (empty when every file matches the manifest's size and CRC32C, and
+    with a checkpoint `key`, the manifest is signed with it and every file matches its SHA-256)."""
     try:
-        manifest = read_manifest(store, step)
+        manifest = read_manifest(store, step, key)
     except (ManifestError, StoreError) as exc:
         return [str(exc)]
     if isinstance(store, LocalStore):
-        return dir_problems(store.path(step_dir_name(step)), manifest, threads=threads)
+        return dir_problems(store.path(step_dir_name(step)), manifest, threads=threads, key=key)
     problems = listing_problems(manifest, scan(store).get(step, {}))
     if problems:
         return problems
@@ -171,7 +198,7 @@ def verify_step(
             local = Path(scratch) / record.name
             try:
                 store.get_file(f"{step_dir_name(step)}/{record.name}", local, progress=shown)
-                return check_file(local, record)
+                return check_file(local, record, sha256=key is not None)
             except StoreError as exc:
                 return f"{record.name}: {exc}"
             finally:
@@ -185,9 +212,11 @@ def verify_step(
 
 
 def verify_checkpoint(
-    location: str, step: int | None = None, *, progress: ProgressFactory | None = None
+    location: str, step: int | None = None, *, progress: ProgressFactory | None = None, key: bytes | None = None
 ) -> list[VerifyResult]:
     """Check one step, or every step directory at `location`; each result lists its problems.
+
+    With a checkpoint `key`, a step not signed with it is bad, and files are checked against their SHA-256.
 
     A step directory without a manifest (a save that never committed, or retention stopped
     half-way, which deletes the manifest first) is reported as uncommitted, not as bad.
@@ -201,6 +230,6 @@ def verify_checkpoint(
         if s in listing and MANIFEST_NAME not in listing[s]:
             results.append(VerifyResult(s, False, [], where, committed=False))
             continue
-        problems = verify_step(store, s, progress=progress)
+        problems = verify_step(store, s, progress=progress, key=key)
         results.append(VerifyResult(s, not problems, problems, where))
     return results

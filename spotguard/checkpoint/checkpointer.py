@@ -41,6 +41,7 @@ from cloud_adapters.notice import Notice, isoformat_z, parse_iso8601, utc_now
 from cloud_adapters.storage import AlreadyExists, LocalStore, ObjectStore
 from cloud_adapters.stores import open_store
 from spotguard.checkpoint import retention
+from spotguard.checkpoint.auth import KEY_ENV, CheckpointKey, resolve_key, sign
 from spotguard.checkpoint.comm import FAILURES, Comm, describe
 from spotguard.checkpoint.commit import commit_dir
 from spotguard.checkpoint.errors import CheckpointError
@@ -105,7 +106,9 @@ class Checkpointer:
     store (or a `local_dir` different from a filesystem `checkpoint_dir`) steps are staged
     and committed in `local_dir` first, then uploaded. `group` carries every checkpoint
     collective (a dedicated gloo group); without an initialized process group this is a
-    single process. `keep_last` keeps that many newest committed steps.
+    single process. `keep_last` keeps that many newest committed steps. With a
+    `checkpoint_key` (default: $SPOTGUARD_CHECKPOINT_KEY), saves are signed and resume
+    loads only steps signed with it (`auth`); every node needs the same key.
     """
 
     def __init__(
@@ -118,6 +121,7 @@ class Checkpointer:
         write_threads: int | None = None,
         thread_count: int = 4,
         on_event: SaveEvents | None = None,
+        checkpoint_key: CheckpointKey | None = None,
     ) -> None:
         for name, value in (("keep_last", keep_last), ("write_threads", write_threads), ("thread_count", thread_count)):
             if value is not None and value < 1:
@@ -126,6 +130,7 @@ class Checkpointer:
         self.keep_last = keep_last
         self.write_threads = write_threads or default_write_threads()
         self.thread_count = thread_count
+        self._key = resolve_key(checkpoint_key)
         self.comm = Comm(group)
         remote_root = Path(self.remote.url) if isinstance(self.remote, LocalStore) else None
         if local_dir is None and remote_root is None:
@@ -232,7 +237,12 @@ class Checkpointer:
         """Load the newest good committed step into `state` (a collective); its step, or None."""
         self._finish_pending()
         return load_newest(
-            state, remote=self.remote, local_root=self.local_root, comm=self.comm, threads=self.thread_count
+            state,
+            remote=self.remote,
+            local_root=self.local_root,
+            comm=self.comm,
+            threads=self.thread_count,
+            key=self._key,
         )
 
     def close(self) -> None:
@@ -472,7 +482,9 @@ class Checkpointer:
             error = None
             try:
                 stage.parent.mkdir(parents=True, exist_ok=True)
-                records = write_shards(stage, state_dict, comm, threads=self.write_threads, planner=planner)
+                records = write_shards(
+                    stage, state_dict, comm, threads=self.write_threads, planner=planner, sha256=self._key is not None
+                )
             except FAILURES as exc:
                 error = describe(exc, comm.rank)
             t_written = time.monotonic()
@@ -569,6 +581,12 @@ class Checkpointer:
     ) -> dict[str, Any]:
         """The saving group's rank 0: write the manifest last and rename the staging directory into place."""
         errors = [err for _, err in gathered if err]
+        if self._key is not None:  # a rank without the key left its files unhashed: signing would vouch for them blind
+            errors += [
+                f"rank {comm.members[i]}: no checkpoint key (set {KEY_ENV} on every node)"
+                for i, (recs, _) in enumerate(gathered)
+                if any(r.sha256 is None for r in recs)
+            ]
         if errors:
             return {"error": "; ".join(errors)}
         try:
@@ -583,7 +601,7 @@ class Checkpointer:
                 saved_by=tuple(comm.members),
                 leaving=leaving,
             )
-            final, created = commit_dir(stage, manifest)
+            final, created = commit_dir(stage, sign(manifest, self._key) if self._key is not None else manifest)
         except Exception as exc:  # returned, not raised: every rank waits for this outcome
             return {"error": f"commit: {type(exc).__name__}: {exc}"}
         return {

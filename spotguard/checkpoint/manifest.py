@@ -1,12 +1,16 @@
 """The manifest (`spotguard.json`): what a committed step holds, with a CRC32C for every file.
 
 It is written last; its presence is what makes a step directory exist for resume,
-and its checksums are what make anything else in the directory trustworthy.
+and its checksums are what make anything else in the directory trustworthy. With a
+checkpoint key (`auth`), every file also has a SHA-256 and the manifest an HMAC; both are
+optional fields, so a manifest with them loads in a version that ignores them, and one
+without them here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.metadata
 import json
 import platform
@@ -34,9 +38,11 @@ class FileRecord:
     name: str  # relative to the step directory
     size: int
     crc32c: str  # 8 hex digits
+    sha256: str | None = None  # 64 hex digits, recorded only when saving with a checkpoint key
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "size": self.size, "crc32c": self.crc32c}
+        out = {"name": self.name, "size": self.size, "crc32c": self.crc32c}
+        return out if self.sha256 is None else {**out, "sha256": self.sha256}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +58,7 @@ class Manifest:
     # and the ranks that were leaving (their nodes reclaimed) when the step was saved.
     saved_by: tuple[int, ...] = ()
     leaving: tuple[int, ...] = ()
+    hmac: str | None = None  # HMAC-SHA256 of `unsigned_bytes()` in hex, when saved with a checkpoint key
     format_version: int = FORMAT_VERSION
 
     @property
@@ -75,7 +82,13 @@ class Manifest:
             "saved_by": list(self.saved_by),
             "leaving": list(self.leaving),
         }
+        if self.hmac is not None:
+            body["hmac"] = self.hmac
         return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
+
+    def unsigned_bytes(self) -> bytes:
+        """The canonical body an HMAC covers: everything this version reads, except the HMAC itself."""
+        return dataclasses.replace(self, hmac=None).to_bytes()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Manifest:
@@ -85,7 +98,10 @@ class Manifest:
                 raise ManifestError(
                     f"manifest format {body['format_version']} is not supported (expected {FORMAT_VERSION})"
                 )
-            files = tuple(FileRecord(_file_name(f["name"]), int(f["size"]), str(f["crc32c"])) for f in body["files"])
+            files = tuple(
+                FileRecord(_file_name(f["name"]), int(f["size"]), str(f["crc32c"]), _hex_or_none(f.get("sha256")))
+                for f in body["files"]
+            )
             return cls(
                 step=int(body["step"]),
                 reason=str(body["reason"]),
@@ -96,6 +112,7 @@ class Manifest:
                 versions=dict(body.get("versions") or {}),
                 saved_by=tuple(int(r) for r in body.get("saved_by") or ()),
                 leaving=tuple(int(r) for r in body.get("leaving") or ()),
+                hmac=_hex_or_none(body.get("hmac")),
             )
         except ManifestError:
             raise
@@ -108,6 +125,15 @@ def _file_name(name: object) -> str:
     if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0"):
         raise ManifestError(f"manifest lists an unsafe file name {name!r}")
     return name
+
+
+def _hex_or_none(value: object) -> str | None:
+    """An optional digest field: absent, or a hex string (anything else is a malformed manifest)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value or any(c not in "0123456789abcdef" for c in value):
+        raise ManifestError(f"manifest has a malformed digest {value!r}")
+    return value
 
 
 def _timestamp(value: object) -> str:
@@ -123,32 +149,52 @@ def crc32c_hex(data: bytes) -> str:
     return f"{google_crc32c.value(data):08x}"
 
 
-def checksum_file(path: Path) -> FileRecord:
-    """Size and CRC32C of a file, read in chunks (never whole into memory)."""
+def checksum_file(path: Path, *, sha256: bool = False) -> FileRecord:
+    """Size and CRC32C of a file (and its SHA-256 when asked), read in chunks (never whole into memory)."""
     crc = google_crc32c.Checksum()
+    sha = hashlib.sha256() if sha256 else None
     size = 0
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             crc.update(chunk)
+            if sha is not None:
+                sha.update(chunk)
             size += len(chunk)
-    return FileRecord(path.name, size, crc.hexdigest().decode())
+    return FileRecord(path.name, size, crc.hexdigest().decode(), sha.hexdigest() if sha else None)
 
 
-def check_file(path: Path, record: FileRecord) -> str | None:
-    """None when `path` matches the record, else a one-line description of what is wrong."""
+def checksum_bytes(name: str, data: bytes, *, sha256: bool = False) -> FileRecord:
+    """The record of a file whose bytes are in memory."""
+    return FileRecord(name, len(data), crc32c_hex(data), hashlib.sha256(data).hexdigest() if sha256 else None)
+
+
+def mismatch(actual: FileRecord, record: FileRecord, *, sha256: bool = False) -> str | None:
+    """None when `actual` (what is there) matches `record` (the manifest's), else what differs.
+
+    With `sha256` the manifest must vouch for the file with a SHA-256 too: a CRC32C can be forged.
+    """
+    if actual.size != record.size:
+        return f"{record.name}: size {actual.size} != {record.size} in the manifest"
+    if actual.crc32c != record.crc32c:
+        return f"{record.name}: crc32c {actual.crc32c} != {record.crc32c} in the manifest"
+    if sha256 and record.sha256 is None:
+        return f"{record.name}: no SHA-256 in the manifest"
+    if sha256 and actual.sha256 != record.sha256:
+        return f"{record.name}: sha256 {actual.sha256} != {record.sha256} in the manifest"
+    return None
+
+
+def check_file(path: Path, record: FileRecord, *, sha256: bool = False) -> str | None:
+    """None when `path` matches the record (its SHA-256 too, with `sha256`), else a one-line description."""
     try:
         info = path.lstat()
     except FileNotFoundError:
         return f"{record.name}: missing"
     if not stat.S_ISREG(info.st_mode):  # a symlink could lead anywhere: a step holds its own files only
         return f"{record.name}: not a regular file" + (" (a symlink)" if stat.S_ISLNK(info.st_mode) else "")
-    size = info.st_size
-    if size != record.size:
-        return f"{record.name}: size {size} != {record.size} in the manifest"
-    actual = checksum_file(path)
-    if actual.crc32c != record.crc32c:
-        return f"{record.name}: crc32c {actual.crc32c} != {record.crc32c} in the manifest"
-    return None
+    if info.st_size != record.size:  # before reading it all
+        return f"{record.name}: size {info.st_size} != {record.size} in the manifest"
+    return mismatch(checksum_file(path, sha256=sha256 and record.sha256 is not None), record, sha256=sha256)
 
 
 def versions() -> dict[str, str]:

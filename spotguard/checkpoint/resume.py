@@ -9,7 +9,8 @@ needed, and every rank of the node reads from there. A step that then fails to l
 verification. A step the store cannot deliver (network or store errors) is not bad:
 resume tries again, within RESUME_TIMEOUT_S, and then fails loudly rather than start
 afresh. The checksums catch damage, not malice: what makes a tampered step harmless
-is that its pickles are read by `safe_pickle`, which cannot run code.
+is that its pickles are read by `safe_pickle`, which cannot run code. With a checkpoint
+key (`auth`), only steps signed with it are loaded, after every file matched its SHA-256.
 """
 
 from __future__ import annotations
@@ -39,12 +40,13 @@ from cloud_adapters.storage import (
     fsync_path,
     write_durably,
 )
+from spotguard.checkpoint.auth import signature_problem
 from spotguard.checkpoint.catalog import committed_manifests, dir_problems
 from spotguard.checkpoint.comm import FAILURES, Comm, describe
 from spotguard.checkpoint.commit import is_committed, set_aside
 from spotguard.checkpoint.errors import CheckpointError, CheckpointUnavailable
 from spotguard.checkpoint.layout import DCP_METADATA_NAME, MANIFEST_NAME, manifest_key, sibling_name, step_dir_name
-from spotguard.checkpoint.manifest import Manifest, ManifestError, crc32c_hex
+from spotguard.checkpoint.manifest import Manifest, ManifestError, checksum_bytes, mismatch
 from spotguard.checkpoint.safe_pickle import WeightsOnlyLoadPlanner, load_metadata
 from spotguard.checkpoint.state import load_from_dcp, to_dcp
 from spotguard.checkpoint.transfer import Cutoff, DeadlineExceeded, download
@@ -66,17 +68,24 @@ OK, BAD = "ok", "bad"  # a step's verdict, with UNAVAILABLE
 class VerifiedReader(FileSystemReader):
     """A DCP reader that trusts only what the manifest vouches for, and never unpickles with a general unpickler.
 
-    `.metadata` is a pickle: its bytes are checked against the manifest in memory, then
-    unpickled with only DCP's metadata types allowed; every shard it points to must be a
-    manifest file; non-tensor values are loaded by `WeightsOnlyLoadPlanner`.
+    `.metadata` is a pickle: its bytes are checked against the manifest in memory (with a
+    checkpoint `key`, the manifest's HMAC and the file's SHA-256 too), then unpickled with only
+    DCP's metadata types allowed; every shard it points to must be a manifest file; non-tensor
+    values are loaded by `WeightsOnlyLoadPlanner`.
     """
 
-    def __init__(self, path: Path, manifest: Manifest) -> None:
+    def __init__(self, path: Path, manifest: Manifest, key: bytes | None = None) -> None:
         super().__init__(path)
+        # Checked again here, not only by _verify: the manifest read now is the one whose files DCP reads.
+        if key is not None and (unsigned := signature_problem(manifest, key)):
+            raise CheckpointError(f"{path}: {unsigned}")
         record = manifest.file(DCP_METADATA_NAME)
-        data = (path / DCP_METADATA_NAME).read_bytes()
-        if record is None or len(data) != record.size or crc32c_hex(data) != record.crc32c:
-            raise CheckpointError(f"{path}/{DCP_METADATA_NAME} does not match the manifest")
+        if record is None:
+            raise CheckpointError(f"{path}: the manifest does not list {DCP_METADATA_NAME}")
+        data, sha256 = (path / DCP_METADATA_NAME).read_bytes(), key is not None
+        wrong = mismatch(checksum_bytes(DCP_METADATA_NAME, data, sha256=sha256), record, sha256=sha256)
+        if wrong:
+            raise CheckpointError(f"{path}/{wrong}")
         # Read here rather than in read_metadata, whose errors DCP logs as "metadata not found".
         self.metadata = load_metadata(data)
         self.manifest = manifest
@@ -106,6 +115,7 @@ def load_newest(
     local_root: Path | None,
     comm: Comm,
     threads: int = 4,
+    key: bytes | None = None,
 ) -> int | None:
     """Load the newest step that every rank can verify; return it, or None when there is none.
 
@@ -114,7 +124,8 @@ def load_newest(
     A bad step (checksums, manifest, a refused pickle, a DCP error) is skipped for the one
     before it. A step the store cannot deliver (a network or store error) is not: the whole
     resume is tried again until RESUME_TIMEOUT_S has passed, then CheckpointUnavailable is
-    raised, since starting afresh would throw the committed progress away.
+    raised, since starting afresh would throw the committed progress away. With a checkpoint
+    `key`, a step not signed with it is bad (and files are checked against their SHA-256).
     """
     until = time.monotonic() + RESUME_TIMEOUT_S  # rank 0's clock decides when every rank gives up
     bad: set[int] = set()
@@ -122,7 +133,7 @@ def load_newest(
     pauses = itertools.chain(_RETRY_PAUSES_S, itertools.repeat(_RETRY_PAUSES_S[-1]))
     with calls_until(until):
         while isinstance(
-            outcome := _load_newest_once(state, remote, local_root, comm, threads, Cutoff(until), bad, unloadable),
+            outcome := _load_newest_once(state, remote, local_root, comm, threads, key, Cutoff(until), bad, unloadable),
             _Unavailable,
         ):
             pause = next(pauses)
@@ -159,6 +170,7 @@ def _load_newest_once(
     local_root: Path | None,
     comm: Comm,
     threads: int,
+    key: bytes | None,
     cutoff: Cutoff,
     bad: set[int],
     unloadable: list[str],
@@ -170,7 +182,7 @@ def _load_newest_once(
     steps: list[int] | str | _Unavailable | None = None
     if comm.is_coordinator:
         try:
-            steps = [s for s in _candidate_steps(remote, local_root) if s not in bad]
+            steps = [s for s in _candidate_steps(remote, local_root, key) if s not in bad]
         except Unreachable as exc:
             steps = _Unavailable(f"listing checkpoints: {exc}")
         except FAILURES as exc:  # every rank must hear of it, or the others would wait for the list forever
@@ -182,7 +194,7 @@ def _load_newest_once(
         return steps
     for step in steps:
         try:
-            where, why = _prepare(step, remote, local_root, comm, threads, cutoff)
+            where, why = _prepare(step, remote, local_root, comm, threads, key, cutoff)
         except FAILURES as exc:  # reported through the all_gather below, so ranks stay in step
             where, why = (UNAVAILABLE if _undelivered(exc) else None), f"{comm.host}: {describe(exc)}"
         verdict, problems = _verdict(comm.all_gather((comm.host, where, why)), local_root is not None)
@@ -190,7 +202,7 @@ def _load_newest_once(
             return _Unavailable(f"{step_dir_name(step)}: " + "; ".join(problems))
         if verdict == OK:
             step_dir = (local_root if local_root is not None else Path(remote.url)) / step_dir_name(step)
-            failure = _load(step_dir, state, comm)
+            failure = _load(step_dir, state, comm, key)
             if failure is None:
                 if comm.is_coordinator:
                     log.info("resumed from %s (world size %d)", step_dir, comm.world_size)
@@ -203,10 +215,10 @@ def _load_newest_once(
     return None
 
 
-def _candidate_steps(remote: ObjectStore, local_root: Path | None) -> list[int]:
-    steps = {m.step for m in committed_manifests(remote)}
+def _candidate_steps(remote: ObjectStore, local_root: Path | None, key: bytes | None) -> list[int]:
+    steps = {m.step for m in committed_manifests(remote, key=key)}
     if local_root is not None:
-        steps |= {m.step for m in committed_manifests(LocalStore(local_root))}
+        steps |= {m.step for m in committed_manifests(LocalStore(local_root), key=key)}
     return sorted(steps, reverse=True)
 
 
@@ -236,37 +248,43 @@ def _undelivered(exc: BaseException | None) -> bool:
 
 
 def _prepare(
-    step: int, remote: ObjectStore, local_root: Path | None, comm: Comm, threads: int, cutoff: Cutoff
+    step: int,
+    remote: ObjectStore,
+    local_root: Path | None,
+    comm: Comm,
+    threads: int,
+    key: bytes | None,
+    cutoff: Cutoff,
 ) -> tuple[str | None, str | None]:
     """(where this rank can read `step` from, or None (a bad step) or UNAVAILABLE with the reason)."""
     if local_root is None:
         if not comm.is_coordinator:
             return FOLLOW, None
-        why = _verify(Path(remote.url) / step_dir_name(step), step, threads)
+        why = _verify(Path(remote.url) / step_dir_name(step), step, threads, key)
         return (SHARED, None) if why is None else (None, why)
     if not comm.is_node_leader:
         return FOLLOW, None
-    return _ensure_local(step, remote, local_root, comm.host, threads, cutoff)
+    return _ensure_local(step, remote, local_root, comm.host, threads, key, cutoff)
 
 
-def _verify(step_dir: Path, step: int, threads: int) -> str | None:
+def _verify(step_dir: Path, step: int, threads: int, key: bytes | None) -> str | None:
     try:
         manifest = Manifest.from_bytes((step_dir / MANIFEST_NAME).read_bytes())
     except (OSError, ManifestError) as exc:
         return f"{step_dir}: {exc}"
     if manifest.step != step:
         return f"{step_dir}: manifest says step {manifest.step}"
-    problems = dir_problems(step_dir, manifest, threads=threads)
+    problems = dir_problems(step_dir, manifest, threads=threads, key=key)
     return f"{step_dir}: " + "; ".join(problems) if problems else None
 
 
 def _ensure_local(
-    step: int, remote: ObjectStore, local_root: Path, host: str, threads: int, cutoff: Cutoff
+    step: int, remote: ObjectStore, local_root: Path, host: str, threads: int, key: bytes | None, cutoff: Cutoff
 ) -> tuple[str | None, str | None]:
     """Make `local_root/step-N` a verified copy, downloading it from `remote` when it is missing or damaged."""
     final = local_root / step_dir_name(step)
     if is_committed(final):
-        why = _verify(final, step, threads)
+        why = _verify(final, step, threads, key)
         if why is None:
             return LOCAL, None
         log.warning("local copy is damaged (%s); fetching %s again from %s", why, step_dir_name(step), remote.url)
@@ -288,7 +306,7 @@ def _ensure_local(
         )
         items = [(f"{step_dir_name(step)}/{r.name}", scratch / r.name) for r in manifest.files]
         download(remote, items, threads=threads, cutoff=cutoff)
-        problems = dir_problems(scratch, manifest, threads=threads)
+        problems = dir_problems(scratch, manifest, threads=threads, key=key)
         if problems:
             return (
                 None,
@@ -308,13 +326,13 @@ def _ensure_local(
     return LOCAL, None
 
 
-def _load(step_dir: Path, state: MutableMapping[str, Any], comm: Comm) -> str | None:
+def _load(step_dir: Path, state: MutableMapping[str, Any], comm: Comm, key: bytes | None) -> str | None:
     """Load `step_dir` into `state` on every rank; None, or why it failed on some rank (the same on all)."""
     # Outside the checks: a state DCP cannot take (an optimizer without its model) is the user's error, on every rank.
     loaded = to_dcp(state)
     # Opening the step is agreed before dcp.load: a rank failing alone would leave the others waiting in it.
     reader, failure = _on_every_rank(
-        comm, lambda: VerifiedReader(step_dir, Manifest.from_bytes((step_dir / MANIFEST_NAME).read_bytes()))
+        comm, lambda: VerifiedReader(step_dir, Manifest.from_bytes((step_dir / MANIFEST_NAME).read_bytes()), key)
     )
     if failure is None:
         # Tensors are loaded in place: if this fails midway, the next step tried overwrites them all again.

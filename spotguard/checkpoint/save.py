@@ -15,17 +15,24 @@ from spotguard.checkpoint.shard_io import ChecksummingFileSystem, without_zip_cr
 
 
 def write_shards(
-    stage_dir: Path, state_dict: dict[str, Any], comm: Comm, *, threads: int, planner: SavePlanner | None = None
+    stage_dir: Path,
+    state_dict: dict[str, Any],
+    comm: Comm,
+    *,
+    threads: int,
+    planner: SavePlanner | None = None,
+    sha256: bool = False,
 ) -> list[FileRecord]:
     """Save `state_dict` into `stage_dir` (all ranks of `comm` together) and return this rank's files.
 
     DCP's default planner (or `planner`) de-duplicates replicated tensors (DDP) and spreads
     them over the ranks, so each tensor is written once. Rank r writes `threads` files
-    `__r_*.distcp` in parallel; the coordinator also writes `.metadata`.
+    `__r_*.distcp` in parallel; the coordinator also writes `.metadata`. With `sha256`
+    (a checkpoint key is set) the records carry each file's SHA-256 too.
     """
     # The stage directory is always fresh (random name), so nothing can be overwritten.
     writer = FileSystemWriter(stage_dir, thread_count=threads, sync_files=True)
-    writer.fs = fs = ChecksummingFileSystem()
+    writer.fs = fs = ChecksummingFileSystem(sha256=sha256)
     with comm.dcp_args() as dist_args, without_zip_crc32():
         dcp.save(state_dict, storage_writer=writer, planner=planner, **dist_args)
     mine = sorted(p for p in stage_dir.iterdir() if p.name.startswith(shard_prefix(comm.rank)))

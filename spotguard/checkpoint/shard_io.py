@@ -1,8 +1,8 @@
 """How DCP's shard files get written fast: the file system layer under its FileSystemWriter.
 
 Three things make a save faster than a plain `dcp.save` followed by a checksum pass:
-the CRC32C of each file is computed from the bytes as DCP hands them over (no second
-read); torch.save's own per-record zip CRC32 is switched off while we save (the
+the CRC32C of each file (and its SHA-256, with a checkpoint key) is computed from the bytes
+as DCP hands them over (no second read); torch.save's own per-record zip CRC32 is switched off while we save (the
 manifest's CRC32C already covers every byte; torch.load does not check the zip's); and on
 Linux the disk starts writing each file while it is still being filled (sync_file_range)
 instead of only at the closing fsync, so serializing and writing overlap.
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import hashlib
 import os
 import sys
 import threading
@@ -33,11 +34,12 @@ _WRITEBACK_STEP = 32 << 20  # start writeback of every this many bytes written
 
 
 class ChecksummingFileSystem(FileSystem):
-    """DCP's local file system, checksumming each file it writes as the bytes go by."""
+    """DCP's local file system, checksumming each file it writes as the bytes go by (SHA-256 too with `sha256`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, sha256: bool = False) -> None:
         super().__init__()
         self._records: dict[str, FileRecord] = {}
+        self._sha256 = sha256
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
@@ -45,16 +47,16 @@ class ChecksummingFileSystem(FileSystem):
             if mode != "wb":
                 yield raw
                 return
-            stream = _ChecksummingStream(raw)
+            stream = _ChecksummingStream(raw, sha256=self._sha256)
             yield stream
-        self._records[os.fspath(path)] = FileRecord(Path(path).name, stream.size, f"{stream.crc:08x}")
+        self._records[os.fspath(path)] = stream.record(Path(path).name)
 
     def record_for(self, path: Path) -> FileRecord:
         """The inline record when it covers the whole file as it is on disk, else a fresh read."""
         record = self._records.get(os.fspath(path))
         if record is not None and record.size == path.stat().st_size:
             return record
-        return checksum_file(path)
+        return checksum_file(path, sha256=self._sha256)
 
 
 def crc32c_extend(crc: int, data: Any) -> int:
@@ -68,21 +70,29 @@ def crc32c_extend(crc: int, data: Any) -> int:
 
 
 class _ChecksummingStream:
-    """A write-only file that keeps the size and CRC32C of everything written through it.
+    """A write-only file that keeps the size and CRC32C (and SHA-256) of everything written through it.
 
     DCP only appends to the shard files it writes (it never seeks), so the running CRC is
     the file's CRC; `record_for` still compares the size with the file on disk.
     """
 
-    def __init__(self, raw: IO[bytes]) -> None:
+    def __init__(self, raw: IO[bytes], *, sha256: bool = False) -> None:
         self._raw = raw
         self.crc = 0
+        # Only with a checkpoint key: a save without one costs nothing more. hashlib releases
+        # the GIL while it hashes a large buffer, so this needs no slicing like the CRC.
+        self._sha256 = hashlib.sha256() if sha256 else None
         self.size = 0
         self._writeback_from = 0
+
+    def record(self, name: str) -> FileRecord:
+        return FileRecord(name, self.size, f"{self.crc:08x}", self._sha256.hexdigest() if self._sha256 else None)
 
     def write(self, data: Any) -> int:
         written = self._raw.write(data)
         self.crc = crc32c_extend(self.crc, data)
+        if self._sha256 is not None:
+            self._sha256.update(data)
         self.size += written
         if self.size - self._writeback_from >= _WRITEBACK_STEP:
             start_writeback(self._raw.fileno(), self._writeback_from, self.size - self._writeback_from)
