@@ -100,15 +100,13 @@ class StepAgreement:
             keys = [f"{base}step/{r}" for r in range(self.world_size)]
             try:
                 self.store.set(keys[self.rank], json.dumps([self._last_step, self.node]))
-                complete = self._wait_for(keys, deadline, f"{base}decision")
+                complete = self._wait_for(keys, deadline)
                 proposal = self._propose(keys, leaving_nodes) if complete else ABORT
             except Exception as exc:  # noqa: BLE001 - a rank that cannot read the store cannot vouch for a step
                 log.warning("round %d: store error while gathering steps (%s); proposing to abort", round_id, exc)
                 proposal = ABORT
             decided = self._decide(f"{base}decision", proposal, deadline + DECIDE_GRACE_S)
             elapsed_ms = (time.monotonic() - started) * 1000
-            if decided is not None:
-                self._clean_up(base, keys[self.rank])
             if decided in (ABORT, None):
                 log.error(
                     "round %d: %s; no save in this round, resume will use the last committed checkpoint",
@@ -151,25 +149,12 @@ class StepAgreement:
                     return None
                 time.sleep(0.1)
 
-    def _clean_up(self, base: str, own_key: str) -> None:
-        """Once this rank knows the decision, its step key is no longer needed; the last rank to learn
-        the decision removes it, so a long run leaves no keys behind per round."""
-        try:
-            self.store.delete_key(own_key)
-            if int(self.store.add(f"{base}learnt", 1)) == self.world_size:
-                self.store.delete_key(f"{base}decision")
-                self.store.delete_key(f"{base}learnt")
-        except Exception as exc:  # noqa: BLE001 - a leftover key costs a few bytes, not a round
-            log.debug("could not clean up %s: %s", base, exc)
-
-    def _wait_for(self, keys: list[str], deadline: float, decision: str) -> bool:
+    def _wait_for(self, keys: list[str], deadline: float) -> bool:
         # Polls check() rather than blocking in wait(): a timed-out wait() logs socket
         # errors in torch, and check() is a cheap round trip.
         while True:
             if self.store.check(keys):
                 return True
-            if self.store.check([decision]):  # decided already (others cleaned up their keys): read it
-                return False
             if time.monotonic() >= deadline:
                 return False
             time.sleep(self.poll_s)

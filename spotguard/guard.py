@@ -179,7 +179,9 @@ class Guard:
         store = self._store or (
             dist.distributed_c10d._get_default_store() if self.topology.distributed else dist.HashStore()
         )
-        self._meeting_store = store  # where leaving ranks and survivors meet in an emergency
+        # Where leaving ranks and survivors meet in an emergency: a connection of its own, as the
+        # listener has, never shared with the threads that publish and tick on `store`.
+        self._meeting_store = listener_store(store)
         self._prefix = prefix = topology.run_prefix()
         listen_store = listener_store(store)  # the agreement runs on the listener thread too
         self._broadcast = Broadcast(

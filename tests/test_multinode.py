@@ -146,7 +146,7 @@ def test_the_reclaimed_node_killed_at_a_random_moment(sharding, whose, line, mus
     nodes = start_nodes(2, str(ckpt), tmp_path, ["--steps", "200", "--step-time", "0.02", *SHARDING[sharding]])
     try:
         reclaim(nodes, 1, rng.randint(2, 10))
-        assert nodes[whose].wait_for(line), nodes[whose].tail()
+        assert nodes[whose].wait_for(line), nodes[0].tail() + "\n---\n" + nodes[1].tail()
         time.sleep(rng.uniform(0, 0.2))
         nodes[1].kill()
         started = time.monotonic()
