@@ -166,3 +166,57 @@ def test_declarations_are_waited_for_a_bounded_time(departure):
     started = time.monotonic()
     assert departure.declared_handoffs([1, 2, 3], grace_s=1.0) == [1]  # rank 3 never says: waited 1 s at most
     assert time.monotonic() - started < 3
+
+
+def test_a_leaving_rank_gone_before_its_handoff_began_is_given_up_on_long_before_the_deadline(departure, monkeypatch):
+    """Killed between the agreed step and its first byte: no connection ever closes to tell; the
+    survivor stops waiting after START_GRACE_S, not at the (minutes away) deadline."""
+    import spotguard.checkpoint.handoff as handoff
+
+    monkeypatch.setattr(handoff, "START_GRACE_S", 1.0)
+    started = time.monotonic()
+    failure = Survivor(departure, wait_s=60).join()
+    assert isinstance(failure, HandoffError) and "did not begin its handoff" in str(failure)
+    assert time.monotonic() - started < 10
+
+
+def test_a_sender_that_began_is_not_cut_by_the_start_grace(departure, monkeypatch):
+    """The grace is for beginning: a handoff under way runs on (bounded by its idle timeout and the deadline)."""
+    import spotguard.checkpoint.handoff as handoff
+
+    monkeypatch.setattr(handoff, "START_GRACE_S", 0.3)
+    survivor = Survivor(departure)
+    host, port, token = address(departure)
+    item, tensor = shard("w", torch.arange(1 << 20, dtype=torch.float32))
+    with socket.create_connection((host, port)) as s:
+        frames = [{"token": token, "rank": 1, "step": STEP}, {"shards": [handoff._describe(item, tensor)]}]
+        for frame in frames:
+            body = json.dumps(frame).encode()
+            s.sendall(struct.pack("!Q", len(body)) + body)
+        view = handoff._bytes_of(tensor)
+        s.sendall(view[: 1 << 20])
+        time.sleep(1.0)  # a slow link: well past the start grace
+        s.sendall(view[1 << 20 :])
+        body = json.dumps({"crc32c": [f"{handoff.crc32c_extend(0, view):08x}"]}).encode()
+        s.sendall(struct.pack("!Q", len(body)) + body)
+        got = survivor.join()
+    assert not isinstance(got, BaseException), got
+    assert torch.equal(got[0][1], tensor)
+
+
+def test_a_leaving_rank_that_says_it_holds_nothing_fails_an_expected_handoff_at_once(departure):
+    survivor = Survivor(departure, wait_s=60)
+    started = time.monotonic()
+    departure.declare(1, False)
+    failure = survivor.join()
+    assert isinstance(failure, HandoffError) and "holds nothing unique" in str(failure)
+    assert time.monotonic() - started < 5
+
+
+def test_a_shard_that_is_a_strided_view_is_sent_as_its_own_elements(departure):
+    """The sender copies each shard to contiguous host memory as it sends it, one at a time."""
+    every_other = torch.arange(40, dtype=torch.float32)[::2]  # a view: not contiguous
+    survivor = Survivor(departure)
+    send_shards(departure, 1, 0, STEP, [shard("v", every_other)], cutoff())
+    got = survivor.join()
+    assert torch.equal(got[0][1], every_other)

@@ -136,6 +136,7 @@ KILLS = [
     ("ddp", 1, r"published .* interruption notice", None),  # before the agreement
     ("fsdp", 1, r"is leaving: handing", None),  # during the handoff
     ("fsdp", 1, r"free to go", True),  # after the handoff
+    ("fsdp", 0, r"save-start .*as=survivor", None),  # the handoff may not have begun yet
 ]
 TRIALS = [(*kill, trial) for kill in KILLS for trial in range(3)]
 

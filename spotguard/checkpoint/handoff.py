@@ -24,6 +24,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -39,6 +40,10 @@ log = logging.getLogger(__name__)
 CHUNK = 4 << 20
 IDLE_TIMEOUT_S = 10.0  # a peer silent this long is gone (a VM that vanished sends no FIN)
 HELLO_TIMEOUT_S = 2.0
+# A live leaving rank reaches the agreed step with the survivors (the step's collectives keep them
+# in lockstep) and connects within milliseconds of a survivor's address appearing; one that has not
+# begun its handoff this long after the survivor started listening is gone (killed before its handoff).
+START_GRACE_S = 15.0
 _FRAME = struct.Struct("!Q")
 _MAX_FRAME = 64 << 20  # a header for many thousands of shards, never an unbounded read
 _MAX_HELLO = 4096
@@ -74,18 +79,26 @@ class Departure:
     def declare(self, rank: int, handing: bool) -> None:
         """Leaving `rank` says whether it hands anything over (see `declared_handoffs`)."""
         try:
-            self.store.set(f"{self.prefix}declared/{rank}", "1" if handing else "0")
+            self.store.set(self._declared_key(rank), "1" if handing else "0")
         except Exception as exc:  # noqa: BLE001 - the survivors then wait a few seconds for nothing
             log.warning("could not tell the survivors whether rank %d hands shards over (%s)", rank, exc)
 
     def declared_handoffs(self, ranks: list[int], grace_s: float) -> list[int]:
         """Which of leaving `ranks` declared shards to hand over, waiting up to `grace_s` in all for
         their word (one that is already gone never says)."""
-        keys = {r: f"{self.prefix}declared/{r}" for r in ranks}
+        keys = {r: self._declared_key(r) for r in ranks}
         waited_until = time.monotonic() + grace_s
         while not self.store.check(list(keys.values())) and time.monotonic() < waited_until:
             time.sleep(0.01)
         return [r for r, key in keys.items() if self.store.check([key]) and self.store.get(key) == b"1"]
+
+    def declared_nothing(self, rank: int) -> bool:
+        """Leaving `rank` said it holds nothing unique (so it will not hand anything over)."""
+        key = self._declared_key(rank)
+        return self.store.check([key]) and self.store.get(key) == b"0"
+
+    def _declared_key(self, rank: int) -> str:
+        return f"{self.prefix}declared/{rank}"
 
     def publish_outcome(self, outcome: dict[str, Any]) -> None:
         try:
@@ -143,7 +156,7 @@ def _is_loopback(host: str) -> bool:
 
 
 def send_shards(departure: Departure, rank: int, survivor: int, step: int, shards: Shards, cutoff: Cutoff) -> int:
-    """Stream `shards` to `survivor`; returns the bytes sent once the survivor vouched for them.
+    """Stream `shards` (on any device) to `survivor`; returns the bytes sent once the survivor vouched for them.
 
     A failure is also reported to the survivor through the store, so it stops waiting at once.
     """
@@ -173,13 +186,15 @@ def _send(departure: Departure, rank: int, survivor: int, step: int, shards: Sha
         _send_json(sock, {"shards": [_describe(item, tensor) for item, tensor in shards]})
         crcs = []
         for _, tensor in shards:
-            view = _bytes_of(tensor)
+            view = _bytes_of(tensor.detach().to("cpu").contiguous())  # one shard on the host at a time
+            crc = 0
             for start in range(0, len(view), CHUNK):
                 if cutoff.passed():
                     raise HandoffError("the deadline passed during the handoff")
                 sock.settimeout(_timeout(cutoff))  # sendall's timeout bounds the whole chunk
                 sock.sendall(view[start : start + CHUNK])
-            crcs.append(f"{crc32c_extend(0, view):08x}")
+                crc = crc32c_extend(crc, view[start : start + CHUNK])  # while the survivor takes the chunk in
+            crcs.append(f"{crc:08x}")
         _send_json(sock, {"crc32c": crcs})
         sock.settimeout(_timeout(cutoff))
         answer = _recv_json(sock, cutoff)
@@ -228,10 +243,16 @@ class Receiver:
     def collect(self, cutoff: Cutoff) -> Shards:
         """Every sender's shards, checksummed; HandoffError naming who failed and why."""
         results: dict[int, Shards | str] = {}
+        started: set[int] = set()  # senders whose hello was good: from then on their connection tells
         lock = threading.Lock()
+        give_up_at = time.monotonic() + START_GRACE_S
+
+        def began(sender: int) -> None:
+            with lock:
+                started.add(sender)
 
         def serve(conn: socket.socket) -> None:
-            sender, outcome = self._serve(conn, cutoff)
+            sender, outcome = self._serve(conn, cutoff, began)
             if sender is not None:
                 with lock:
                     results.setdefault(sender, outcome)
@@ -243,7 +264,7 @@ class Receiver:
                     conn, _ = self._listener.accept()
                 except TimeoutError:
                     with lock:
-                        self._note_failures(results)
+                        self._note_failures(results, started, time.monotonic() > give_up_at)
                     continue
                 threading.Thread(target=serve, args=(conn,), name="spotguard-handoff", daemon=True).start()
         finally:
@@ -255,14 +276,23 @@ class Receiver:
             raise HandoffError("; ".join(f"from rank {r}: {why}" for r, why in sorted(failed.items())))
         return [shard for r in self.senders for shard in outcomes[r]]  # type: ignore[union-attr]
 
-    def _note_failures(self, results: dict[int, Shards | str]) -> None:
-        """Senders that reported through the store that they failed."""
+    def _note_failures(self, results: dict[int, Shards | str], started: set[int], grace_over: bool) -> None:
+        """Senders known to have failed without a word on the connection: they reported it through
+        the store, said they hold nothing to hand over, or never began within START_GRACE_S."""
         store, base = self.departure.store, f"{self.departure.prefix}handoff/{self.rank}/failed/"
         for sender in self.senders:
-            if sender not in results and store.check([f"{base}{sender}"]):
+            if sender in results:
+                continue
+            if store.check([f"{base}{sender}"]):
                 results[sender] = f"it failed: {store.get(f'{base}{sender}').decode()}"
+            elif self.departure.declared_nothing(sender):
+                results[sender] = "it says it holds nothing unique, but this survivor expected its shards"
+            elif grace_over and sender not in started:
+                results[sender] = f"it did not begin its handoff within {START_GRACE_S:.0f} s (gone before it?)"
 
-    def _serve(self, conn: socket.socket, cutoff: Cutoff) -> tuple[int | None, Shards | str]:
+    def _serve(
+        self, conn: socket.socket, cutoff: Cutoff, on_start: Callable[[int], None]
+    ) -> tuple[int | None, Shards | str]:
         sender = None
         with conn:
             try:
@@ -271,6 +301,7 @@ class Receiver:
                 if hello.get("token") != self._token or hello.get("rank") not in self.senders:
                     return None, "a connection without the right token"
                 sender = int(hello["rank"])
+                on_start(sender)
                 if hello.get("step") != self.step:
                     raise HandoffError(f"it sent step {hello.get('step')}, not {self.step}")
                 started = time.monotonic()
@@ -350,10 +381,11 @@ def _recv_json(
 def _recv_into(sock: socket.socket, view: memoryview, cutoff: Cutoff, idle_s: float = IDLE_TIMEOUT_S) -> str:
     """Fill `view` from `sock` by `cutoff`; returns the CRC32C of what arrived.
 
-    The checksum is taken in one pass at the end (GB/s, in C): per-recv bookkeeping in Python
-    would cost more than the bytes themselves.
+    The checksum runs once per CHUNK arrived (GB/s, in C), while the sender puts the next one on
+    the wire: per-recv bookkeeping in Python would cost more than the bytes themselves, and one
+    pass at the end would keep the sender waiting for it.
     """
-    got = 0
+    got = checked = crc = 0
     sock.settimeout(_timeout(cutoff, idle_s))  # each recv waits at most this long; the cutoff is checked between
     while got < len(view):
         if cutoff.passed():
@@ -362,4 +394,7 @@ def _recv_into(sock: socket.socket, view: memoryview, cutoff: Cutoff, idle_s: fl
         if n == 0:
             raise HandoffError(f"the connection closed after {got} of {len(view)} bytes")
         got += n
-    return f"{crc32c_extend(0, view):08x}"
+        if got - checked >= CHUNK or got == len(view):
+            crc = crc32c_extend(crc, view[checked:got])
+            checked = got
+    return f"{crc:08x}"

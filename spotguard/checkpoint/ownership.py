@@ -63,14 +63,15 @@ def expects_handoff(flat_state: Mapping[str, Any], rank: int, survivors: set[int
 def unique_shards(
     state_dict: Mapping[str, Any], rank: int, survivors: set[int]
 ) -> list[tuple[WriteItem, torch.Tensor]]:
-    """The shards leaving `rank` must hand over, as DCP write items with their bytes (on CPU)."""
+    """The shards leaving `rank` must hand over, as DCP write items with their local tensors (on
+    their device: the handoff copies each to the host as it sends it, never all at once)."""
     planner = DefaultSavePlanner()
     planner.set_up_planner(dict(state_dict), is_coordinator=False)
     out = []
     for item in planner.create_local_plan().items:
         if item.type == WriteItemType.SHARD and hands_over(planner.state_dict[item.index.fqn], rank, survivors):
             tensor = planner.resolve_data(item)
-            out.append((item, tensor.detach().to("cpu").contiguous()))
+            out.append((item, tensor))
     return out
 
 
