@@ -177,3 +177,18 @@ def test_a_stuck_background_upload_never_holds_the_emergency_back(storage_server
     assert (committed - signalled).total_seconds() < 5, guard.timeline.format()
     assert guard.emergency_saved and guard.last_save.reason == "emergency"
     assert [c.reason for c in list_checkpoints(str(tmp_path / "vm")) if c.committed][-1] == "emergency"
+
+
+def test_background_saves_upload_again_once_the_emergency_they_made_way_for_is_saved(
+    storage_servers, monkeypatch, tmp_path
+):
+    """Between an agreed emergency and its save, background saves commit locally only; after it, they upload."""
+    backend = backend_for("s3", storage_servers, monkeypatch, tmp_path)
+    with Checkpointer(backend.url, local_dir=str(tmp_path / "vm")) as ckpt:
+        ckpt.abandon_background_uploads()
+        ckpt.save(1, state(), reason="periodic", wait=False)
+        assert not ckpt.wait(30).durable
+        assert ckpt.save(2, state(), reason="emergency", deadline=utc_now() + timedelta(seconds=60)).durable
+        ckpt.save(3, state(), reason="periodic", wait=False)
+        assert ckpt.wait(30).durable
+    assert [c.step for c in list_checkpoints(backend.url) if c.committed] == [2, 3]

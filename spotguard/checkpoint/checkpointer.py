@@ -193,6 +193,8 @@ class Checkpointer:
         elif departure is not None:  # the ranks wait on each other: never without a bound
             cutoff.bring_forward(time.monotonic() + NO_DEADLINE_WAIT_S)
         self._finish_pending(cutoff)
+        if reason == "emergency":
+            self._uploads_abandoned = False  # the emergency they made way for is here: later saves upload again
         state_dict = to_dcp(state)
         started_at = utc_now()
         if not wait and self._uploads_abandoned:
