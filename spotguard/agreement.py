@@ -64,6 +64,7 @@ class StepAgreement:
         self._lock = threading.Lock()
         self._last_step = last_step
         self._pending: list[Decision] = []
+        self._finished_rounds: list[str] = []  # key prefixes of this rank's rounds not yet cleaned up
 
     # ---- hot path (training thread) ---------------------------------------------
     def reached(self, step: int) -> list[Decision]:
@@ -107,6 +108,9 @@ class StepAgreement:
                 proposal = ABORT
             decided = self._decide(f"{base}decision", proposal, deadline + DECIDE_GRACE_S)
             elapsed_ms = (time.monotonic() - started) * 1000
+            if decided not in (ABORT, None):
+                self._clean_up_earlier_rounds()
+            self._finished_rounds.append(base)
             if decided in (ABORT, None):
                 log.error(
                     "round %d: %s; no save in this round, resume will use the last committed checkpoint",
@@ -148,6 +152,20 @@ class StepAgreement:
                     log.warning("cannot reach the store to decide (%s)", exc)
                     return None
                 time.sleep(0.1)
+
+    def _clean_up_earlier_rounds(self) -> None:
+        """A decided round means every rank published in it, so every rank has left all earlier
+        rounds: their keys can go (this rank's step key; rank 0 also the decision), and a long run
+        keeps only the last rounds' keys in the store. The current round's keys stay: a slow rank
+        may still be reading them."""
+        try:
+            for base in self._finished_rounds:
+                self.store.delete_key(f"{base}step/{self.rank}")
+                if self.rank == 0:
+                    self.store.delete_key(f"{base}decision")
+        except Exception as exc:  # noqa: BLE001 - a leftover key costs a few bytes, not a round
+            log.debug("could not clean up earlier rounds' keys: %s", exc)
+        self._finished_rounds.clear()
 
     def _wait_for(self, keys: list[str], deadline: float) -> bool:
         # Polls check() rather than blocking in wait(): a timed-out wait() logs socket

@@ -56,3 +56,37 @@ def test_a_gone_rank_makes_the_others_give_up_together():
     assert by_trial[1][0] is None and by_trial[1][1] is None  # nobody saves, nobody hangs
     for trial in (0, 2):  # the rounds around it are unaffected
         assert len(set(by_trial[trial].values())) == 1 and None not in by_trial[trial].values()
+
+
+def test_a_long_run_keeps_only_the_last_round_s_keys_in_the_store():
+    """~world_size + 1 keys per round would pile up over a week of interval saves: each decided round
+    removes the earlier rounds' keys (every rank has left them), never the current round's."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from spotguard.agreement import StepAgreement
+
+    world, rounds = 3, 8
+    server = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+    clients = [dist.TCPStore("127.0.0.1", server.port, world, False, timeout=timedelta(seconds=30)) for _ in range(world)]
+    decided = collections.defaultdict(list)
+
+    def rank_loop(rank):
+        agreement = StepAgreement(clients[rank], "job/", rank, world, last_step=10 * rank)
+        for i in range(rounds):
+            decision = agreement.agree(i, {"type": "checkpoint"}, timeout_s=20)
+            decided[rank].append(decision.step)
+            agreement.reached(decision.step)
+
+    threads = [threading.Thread(target=rank_loop, args=(r,)) for r in range(world)]
+    before = server.num_keys()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
+    assert decided[0] == decided[1] == decided[2] and len(decided[0]) == rounds
+    left = server.num_keys() - before
+    assert left == world + 1, f"{left} keys left after {rounds} rounds"  # the last round's steps and decision
