@@ -70,7 +70,9 @@ def test_a_long_run_keeps_only_the_last_round_s_keys_in_the_store():
 
     world, rounds = 3, 8
     server = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timedelta(seconds=30), wait_for_workers=False)
-    clients = [dist.TCPStore("127.0.0.1", server.port, world, False, timeout=timedelta(seconds=30)) for _ in range(world)]
+    clients = [
+        dist.TCPStore("127.0.0.1", server.port, world, False, timeout=timedelta(seconds=30)) for _ in range(world)
+    ]
     decided = collections.defaultdict(list)
 
     def rank_loop(rank):

@@ -50,6 +50,7 @@ from spotguard.checkpoint.layout import MANIFEST_NAME, manifest_key, sibling_nam
 from spotguard.checkpoint.manifest import REASONS, FileRecord, Manifest, versions
 from spotguard.checkpoint.ownership import SurvivorPlanner, expects_handoff, flat, unique_shards
 from spotguard.checkpoint.resume import load_newest
+from spotguard.checkpoint.runs import RunWatch, SharedDirectory, is_other_run, new_run_id, refuse
 from spotguard.checkpoint.save import write_shards
 from spotguard.checkpoint.staging import Stager
 from spotguard.checkpoint.state import to_dcp
@@ -157,6 +158,10 @@ class Checkpointer:
         self._stager = Stager()  # background saves copy into its buffers, reused from save to save
         self.last_report: SaveReport | None = None  # of the last save that committed, background ones too
         self._uploads_abandoned = False  # an emergency is coming: background saves commit locally only
+        # This run's id (every rank the same), in each manifest it commits; resume() adopts the loaded step's.
+        self.run: str = self.comm.broadcast(new_run_id() if self.comm.is_coordinator else None)
+        self._run_watch = RunWatch(utc_now())
+        self._refusal: str | None = None  # set on rank 0 once another run was seen committing here
         # The store's own retry limit; a save with a deadline lowers it for its duration.
         self._retry_deadline_s: float | None = getattr(self.remote, "retry_deadline_s", None)
         self.on_event = on_event
@@ -238,7 +243,7 @@ class Checkpointer:
     def resume(self, state: MutableMapping[str, Any]) -> int | None:
         """Load the newest good committed step into `state` (a collective); its step, or None."""
         self._finish_pending()
-        return load_newest(
+        step = load_newest(
             state,
             remote=self.remote,
             local_root=self.local_root,
@@ -246,6 +251,19 @@ class Checkpointer:
             threads=self.thread_count,
             key=self._key,
         )
+        if step is not None:  # the job goes on as the run that committed the step it resumed
+            loaded = self.comm.broadcast(self._run_of(step) if self.comm.is_coordinator else None)
+            self.run = loaded or self.run
+        return step
+
+    def _run_of(self, step: int) -> str | None:
+        """The run recorded in the manifest of `step`, as resume left it on this node."""
+        root = self.local_root if self.local_root is not None else Path(self.remote.url)
+        try:
+            return Manifest.from_bytes((root / step_dir_name(step) / MANIFEST_NAME).read_bytes()).run
+        except (OSError, ValueError) as exc:
+            log.warning("could not read the run of step %d (%s); this run keeps its own id", step, exc)
+            return None
 
     def close(self) -> None:
         """Finish the in-flight save, stop the worker thread, release the store's connections.
@@ -479,7 +497,12 @@ class Checkpointer:
         with self._retries_until(cutoff):
             comm = comm or self.comm
             t0 = time.monotonic()
-            stage = self.stage_root / comm.broadcast(sibling_name(step, "tmp") if comm.is_coordinator else None)
+            stage_name, refusal = comm.broadcast(
+                (sibling_name(step, "tmp"), self._refusal) if comm.is_coordinator else None
+            )
+            if refusal:
+                raise SharedDirectory(refusal)
+            stage = self.stage_root / stage_name
             records: list[FileRecord] = []
             error = None
             try:
@@ -602,8 +625,12 @@ class Checkpointer:
                 versions=versions(),
                 saved_by=tuple(comm.members),
                 leaving=leaving,
+                run=self.run,
             )
             final, created = commit_dir(stage, sign(manifest, self._key) if self._key is not None else manifest)
+        except SharedDirectory as exc:
+            self._refusal = str(exc)
+            return {"error": str(exc)}
         except Exception as exc:  # returned, not raised: every rank waits for this outcome
             return {"error": f"commit: {type(exc).__name__}: {exc}"}
         return {
@@ -614,16 +641,38 @@ class Checkpointer:
             "files": len(manifest.files),
         }
 
-    def _remote_has(self, step: int, cutoff: Cutoff) -> bool:
-        """Whether `step` is already committed in the object store (never upload over a committed step).
+    def _remote_has(self, step: int, cutoff: Cutoff) -> bool | str:
+        """Whether `step` is already committed in the object store (never upload over a committed step),
+        or why this run must not upload it (another run committed it).
 
         Asked within the save's cutoff: a stalled link must not hold a local commit back.
         """
         try:
-            return within(lambda: self.remote.exists(manifest_key(step)), cutoff)
+            if not within(lambda: self.remote.exists(manifest_key(step)), cutoff):
+                return False
+            return self._foreign(step, cutoff) or True
         except Exception as exc:  # the upload itself will tell whether the store works
             log.warning("could not check %s for an existing step %d: %s", self.remote.url, step, exc)
             return False
+
+    def _kept_or_refused(self, step: int, cutoff: Cutoff) -> str | None:
+        """`step` was committed in the object store while this run uploaded it: keep that copy when
+        it is this run's (None), else say why not."""
+        try:
+            refusal = self._foreign(step, cutoff)
+        except Exception as exc:  # noqa: BLE001 - it is committed there, by whom is unknown: not vouched for
+            return f"step {step} was committed in {self.remote.url} meanwhile, by a run not known ({exc})"
+        if refusal is None:
+            log.warning("step %d was committed in %s meanwhile; keeping that copy", step, self.remote.url)
+        return refusal
+
+    def _foreign(self, step: int, cutoff: Cutoff) -> str | None:
+        """Why the committed `step` in the object store is not this run's to keep (None when it is)."""
+        existing = Manifest.from_bytes(within(lambda: self.remote.get_bytes(manifest_key(step)), cutoff))
+        if not is_other_run(existing, self.run):
+            return None
+        self._refusal = str(refuse(self.remote.url, existing, self.run))
+        return self._refusal
 
     def _upload(
         self,
@@ -644,7 +693,10 @@ class Checkpointer:
         """
         if deadline is not None and comm.is_coordinator:
             self._plan(comm, step, commit["bytes"], cutoff.left())
-        if comm.broadcast(self._remote_has(step, cutoff) if comm.is_coordinator else None):
+        there = comm.broadcast(self._remote_has(step, cutoff) if comm.is_coordinator else None)
+        if isinstance(there, str):  # rank 0 has logged why
+            return False, there, False
+        if there:
             if comm.is_coordinator:
                 log.warning("step %d is already committed in %s; not uploading it again", step, self.remote.url)
             return True, None, False
@@ -677,7 +729,7 @@ class Checkpointer:
                 try:
                     within(lambda: self.remote.put_bytes(manifest_key(step), manifest, create_only=True), cutoff)
                 except AlreadyExists:
-                    log.warning("step %d was committed in %s meanwhile; keeping that copy", step, self.remote.url)
+                    outcome = self._kept_or_refused(step, cutoff)
                 except Exception as exc:
                     outcome = f"manifest upload: {type(exc).__name__}: {exc}"
             if outcome:
@@ -737,8 +789,17 @@ class Checkpointer:
             self.on_event(event, **detail)
 
     def _retain(self) -> None:
-        """Retention after a commit; a failure here is logged, never raised."""
+        """Retention after a commit; a failure here is logged, never raised. It first looks for steps
+        of another run: then nothing is deleted, and the next save is refused."""
         comm = self.comm
+        if comm.is_coordinator and self._refusal is None:
+            try:
+                self._run_watch.check(self.remote, self.run)
+            except SharedDirectory as exc:
+                self._refusal = str(exc)
+                log.error("%s", exc)
+            except Exception as exc:  # noqa: BLE001 - looked for again after the next save
+                log.warning("could not look for other runs' steps in %s: %s", self.remote.url, exc)
         jobs: list[tuple[ObjectStore | None, Path | None]] = []
         if comm.is_coordinator:
             jobs.append(
@@ -751,13 +812,18 @@ class Checkpointer:
             jobs.append((LocalStore(self.local_root) if self.keep_last else None, self.local_root))
         for store, root in jobs:
             try:
-                if store is not None:
+                if store is not None and self._refusal is None:
                     retention.keep_last(store, self.keep_last)  # type: ignore[arg-type]
                 if root is not None:
                     retention.remove_leftovers(root)
             except Exception as exc:
                 log.warning("retention in %s failed: %s", store.url if store else root, exc)
-        if comm.is_coordinator and self.local_root is not None and not isinstance(self.remote, LocalStore):
+        if (
+            comm.is_coordinator
+            and self._refusal is None
+            and self.local_root is not None
+            and not isinstance(self.remote, LocalStore)
+        ):
             try:
                 retention.remove_abandoned(self.remote)
             except Exception as exc:

@@ -10,6 +10,7 @@ from pathlib import Path
 from cloud_adapters.storage import fsync_path, write_durably
 from spotguard.checkpoint.layout import MANIFEST_NAME, sibling_name, step_dir_name
 from spotguard.checkpoint.manifest import Manifest
+from spotguard.checkpoint.runs import is_other_run, refuse
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +28,15 @@ def commit_dir(stage_dir: Path, manifest: Manifest) -> tuple[Path, bool]:
     """Write the manifest into `stage_dir` and rename it to `step-N` beside it.
 
     Returns (the step directory, whether this call created it). A step that is already
-    committed is never replaced: the new copy is discarded and the old one kept.
+    committed is never replaced: the new copy is discarded and the old one kept (SharedDirectory
+    when another run committed it).
     """
     final = stage_dir.parent / step_dir_name(manifest.step)
     if is_committed(final):
+        existing = Manifest.from_bytes((final / MANIFEST_NAME).read_bytes())
+        if manifest.run is not None and is_other_run(existing, manifest.run):
+            shutil.rmtree(stage_dir, ignore_errors=True)
+            raise refuse(str(final.parent), existing, manifest.run)
         log.warning("step %d is already committed at %s; keeping it and discarding the new copy", manifest.step, final)
         shutil.rmtree(stage_dir, ignore_errors=True)
         return final, False

@@ -59,6 +59,7 @@ class Manifest:
     saved_by: tuple[int, ...] = ()
     leaving: tuple[int, ...] = ()
     hmac: str | None = None  # HMAC-SHA256 of `unsigned_bytes()` in hex, when saved with a checkpoint key
+    run: str | None = None  # the run that committed it (see runs.py); None in manifests from before run ids
     format_version: int = FORMAT_VERSION
 
     @property
@@ -82,6 +83,8 @@ class Manifest:
             "saved_by": list(self.saved_by),
             "leaving": list(self.leaving),
         }
+        if self.run is not None:
+            body["run"] = self.run
         if self.hmac is not None:
             body["hmac"] = self.hmac
         return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
@@ -113,6 +116,7 @@ class Manifest:
                 saved_by=tuple(int(r) for r in body.get("saved_by") or ()),
                 leaving=tuple(int(r) for r in body.get("leaving") or ()),
                 hmac=_hex_or_none(body.get("hmac")),
+                run=_hex_or_none(body.get("run")),
             )
         except ManifestError:
             raise
@@ -132,7 +136,7 @@ def _hex_or_none(value: object) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not value or any(c not in "0123456789abcdef" for c in value):
-        raise ManifestError(f"manifest has a malformed digest {value!r}")
+        raise ManifestError(f"manifest has a malformed hex value {value!r}")
     return value
 
 
