@@ -211,12 +211,13 @@ def _ls(args: argparse.Namespace) -> int:
     if not rows:
         print(f"no checkpoints in {args.location}")
         return 0
-    print(f"{'STEP':>10}  {'REASON':<10} {'SIZE':>10} {'FILES':>5}  {'COMMITTED':<9}  {'SIGNED':<6}  CREATED")
+    header = f"{'STEP':>10}  {'REASON':<10} {'SIZE':>10} {'FILES':>5}  {'COMMITTED':<9}  {'SIGNED':<6}  {'RUN':<16}"
+    print(header + "  CREATED")
     for row in rows:
         print(
             f"{row.step:>10}  {row.reason or '-':<10} {_size(row.size):>10} {row.files:>5}  "
-            f"{'yes' if row.committed else 'NO':<9}  {'yes' if row.signed else 'no':<6}  {row.created_at or '-'}"
-            + (f"  ({row.problem})" if row.problem else "")
+            f"{'yes' if row.committed else 'NO':<9}  {'yes' if row.signed else 'no':<6}  {row.run or '-':<16}  "
+            f"{row.created_at or '-'}" + (f"  ({row.problem})" if row.problem else "")
         )
     return 0
 

@@ -38,6 +38,8 @@ def test_ls_lists_steps_and_marks_the_uncommitted_one(two_steps):
     assert "NO" in rows[30]
     as_json = json.loads(cli("ls", str(two_steps), "--json").stdout)
     assert [(r["step"], r["committed"]) for r in as_json] == [(10, True), (20, True), (30, False)]
+    run = as_json[0]["run"]  # both steps were committed by one run, which ls names
+    assert len(run) == 16 and as_json[1]["run"] == run and run in rows[10] and run in rows[20]
 
 
 def test_verify_reports_a_flipped_byte_and_exits_1(two_steps):

@@ -42,6 +42,7 @@ class CheckpointInfo:
     location: str
     problem: str | None = None  # why it is not committed, when it has a manifest
     signed: bool = False  # its manifest carries an HMAC (checked when listed with a key)
+    run: str | None = None  # the run that committed it (runs.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +165,7 @@ def list_checkpoints(location: str, *, key: bytes | None = None) -> list[Checkpo
                     world_size=manifest.world_size,
                     problem="; ".join(problems) or None,
                     signed=manifest.hmac is not None,
+                    run=manifest.run,
                 )
             except (ManifestError, StoreError) as exc:
                 info = dataclasses.replace(info, problem=str(exc))
