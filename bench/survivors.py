@@ -87,7 +87,6 @@ def main() -> None:
             nodes[0].step_reached(1, timeout=600)
             nodes[1].emulator.raise_notice()
             started = nodes[1].wait_for(r"save-start .*as=leaving", timeout=300)
-            started = nodes[1].wait_for(r"save-start .*as=leaving", timeout=300)
             handing = nodes[1].wait_for(r"is leaving: handing", timeout=300)
             free = nodes[1].wait_for(r"free to go", timeout=300)
             committed = nodes[0].wait_for(r"committed +step=", timeout=300)
