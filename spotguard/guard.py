@@ -550,7 +550,7 @@ def _cadence(
         given = [n for n, v in (("min_save_interval_s", min_s), ("max_save_interval_s", max_s),
                                 ("interruptions_per_hour", prior)) if v is not None]  # fmt: skip
         if given:
-            raise ValueError(f'{", ".join(given)} only apply with save_interval_s="auto"')
+            raise ValueError(f'{" and ".join(given)}: only with save_interval_s="auto"')
         return None
     _require_positive(min_save_interval_s=min_s, max_save_interval_s=max_s, interruptions_per_hour=prior)
     low = DEFAULT_MIN_S if min_s is None else min_s

@@ -45,8 +45,9 @@ class LedgerContents:
 
 
 def new_segment_id() -> str:
-    """Sorts by start time: `20261123T041550Z-1a2b3c`."""
-    return utc_now().strftime("%Y%m%dT%H%M%SZ") + "-" + secrets.token_hex(3)
+    """Sorts by start time (to the millisecond): `20261123T041550123Z-1a2b3c`."""
+    now = utc_now()
+    return f"{now:%Y%m%dT%H%M%S}{now.microsecond // 1000:03d}Z-{secrets.token_hex(3)}"
 
 
 class Ledger:
