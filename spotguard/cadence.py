@@ -13,7 +13,7 @@ the first one is measured, the interval is min_s, so one is measured soon). The 
 in H hours of running (earlier segments and this one), each AWS rebalance recommendation counted
 as one more interruption (AWS sends one when the risk of interruption has risen), and a prior r0
 per hour (`interruptions_per_hour`, e.g. from the AWS Spot Advisor's frequency band; one a day
-without one) that weighs as much as W = 24 hours of running.
+without one) that weighs as much as W = 4 hours of running.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 DEFAULT_MIN_S = 60.0
 DEFAULT_MAX_S = 3600.0
 DEFAULT_RATE_PER_H = 1 / 24  # no prior and no history: one interruption a day
-PRIOR_WEIGHT_H = 24.0  # the prior counts as this many hours of running
+PRIOR_WEIGHT_H = 4.0  # the prior counts as this many hours of running (bench/cadence_sim.py: 2 to 8 do well)
 RECENT_SAVES = 8  # C is the median stall of this many most recent background saves
 CHANGE = 0.05  # a new interval differing from the last one by more than this fraction is logged
 

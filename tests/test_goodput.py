@@ -161,17 +161,17 @@ def test_the_auto_cadence_is_young_daly_within_bounds(caplog):
     with caplog.at_level(logging.INFO, logger="spotguard.cadence"):
         assert cadence.interval(0.0) == 10  # nothing measured yet: the lower bound, to measure soon
         cadence.observe_save(2.0)
-        # prior 1/h weighing 24 h, nothing seen: rate 1/h, M = 3600 s
+        # prior 1/h weighing 4 h, nothing seen: rate 1/h, M = 3600 s
         assert cadence.interval(0.0) == pytest.approx(120.0)
-        cadence.observe_history(interruptions=24, hours=24.0)  # (24 + 24) / (24 + 24) = 1/h still
+        cadence.observe_history(interruptions=24, hours=24.0)  # (24 + 4) / (24 + 4) = 1/h still
         assert cadence.interval(0.0) == pytest.approx(120.0)
-        cadence.observe_history(interruptions=120, hours=24.0)  # (120 + 24) / 48 = 3/h
-        assert cadence.interval(0.0) == pytest.approx(math.sqrt(2 * 2.0 * 1200))
+        cadence.observe_history(interruptions=52, hours=24.0)  # (52 + 4) / 28 = 2/h
+        assert cadence.interval(0.0) == pytest.approx(math.sqrt(2 * 2.0 * 1800))
         cadence.observe_interruption()  # a rebalance recommendation counts as one more
-        assert cadence.rate_per_hour(0.0)[0] == pytest.approx(145 / 48)
+        assert cadence.rate_per_hour(0.0)[0] == pytest.approx(57 / 28)
         cadence.observe_history(interruptions=0, hours=10_000.0)
         assert cadence.interval(0.0) == 1000 and cadence.last.bound == "max"
-    assert [round(c.interval_s) for c in changes] == [10, 120, 69, 1000]  # each change logged once
+    assert [round(c.interval_s) for c in changes] == [10, 120, 85, 1000]  # each change logged once
     assert sum("save interval (auto)" in r.getMessage() for r in caplog.records) == 4
 
 
