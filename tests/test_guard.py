@@ -17,7 +17,9 @@ import torch
 import spotguard
 from cloud_adapters.aws.emulator import AWSMetadataEmulator
 from cloud_adapters.gcp.emulator import GCPMetadataEmulator
+from cloud_adapters.storage import LocalStore
 from spotguard.checkpoint import list_checkpoints
+from spotguard.ledger import read_ledger
 
 
 def make_state():
@@ -150,6 +152,9 @@ def test_interval_saves_and_rebalance_saves_are_agreed_then_taken_in_the_backgro
     reasons = [r for _, r in committed(tmp_path)]
     assert "interval" in reasons and "rebalance" in reasons
     assert not guard.emergency_saved
+    ledger = read_ledger(LocalStore(tmp_path)).records  # the advisory is in the goodput ledger too
+    assert [r["kind"] for r in ledger if r["event"] == "notice"] == ["rebalance"]
+    assert {r["reason"] for r in ledger if r["event"] == "save"} == {"interval", "rebalance"}
 
 
 def test_misuse_gets_clear_errors(tmp_path, monkeypatch):
