@@ -22,6 +22,7 @@ import dataclasses
 import logging
 import math
 import statistics
+import threading
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -69,7 +70,10 @@ class Choice:
 
 
 class Cadence:
-    """The adaptive interval; fed with measured stalls and interruption counts, asked at each wait."""
+    """The adaptive interval; fed with measured stalls and interruption counts, asked at each wait.
+
+    Fed and asked from different threads (the save worker, the listener, the interval timer).
+    """
 
     def __init__(
         self,
@@ -80,6 +84,7 @@ class Cadence:
     ) -> None:
         self.min_s, self.max_s = min_s, max_s
         self.prior_per_hour = DEFAULT_RATE_PER_H if prior_per_hour is None else prior_per_hour
+        self._lock = threading.Lock()
         self._costs: deque[float] = deque(maxlen=RECENT_SAVES)
         self._history = (0, 0.0)  # (interruptions, hours) of earlier segments
         self._seen = 0  # interruptions and rebalance recommendations during this run
@@ -88,25 +93,30 @@ class Cadence:
         self._announced: Choice | None = None  # the interval last logged (drift is measured from it)
 
     def observe_save(self, stall_s: float) -> None:
-        self._costs.append(stall_s)
+        with self._lock:
+            self._costs.append(stall_s)
 
     def observe_history(self, interruptions: int, hours: float) -> None:
-        self._history = (interruptions, hours)
+        with self._lock:
+            self._history = (interruptions, hours)
 
     def observe_interruption(self) -> None:
         """An interruption, or a rebalance recommendation, during this run."""
-        self._seen += 1
+        with self._lock:
+            self._seen += 1
 
     def rate_per_hour(self, run_hours: float) -> tuple[float, int, float]:
         """(rate, k, H) after `run_hours` of this run."""
-        k = self._history[0] + self._seen
-        hours = self._history[1] + run_hours
+        with self._lock:
+            k = self._history[0] + self._seen
+            hours = self._history[1] + run_hours
         return (k + self.prior_per_hour * PRIOR_WEIGHT_H) / (hours + PRIOR_WEIGHT_H), k, hours
 
     def interval(self, run_hours: float) -> float:
         """The interval to wait now; a change is logged and reported to `on_change`."""
         rate, k, hours = self.rate_per_hour(run_hours)
-        cost = statistics.median(self._costs) if self._costs else None
+        with self._lock:
+            cost = statistics.median(self._costs) if self._costs else None
         if cost is None:
             value, bound = self.min_s, "min"
         else:

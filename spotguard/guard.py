@@ -508,13 +508,15 @@ class Guard:
         """The next wait of the interval timer: fixed, or the cadence's choice now."""
         if self._cadence is None:
             return self.save_interval_s  # type: ignore[return-value]
-        if not self._cadence_history_read and self._ledger is not None:
-            history = self._ledger.history()
-            if history is not None:
+        history = self._ledger.history() if self._ledger is not None and not self._cadence_history_read else None
+        if history is not None:
+            self._cadence_history_read = True
+            try:
                 done = summarize(LedgerContents(history, 0))
                 running_h = sum(s["wall_s"] for s in done.get("segment_details", [])) / 3600
                 self._cadence.observe_history(done["interruptions"], running_h)
-                self._cadence_history_read = True
+            except Exception as exc:  # noqa: BLE001 - a ledger this version cannot read: the prior alone decides
+                log.warning("the save interval (auto) ignores the ledger's history: %s: %s", type(exc).__name__, exc)
         return self._cadence.interval((time.monotonic() - self._entered_at) / 3600)
 
     def _on_cadence(self, choice: Choice) -> None:
