@@ -142,6 +142,20 @@ class LocalStore:
     def put_bytes(self, key: str, data: bytes, *, create_only: bool = False) -> None:
         write_durably(self.path(key), data, exclusive=create_only)
 
+    def append_bytes(self, key: str, data: bytes) -> None:
+        """Append `data` to the file `key` (created if missing) in one O_APPEND write.
+
+        Writers appending whole lines never interleave within a line; a writer killed mid-write
+        leaves a torn last line, which readers of such a file must skip.
+        """
+        path = self.path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+
     def get_file(self, key: str, local_path: str | Path, *, progress: Progress | None = None) -> None:
         try:
             fill_then_rename(local_path, lambda tmp: _copy_file(self.path(key), tmp, progress))

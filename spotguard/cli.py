@@ -1,4 +1,4 @@
-"""`spotguard` — watch, simulate, demo, ls, verify."""
+"""`spotguard` — watch, simulate, demo, ls, verify, report."""
 
 from __future__ import annotations
 
@@ -111,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     verify = sub.add_parser("verify", help="check checkpoints against their manifests")
     verify.add_argument("location", help="DIR, DIR/step-N, or a bucket URL")
+
+    report = sub.add_parser("report", help="what interruptions cost, from the goodput ledger")
+    report.add_argument("location", help="the checkpoint directory or bucket URL")
+    report.add_argument("--json", action="store_true", help="one JSON object with every number")
+    report.add_argument("--plot", metavar="OUT", help="draw the timeline into OUT.png or OUT.html (needs matplotlib)")
     return parser
 
 
@@ -122,7 +127,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    handler = {"watch": _watch, "simulate": _simulate, "demo": _demo, "ls": _ls, "verify": _verify}[args.command]
+    handler = {"watch": _watch, "simulate": _simulate, "demo": _demo, "ls": _ls, "verify": _verify, "report": _report}[
+        args.command
+    ]
     try:
         return handler(args)
     except KeyboardInterrupt:
@@ -245,6 +252,28 @@ def _verify(args: argparse.Namespace) -> int:
             for problem in result.problems:
                 print(f"  - {problem}")
     return 1 if bad or not any(r.committed for r in results) else 0  # no checkpoint at all: as for an empty dir
+
+
+def _report(args: argparse.Namespace) -> int:
+    from cloud_adapters.stores import check_location, open_store
+    from spotguard.ledger import read_ledger
+    from spotguard.report import format_text, summarize
+
+    plot = None
+    if args.plot:
+        from spotguard.plot import check_plot_path, write_plot
+
+        plot = check_plot_path(args.plot)  # before reading: a wrong suffix is said at once
+    store = open_store(existing_location(check_location(args.location, argument="location")))
+    summary = summarize(read_ledger(store))
+    if not summary["segments"]:
+        print(f"no goodput ledger in {args.location}", file=sys.stderr)
+        return 1
+    text = format_text(summary, args.location)
+    if plot is not None:
+        write_plot(summary, plot, text)
+    print(json.dumps(summary, indent=1, sort_keys=True) if args.json else text)
+    return 0
 
 
 def existing_location(location: str) -> str:

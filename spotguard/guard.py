@@ -25,6 +25,7 @@ import operator
 import os
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Mapping, MutableMapping, Sequence
 from datetime import timedelta
@@ -40,12 +41,15 @@ from cloud_adapters.signals import SignalSource, parse_signal
 from cloud_adapters.sources import CLOUDS, cloud_sources
 from cloud_adapters.storage import write_durably
 from cloud_adapters.stores import check_location
-from spotguard import topology
+from spotguard import __version__, topology
 from spotguard.agreement import Decision, StepAgreement
 from spotguard.broadcast import EMERGENCY, Broadcast, inbox_connection, listener_store
+from spotguard.cadence import DEFAULT_MAX_S, DEFAULT_MIN_S, Cadence, Choice
 from spotguard.checkpoint import Checkpointer, CheckpointError, CheckpointUnavailable, SaveReport
 from spotguard.checkpoint.auth import resolve_key
 from spotguard.checkpoint.handoff import Departure
+from spotguard.ledger import Ledger, LedgerContents
+from spotguard.report import INTERRUPTED, summarize
 from spotguard.timeline import Timeline, seconds
 from spotguard.watcher import Watcher
 
@@ -70,7 +74,11 @@ class Guard:
         metadata_url: the metadata service (an emulator in tests); default from
             SPOTGUARD_METADATA_URL, then the cloud's own variables, then the real address.
         poll_interval: seconds between metadata polls (AWS, Azure; GCP uses a hanging GET).
-        save_interval_s: also save every this many seconds, in the background.
+        save_interval_s: also save every this many seconds, in the background; "auto": at the
+            interval that minimises save stalls plus expected lost work (`spotguard.cadence`).
+        min_save_interval_s, max_save_interval_s: the bounds of the "auto" interval (60 s, 3600 s).
+        interruptions_per_hour: the prior rate of interruptions for "auto" (e.g. from the AWS Spot
+            Advisor's frequency band); default one a day, until the ledger has measured better.
         save_every: also save every this many steps, in the background.
         keep_last: keep this many committed checkpoints (None keeps all).
         signals: signals that mean "you are being stopped" (SIGTERM; add SIGUSR1 for Slurm --signal).
@@ -96,7 +104,10 @@ class Guard:
         local_dir: str | None = None,
         metadata_url: str | None = None,
         poll_interval: float = 1.0,
-        save_interval_s: float | None = None,
+        save_interval_s: float | str | None = None,
+        min_save_interval_s: float | None = None,
+        max_save_interval_s: float | None = None,
+        interruptions_per_hour: float | None = None,
         save_every: int | None = None,
         keep_last: int | None = None,
         signals: Sequence[str | int] = ("SIGTERM",),
@@ -112,11 +123,12 @@ class Guard:
     ) -> None:
         if cloud not in CLOUDS + ("none", "auto"):
             raise ValueError(f"cloud must be one of {CLOUDS + ('none', 'auto')}, not {cloud!r}")
+        self._cadence = _cadence(save_interval_s, min_save_interval_s, max_save_interval_s, interruptions_per_hour)
         _require_positive(
             poll_interval=poll_interval,
             grace_s=grace_s,
             agreement_timeout_s=agreement_timeout_s,
-            save_interval_s=save_interval_s,
+            save_interval_s=None if self._cadence else save_interval_s,
             save_every=save_every,
             write_threads=write_threads,
             thread_count=thread_count,
@@ -147,13 +159,16 @@ class Guard:
         self.timeline = Timeline()
         self._entered = False
         self._ckpt: Checkpointer | None = None
+        self._ledger: Ledger | None = None  # global rank 0 writes the goodput ledger
+        self._last_step: int | None = None  # the last step the loop reported (for the ledger)
         self._stop_timer = threading.Event()
         self._agreement: StepAgreement | _NotEntered = _NotEntered()
 
     # ---- lifecycle -------------------------------------------------------------
     def __enter__(self) -> Guard:
         self.topology = topology.current()
-        self._group = self._ckpt = self._broadcast = self._watcher = None
+        self._group = self._ckpt = self._broadcast = self._watcher = self._ledger = None
+        self._entered_at = time.monotonic()
         try:
             self._start()
         except BaseException:
@@ -173,8 +188,19 @@ class Guard:
             write_threads=self.write_threads,
             thread_count=self.thread_count,
             on_event=self.timeline.add,
+            on_outcome=self._on_save_outcome,
             checkpoint_key=self._checkpoint_key,
         )
+        if self.topology.is_coordinator:
+            self._ledger = Ledger(self._ckpt.remote, progress=lambda: self._last_step)
+            self._ledger.record(
+                "start",
+                world_size=self.topology.world_size,
+                node=self.topology.node,
+                save_interval_s=self.save_interval_s,
+                save_every=self.save_every,
+                version=__version__,
+            )
         # The default group's store (a private accessor, present since torch 1.x) is the one every rank shares.
         store = self._store or (
             dist.distributed_c10d._get_default_store() if self.topology.distributed else dist.HashStore()
@@ -200,6 +226,9 @@ class Guard:
         self._watcher = Watcher([], self._on_notice, interval_s=self.poll_interval)
         self._add_sources(self._watcher.sources)
         self._watcher.start()
+        if self._cadence is not None:
+            self._cadence_history_read = False
+            self._cadence.on_change = self._on_cadence  # rank 0's timer is the one that asks
         if self.save_interval_s and self.topology.is_coordinator:
             threading.Thread(target=self._interval_timer, name="spotguard-interval", daemon=True).start()
 
@@ -207,6 +236,7 @@ class Guard:
         self._entered = False
         exiting = self.interrupted and self.exit_code is not None and exc_type is None
         code = self.exit_code if self.emergency_saved else self.lost_exit_code
+        self._ledger_exit(code if exiting else None, exc)
         if exiting:
             self._record_exit(code)
         if exiting and self.emergency_saved and not self.last_save.durable:  # type: ignore[union-attr]
@@ -217,6 +247,8 @@ class Guard:
                 self.last_save.error,  # type: ignore[union-attr]
                 code,
             )
+            if self._ledger is not None:
+                self._ledger.close(timeout_s=2.0)
             logging.shutdown()
             sys.stdout.flush()
             sys.stderr.flush()
@@ -240,6 +272,8 @@ class Guard:
                 self._ckpt.wait()
             except Exception:  # noqa: BLE001 - a failed background save is already logged; leave cleanly
                 log.exception("the last background checkpoint failed")
+            if self._ledger is not None:  # after the last save's record, before the store closes
+                self._ledger.close()
             self._ckpt.close()
         if self._group is not None:
             dist.destroy_process_group(self._group)
@@ -265,6 +299,7 @@ class Guard:
     def resume(self, state: MutableMapping[str, Any]) -> int:
         """Load the newest committed checkpoint into `state`; returns the step to start from (0 if none)."""
         self._require_entered("resume")
+        started = time.monotonic()
         try:
             step = self._ckpt.resume(state)
         except CheckpointUnavailable as exc:
@@ -273,18 +308,22 @@ class Guard:
             # Committed work exists but cannot be read now: starting afresh would throw it away.
             log.error("%s; exiting with code %d (start again once the storage answers)", exc, UNAVAILABLE_EXIT_CODE)
             raise SystemExit(UNAVAILABLE_EXIT_CODE) from None
+        next_step = 0 if step is None else step + 1
+        if self._ledger is not None:
+            self._ledger.record("resume", step=step, next_step=next_step, resume_s=time.monotonic() - started)
         if step is None:
             self.timeline.add("fresh-start", checkpoint_dir=self.checkpoint_dir)
             return 0
         self._agreement.reset(step)
-        self.timeline.add("resumed", step=step, next_step=step + 1)
-        return step + 1
+        self.timeline.add("resumed", step=step, next_step=next_step)
+        return next_step
 
     def step(self, step: int, state: Mapping[str, Any]) -> bool:
         """Call after every training step; True once the emergency checkpoint of `step` is committed."""
         if type(step) is not int or step < 0:  # the fast path is one comparison; anything else is checked
             step = _as_step(step)
         due = self._agreement.reached(step)
+        self._last_step = step
         if due:
             return self._run_due(step, state, due)
         if self.save_every and step % self.save_every == 0:
@@ -331,6 +370,16 @@ class Guard:
             self._watcher.ack(notice)
         self.interrupted = True
         self.emergency_saved = report is not None
+        if self._ledger is not None:
+            self._ledger.record(
+                "notice",
+                **_notice_fields(notice),
+                agreed_step=step,
+                committed=report is not None,
+                durable=report is not None and report.durable,
+                margin_s=_margin(notice, report),
+                leaving=sorted(leaving),
+            )
         return True
 
     def _save(
@@ -392,6 +441,13 @@ class Guard:
         decision = self._agreement.agree(index, event, timeout, leaving)
         if decision is not None and event["type"] == EMERGENCY:
             self._ckpt.abandon_background_uploads()  # the training thread may be waiting on one
+        if event["type"] == EMERGENCY and decision is None and self._ledger is not None:
+            self._ledger.record("notice", **_notice_fields(self.notice), agreed_step=None, committed=False)
+        if event.get("reason") == "rebalance":
+            if self._ledger is not None:
+                self._ledger.record("notice", kind=REBALANCE, agreed_step=decision.step if decision else None)
+            if self._cadence is not None:
+                self._cadence.observe_interruption()
         if decision is not None:
             self.timeline.add(
                 "agreed",
@@ -419,8 +475,56 @@ class Guard:
         except OSError as exc:
             log.warning("could not write %s=%s: %s", EXIT_FILE_ENV, path, exc)
 
+    def _on_save_outcome(self, step: int, reason: str, report: SaveReport | None, error: str | None) -> None:
+        """Any thread, every rank, after every save: into the ledger (rank 0) and the cadence."""
+        if self._ledger is None:
+            return
+        measured = {}
+        if report is not None:
+            measured = {
+                "bytes": report.bytes,
+                "stall_s": report.stall_s,
+                "write_s": report.write_s,
+                "commit_s": report.commit_s,
+                "upload_s": report.upload_s,
+                "durable": report.durable,
+            }
+        self._ledger.record("save", step=step, reason=reason, ok=report is not None, error=error, **measured)
+        if self._cadence is not None and report is not None and reason in ("periodic", "interval", "rebalance"):
+            self._cadence.observe_save(report.stall_s)
+
+    def _ledger_exit(self, code: int | None, exc: BaseException | None) -> None:
+        """The ledger's last record of this segment: why it ends, and the exit code spotguard ends it with (None:
+        it returns to the caller)."""
+        if self._ledger is None:
+            return
+        why = INTERRUPTED if self.interrupted else "finished" if exc is None else f"error: {type(exc).__name__}"
+        if isinstance(exc, SystemExit):
+            code = exc.code if isinstance(exc.code, int) else 1
+            why = "storage unavailable" if code == UNAVAILABLE_EXIT_CODE else "exit"
+        self._ledger.record("exit", code=code, why=why, committed=self.emergency_saved, last_step=self._last_step)
+
+    def _interval(self) -> float:
+        """The next wait of the interval timer: fixed, or the cadence's choice now."""
+        if self._cadence is None:
+            return self.save_interval_s  # type: ignore[return-value]
+        history = self._ledger.history() if self._ledger is not None and not self._cadence_history_read else None
+        if history is not None:
+            self._cadence_history_read = True
+            try:
+                done = summarize(LedgerContents(history, 0))
+                running_h = sum(s["wall_s"] for s in done.get("segment_details", [])) / 3600
+                self._cadence.observe_history(done["interruptions"], running_h)
+            except Exception as exc:  # noqa: BLE001 - a ledger this version cannot read: the prior alone decides
+                log.warning("the save interval (auto) ignores the ledger's history: %s: %s", type(exc).__name__, exc)
+        return self._cadence.interval((time.monotonic() - self._entered_at) / 3600)
+
+    def _on_cadence(self, choice: Choice) -> None:
+        if self._ledger is not None:
+            self._ledger.record("cadence", **choice.to_json())
+
     def _interval_timer(self) -> None:
-        while not self._stop_timer.wait(self.save_interval_s):
+        while not self._stop_timer.wait(self._interval()):
             try:
                 self._broadcast.request_checkpoint("interval")
             except Exception as exc:  # noqa: BLE001 - a store hiccup skips one interval save, not all of them
@@ -436,6 +540,45 @@ class _NotEntered:
 
     def reached(self, step: int) -> list[Decision]:
         raise RuntimeError("Guard.step() needs the guard entered: use `with Guard(...) as guard:`")
+
+
+def _cadence(
+    interval: float | str | None, min_s: float | None, max_s: float | None, prior: float | None
+) -> Cadence | None:
+    """The adaptive cadence for save_interval_s="auto" (checked here: a one-line error at Guard())."""
+    if isinstance(interval, str) and interval != "auto":
+        raise ValueError(f'save_interval_s must be a number of seconds or "auto", not {interval!r}')
+    if interval != "auto":
+        given = [n for n, v in (("min_save_interval_s", min_s), ("max_save_interval_s", max_s),
+                                ("interruptions_per_hour", prior)) if v is not None]  # fmt: skip
+        if given:
+            raise ValueError(f'{" and ".join(given)}: only with save_interval_s="auto"')
+        return None
+    _require_positive(min_save_interval_s=min_s, max_save_interval_s=max_s, interruptions_per_hour=prior)
+    low = DEFAULT_MIN_S if min_s is None else min_s
+    high = DEFAULT_MAX_S if max_s is None else max_s
+    if low > high:
+        raise ValueError(f"min_save_interval_s ({low:g}) must not exceed max_save_interval_s ({high:g})")
+    return Cadence(low, high, prior)
+
+
+def _margin(notice: Notice, report: SaveReport | None) -> float | None:
+    """Seconds left before the deadline when the emergency checkpoint was safe (None: lost, or no deadline)."""
+    if report is None or notice.deadline is None:
+        return None
+    return report.margin_s if report.margin_s is not None else notice.seconds_left()
+
+
+def _notice_fields(notice: Notice) -> dict[str, Any]:
+    return {
+        "kind": notice.kind,
+        "cloud": notice.cloud,
+        "action": notice.action,
+        "source": notice.source,
+        "node": notice.node,
+        "deadline": isoformat_z(notice.deadline) if notice.deadline else None,
+        "detected_at": isoformat_z(notice.detected_at),
+    }
 
 
 def _require_positive(**values: float | None) -> None:

@@ -2,6 +2,7 @@
 checkpoint, background saves, and failures that never reach the training loop."""
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,7 +17,9 @@ import torch
 import spotguard
 from cloud_adapters.aws.emulator import AWSMetadataEmulator
 from cloud_adapters.gcp.emulator import GCPMetadataEmulator
+from cloud_adapters.storage import LocalStore
 from spotguard.checkpoint import list_checkpoints
+from spotguard.ledger import read_ledger
 
 
 def make_state():
@@ -80,14 +83,14 @@ def test_a_gcp_preemption_is_saved_well_before_its_deadline(tmp_path):
 def test_exit_code_after_an_emergency_says_whether_it_was_saved(tmp_path, saved):
     ckpt = tmp_path / "ckpt"
     script = textwrap.dedent(f"""
-        import os, pathlib, signal, time, torch, spotguard
+        import os, pathlib, shutil, signal, time, torch, spotguard
         model = torch.nn.Linear(2, 2)
         with spotguard.Guard({str(ckpt)!r}, cloud="none") as guard:
             for step in range(1000):
                 time.sleep(0.01)
                 if step == 3:
                     if not {saved}:  # the disk goes away under the job: the emergency save fails
-                        pathlib.Path({str(ckpt)!r}).rmdir()
+                        shutil.rmtree({str(ckpt)!r})  # the goodput ledger is in it
                         pathlib.Path({str(ckpt)!r}).write_text("")
                     os.kill(os.getpid(), signal.SIGTERM)
                 if guard.step(step, {{"model": model}}):
@@ -115,7 +118,7 @@ def test_a_failed_emergency_save_is_logged_and_still_stops_the_loop(tmp_path, ca
 
     def lose_the_disk_then_sigterm(step):
         if step == 2:
-            ckpt.rmdir()
+            shutil.rmtree(ckpt)  # the goodput ledger is in it
             ckpt.write_text("a file where the checkpoints should go")
             os.kill(os.getpid(), signal.SIGTERM)
 
@@ -149,6 +152,9 @@ def test_interval_saves_and_rebalance_saves_are_agreed_then_taken_in_the_backgro
     reasons = [r for _, r in committed(tmp_path)]
     assert "interval" in reasons and "rebalance" in reasons
     assert not guard.emergency_saved
+    ledger = read_ledger(LocalStore(tmp_path)).records  # the advisory is in the goodput ledger too
+    assert [r["kind"] for r in ledger if r["event"] == "notice"] == ["rebalance"]
+    assert {r["reason"] for r in ledger if r["event"] == "save"} == {"interval", "rebalance"}
 
 
 def test_misuse_gets_clear_errors(tmp_path, monkeypatch):

@@ -14,6 +14,7 @@ import pytest
 
 from cloud_adapters.aws.emulator import AWSMetadataEmulator
 from spotguard.checkpoint import list_checkpoints
+from spotguard.cli import main
 from tests.conftest import backend_for
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,9 +84,24 @@ def resume_and_compare(ckpt, tmp_path, reference, extra=()):
     return resumed
 
 
+def assert_ledger(ckpt, step, action, capsys):
+    """`spotguard report` on the ledger rank 0 wrote across the interrupted and the resumed run."""
+    capsys.readouterr()
+    assert main(["report", str(ckpt), "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert (summary["segments"], summary["interruptions"], summary["steps_lost"], summary["torn_lines"]) == (2, 1, 0, 0)
+    [x] = summary["interruption_details"]
+    assert (x["action"], x["agreed_step"], x["committed"], x["exact"]) == (action, step, True, True)
+    assert x["margin_s"] > 0 and x["time_to_resume_s"] > 0
+    first, second = summary["segment_details"]
+    assert (first["ended"], first["exit_code"], first["last_step"]) == ("interrupted", 143, step)
+    assert (second["ended"], second["first_step"], second["last_step"]) == ("finished", step + 1, STEPS - 1)
+    assert 0 < summary["goodput"] < 1
+
+
 @pytest.mark.parametrize("kind", ["local", "s3", "gcs"])
 def test_aws_interruption_at_a_random_step_resumes_bit_identical(
-    kind, tmp_path, reference, storage_servers, monkeypatch
+    kind, tmp_path, reference, storage_servers, monkeypatch, capsys
 ):
     backend = backend_for(kind, storage_servers, monkeypatch, tmp_path)
     ckpt = backend.url if kind != "local" else tmp_path / "ckpt"
@@ -104,9 +120,10 @@ def test_aws_interruption_at_a_random_step_resumes_bit_identical(
     assert at <= committed[0].step < STEPS - 1
     resumed = resume_and_compare(ckpt, tmp_path, reference, extra=vm2)
     assert resumed["start"] == committed[0].step + 1
+    assert_ledger(ckpt, committed[0].step, "terminate", capsys)
 
 
-def test_sigterm_to_the_launcher_takes_the_same_emergency_path(tmp_path, reference):
+def test_sigterm_to_the_launcher_takes_the_same_emergency_path(tmp_path, reference, capsys):
     ckpt = tmp_path / "ckpt"
     proc = torchrun(ckpt)
     wait_for_step(proc, random.Random().randint(2, 25))
@@ -116,3 +133,4 @@ def test_sigterm_to_the_launcher_takes_the_same_emergency_path(tmp_path, referen
     committed = [c for c in list_checkpoints(str(ckpt)) if c.committed]
     assert [c.reason for c in committed] == ["emergency"], err[-3000:]
     resume_and_compare(ckpt, tmp_path, reference)
+    assert_ledger(ckpt, committed[0].step, "SIGTERM", capsys)

@@ -70,6 +70,8 @@ DECLARE_GRACE_S = 3.0
 
 # Called on rank 0 as a save goes: ("committed" | "upload-plan" | "durable" | "not-durable", details).
 SaveEvents = Callable[..., Any]
+# Called on every rank when a save ends, background ones too: (step, reason, report or None, error or None).
+SaveOutcomes = Callable[[int, str, "SaveReport | None", "str | None"], Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +91,7 @@ class SaveReport:
     durable_at: datetime | None
     local_location: str | None = None  # the committed local copy, when staging in local_dir
     error: str | None = None  # why it is not durable
+    stall_s: float = 0.0  # how long save() held its caller (the training thread): the whole save when waited for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +125,7 @@ class Checkpointer:
         write_threads: int | None = None,
         thread_count: int = 4,
         on_event: SaveEvents | None = None,
+        on_outcome: SaveOutcomes | None = None,
         checkpoint_key: CheckpointKey | None = None,
     ) -> None:
         for name, value in (("keep_last", keep_last), ("write_threads", write_threads), ("thread_count", thread_count)):
@@ -165,6 +169,7 @@ class Checkpointer:
         # The store's own retry limit; a save with a deadline lowers it for its duration.
         self._retry_deadline_s: float | None = getattr(self.remote, "retry_deadline_s", None)
         self.on_event = on_event
+        self.on_outcome = on_outcome
         self.upload_bytes_per_s: float | None = None  # measured on earlier uploads, for the deadline plan
 
     # -- public API -------------------------------------------------------------------------
@@ -192,6 +197,29 @@ class Checkpointer:
         if reason not in REASONS:
             raise ValueError(f"reason must be one of {REASONS}, not {reason!r}")
         step_dir_name(step)  # validates the step
+        called = time.monotonic()
+        try:
+            report = self._start(step, state, reason, notice, deadline, wait, departure, called)
+        except Exception as exc:
+            self._tell(step, reason, None, exc)
+            raise
+        if report is not None:
+            report = self.last_report = dataclasses.replace(report, stall_s=time.monotonic() - called)
+            self._tell(step, reason, report, None)
+        return report
+
+    def _start(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        reason: str,
+        notice: Notice | None,
+        deadline: datetime | None,
+        wait: bool,
+        departure: Departure | None,
+        called: float,
+    ) -> SaveReport | None:
+        """save()'s body: the report of a save waited for, None once a background one is on its way."""
         cutoff = Cutoff()
         if deadline is not None:
             cutoff.bring_forward(time.monotonic() + (deadline - utc_now()).total_seconds() - DEADLINE_RESERVE_S)
@@ -213,9 +241,25 @@ class Checkpointer:
         if wait:
             return self._save(step, state_dict, reason, notice, deadline, cutoff, started_at)
         snapshot = self._stager.stage(state_dict)
-        future = self._worker.submit(self._save, step, snapshot, reason, notice, deadline, cutoff, started_at)
+        stall_s = time.monotonic() - called  # the training thread is free once the job is queued
+        future = self._worker.submit(
+            self._save, step, snapshot, reason, notice, deadline, cutoff, started_at, stall_s=stall_s
+        )
+        future.add_done_callback(lambda done: self._tell_done(step, reason, done))
         self._pending = _InFlight(step, future, cutoff)
         return None
+
+    def _tell_done(self, step: int, reason: str, done: Future) -> None:
+        error = done.exception()
+        self._tell(step, reason, None if error else done.result(), error)
+
+    def _tell(self, step: int, reason: str, report: SaveReport | None, error: BaseException | None) -> None:
+        if self.on_outcome is None:
+            return
+        try:
+            self.on_outcome(step, reason, report, None if error is None else str(error) or type(error).__name__)
+        except Exception:  # noqa: BLE001 - a listener's failure never fails a save
+            log.exception("the save outcome listener failed")
 
     def abandon_background_uploads(self) -> None:
         """An emergency has been agreed (called from any thread, on every rank alike): the background
@@ -492,6 +536,7 @@ class Checkpointer:
         planner: SavePlanner | None = None,
         leaving: tuple[int, ...] = (),
         on_commit: Callable[[dict[str, Any]], None] | None = None,
+        stall_s: float = 0.0,
     ) -> SaveReport:
         """The save protocol on `comm`'s ranks; `on_commit` hears of the local commit on its rank 0."""
         with self._retries_until(cutoff):
@@ -569,6 +614,7 @@ class Checkpointer:
                 durable_at=durable_at,
                 local_location=str(final) if self.local_root is not None else None,
                 error=upload_error,
+                stall_s=stall_s,
             )
             if report.durable:
                 self._emit(comm, "durable", step=step, at=report.location, margin_s=seconds(report.margin_s))

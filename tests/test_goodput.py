@@ -1,0 +1,194 @@
+"""The goodput ledger, `spotguard report` (text, JSON, picture) and the "auto" save cadence, with real
+Guards in this process and in a child killed hard; torchrun runs are checked in test_torchrun.py."""
+
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+import spotguard
+from cloud_adapters.storage import LocalStore
+from spotguard.cadence import Cadence, young_daly
+from spotguard.cli import main
+from spotguard.ledger import LEDGER_NAME, LEDGER_PREFIX, Ledger, read_ledger
+from spotguard.report import summarize
+from tests.conftest import backend_for
+from tests.test_guard import make_state, train
+
+
+def report_json(location, capsys):
+    assert main(["report", str(location), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.fixture(scope="module")
+def interrupted_then_resumed(tmp_path_factory):
+    """A run stopped by SIGTERM at step 12 (periodic saves every 5 steps), then resumed with "auto" saves."""
+    ckpt = tmp_path_factory.mktemp("goodput") / "ckpt"
+    with spotguard.Guard(ckpt, cloud="none", exit_code=None, save_every=5) as guard:
+        stopped = train(
+            guard, make_state(), steps=100, on_step=lambda s: s == 12 and os.kill(os.getpid(), signal.SIGTERM)
+        )
+    time.sleep(0.3)  # the time between the segments, which counts against goodput
+    with spotguard.Guard(
+        ckpt, cloud="none", exit_code=None, save_interval_s="auto", min_save_interval_s=0.2, max_save_interval_s=60
+    ) as guard:
+        assert train(guard, make_state(), steps=60) is None
+    return ckpt, stopped
+
+
+def test_the_ledger_records_an_interrupted_and_resumed_run_and_report_reads_it_back(interrupted_then_resumed, capsys):
+    ckpt, stopped = interrupted_then_resumed
+    records = read_ledger(LocalStore(ckpt)).records
+    assert (ckpt / LEDGER_NAME).is_file()
+    first, second = sorted({r["segment"] for r in records})
+    events = [r["event"] for r in records if r["segment"] == first]
+    assert events[:2] == ["start", "resume"] and events[-1] == "exit"
+    saves = [r for r in records if r["event"] == "save" and r["segment"] == first]
+    assert [(s["step"], s["reason"]) for s in saves] == [(0, "periodic"), (5, "periodic"), (10, "periodic"),
+                                                         (stopped, "emergency")]  # fmt: skip
+    assert all(s["ok"] and s["durable"] and s["bytes"] > 0 and s["stall_s"] >= 0 for s in saves)
+    notice = next(r for r in records if r["event"] == "notice")
+    assert (notice["cloud"], notice["kind"], notice["agreed_step"], notice["committed"]) == (
+        "signal", "interruption", stopped, True)  # fmt: skip
+    assert 15 < notice["margin_s"] <= 25  # grace_s 25
+    resume = next(r for r in records if r["event"] == "resume" and r["segment"] == second)
+    assert (resume["step"], resume["next_step"]) == (stopped, stopped + 1)
+    assert resume["since_previous_s"] >= 0.3
+
+    summary = report_json(ckpt, capsys)
+    assert (summary["segments"], summary["interruptions"], summary["steps_lost"]) == (2, 1, 0)
+    assert 0 < summary["goodput"] < 1
+    assert summary["training_s"] + 0.3 < summary["wall_s"]
+    [x] = summary["interruption_details"]
+    assert x["committed"] and x["exact"] and x["agreed_step"] == stopped
+    assert 0.3 <= x["time_to_resume_s"] < 30
+    assert [s["ended"] for s in summary["segment_details"]] == ["interrupted", "finished"]
+    assert summary["segment_details"][1]["first_step"] == stopped + 1
+    assert summary["segment_details"][1]["last_step"] == 59
+    # The second segment saved at the "auto" interval, and said why.
+    assert any(s["reason"] == "interval" for s in summary["segment_details"][1]["saves"])
+    assert summary["cadence"]["interruptions"] == 1 and "sqrt(2 x" in summary["cadence"]["explain"]
+
+    assert main(["report", str(ckpt)]) == 0
+    text = capsys.readouterr().out
+    assert "2 segment(s), 1 interruption(s)" in text and "goodput" in text and "signal:SIGTERM" in text
+
+
+def test_the_picture_shows_every_segment(interrupted_then_resumed, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    from spotguard.plot import timeline_figure
+
+    ckpt, _ = interrupted_then_resumed
+    png, page = tmp_path / "t.png", tmp_path / "t.html"
+    assert main(["report", str(ckpt), "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert main(["report", str(ckpt), "--plot", str(page)]) == 0
+    assert page.read_text().count('id="segment-') == 2 and "goodput" in page.read_text()
+    fig = timeline_figure(summarize(read_ledger(LocalStore(ckpt))))
+    bars = [c for c in fig.axes[0].collections if (c.get_gid() or "").startswith("segment-")]
+    assert len(bars) == 2
+    assert main(["report", str(ckpt), "--plot", str(tmp_path / "t.pdf")]) == 2
+    assert "must end in .png or .html" in capsys.readouterr().err
+
+
+def test_a_hard_kill_and_a_torn_line(tmp_path, capsys):
+    """A run killed with SIGKILL writes no exit record, and its last line may be torn: the report skips that
+    line, says so, counts the interruption, and gives its loss as a lower bound."""
+    ckpt = tmp_path / "ckpt"
+    script = textwrap.dedent(f"""
+        import os, signal, sys, time, torch, spotguard
+        sys.path.insert(0, {os.getcwd()!r})
+        from tests.test_guard import make_state, train
+        def kill(step):
+            if step == 17:
+                time.sleep(0.5)  # the ledger has the step-15 save
+                os.kill(os.getpid(), signal.SIGKILL)
+        with spotguard.Guard({str(ckpt)!r}, cloud="none", save_every=5) as guard:
+            train(guard, make_state(), steps=100, on_step=kill)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    with open(ckpt / LEDGER_NAME, "ab") as ledger:
+        ledger.write(b'{"event":"progress","segment":"2')  # a write cut short by the kill
+    with spotguard.Guard(ckpt, cloud="none", exit_code=None) as guard:
+        assert train(guard, make_state(), steps=20, step_time=0) is None
+    summary = report_json(ckpt, capsys)
+    assert summary["torn_lines"] == 1
+    assert (summary["segments"], summary["interruptions"]) == (2, 1)
+    [x] = summary["interruption_details"]
+    assert not x["exact"] and x["cloud"] is None and x["steps_lost"] == 0  # known: trained 15, resumed at 16
+    assert [s["ended"] for s in summary["segment_details"]] == ["no exit record", "finished"]
+    assert summary["segment_details"][1]["resumed_from"] == 15
+    assert main(["report", str(ckpt)]) == 0
+    text = capsys.readouterr().out
+    assert "1 torn line(s) skipped" in text and ">=0" in text
+
+
+def test_ledger_objects_in_a_bucket_one_per_segment(tmp_path, storage_servers, monkeypatch, capsys):
+    store = backend_for("s3", storage_servers, monkeypatch, tmp_path).store()
+    last = {"step": 3}
+    for segment in range(2):
+        ledger = Ledger(store, progress=lambda: last["step"], heartbeat_s=0.05)
+        ledger.record("start", world_size=1)
+        ledger.record("resume", step=None if segment == 0 else 9, next_step=0 if segment == 0 else 10, resume_s=0.1)
+        assert ledger.history(timeout=10) is not None  # read before the first write
+        time.sleep(0.3)  # heartbeats with the last step
+        ledger.record("exit", code=143, why="interrupted", committed=False, last_step=12 + 10 * segment)
+        ledger.close()
+    keys = [o.key for o in store.list(LEDGER_PREFIX)]
+    assert len(keys) == 2 and all(k.endswith(".jsonl") for k in keys)
+    contents = read_ledger(store)
+    assert contents.torn == 0
+    assert any(r["event"] == "progress" and r["last_step"] == 3 for r in contents.records)
+    summary = report_json(store.url, capsys)
+    assert (summary["segments"], summary["interruptions"]) == (2, 2)
+    # The first interruption: trained to 12, resumed at 10 (3 steps redone); the second: nothing committed.
+    assert [x["steps_lost"] for x in summary["interruption_details"]] == [3, 23]
+
+
+def test_the_auto_cadence_is_young_daly_within_bounds(caplog):
+    assert young_daly(2.0, 3600.0) == pytest.approx(120.0)
+    changes = []
+    cadence = Cadence(min_s=10, max_s=1000, prior_per_hour=1.0, on_change=changes.append)
+    with caplog.at_level(logging.INFO, logger="spotguard.cadence"):
+        assert cadence.interval(0.0) == 10  # nothing measured yet: the lower bound, to measure soon
+        cadence.observe_save(2.0)
+        # prior 1/h weighing 4 h, nothing seen: rate 1/h, M = 3600 s
+        assert cadence.interval(0.0) == pytest.approx(120.0)
+        cadence.observe_history(interruptions=24, hours=24.0)  # (24 + 4) / (24 + 4) = 1/h still
+        assert cadence.interval(0.0) == pytest.approx(120.0)
+        cadence.observe_history(interruptions=52, hours=24.0)  # (52 + 4) / 28 = 2/h
+        assert cadence.interval(0.0) == pytest.approx(math.sqrt(2 * 2.0 * 1800))
+        cadence.observe_interruption()  # a rebalance recommendation counts as one more
+        assert cadence.rate_per_hour(0.0)[0] == pytest.approx(57 / 28)
+        cadence.observe_history(interruptions=0, hours=10_000.0)
+        assert cadence.interval(0.0) == 1000 and cadence.last.bound == "max"
+    assert [round(c.interval_s) for c in changes] == [10, 120, 85, 1000]  # each change logged once
+    assert sum("save interval (auto)" in r.getMessage() for r in caplog.records) == 4
+
+
+def test_auto_cadence_arguments_are_checked_at_guard(tmp_path):
+    for kwargs, message in (
+        ({"save_interval_s": "often"}, 'save_interval_s must be a number of seconds or "auto"'),
+        ({"save_interval_s": "auto", "min_save_interval_s": 0}, "min_save_interval_s must be positive"),
+        (
+            {"save_interval_s": "auto", "min_save_interval_s": 90, "max_save_interval_s": 30},
+            r"min_save_interval_s \(90\) must not exceed",
+        ),
+        (
+            {"save_interval_s": 30, "interruptions_per_hour": 0.1},
+            'interruptions_per_hour: only with save_interval_s="auto"',
+        ),
+        ({"min_save_interval_s": 5}, 'min_save_interval_s: only with save_interval_s="auto"'),
+        ({"save_interval_s": "auto", "interruptions_per_hour": -1}, "interruptions_per_hour must be positive"),
+    ):
+        with pytest.raises(ValueError, match=f"^{message}"):
+            spotguard.Guard(tmp_path, cloud="none", **kwargs)
