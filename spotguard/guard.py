@@ -310,7 +310,9 @@ class Guard:
             raise SystemExit(UNAVAILABLE_EXIT_CODE) from None
         next_step = 0 if step is None else step + 1
         if self._ledger is not None:
-            self._ledger.record("resume", step=step, next_step=next_step, resume_s=time.monotonic() - started)
+            self._ledger.record(
+                "resume", step=step, next_step=next_step, resume_s=time.monotonic() - started, run=self._ckpt.run
+            )
         if step is None:
             self.timeline.add("fresh-start", checkpoint_dir=self.checkpoint_dir)
             return 0
