@@ -1,6 +1,7 @@
 """Several "nodes" on one host: one torchrun agent each (`--nnodes N --node-rank i`, static
-rendezvous on 127.0.0.1 hosted by node 0), each with its own AWS metadata emulator and its
-own local staging dir, running examples/train_ddp.py. A test reclaims one node through its
+rendezvous on 127.0.0.1 hosted by node 0; or elastic: `--nnodes MIN:MAX`, c10d rendezvous on a
+store this test process hosts, as a non-spot host would), each with its own AWS metadata emulator
+and its own local staging dir, running examples/train_ddp.py. A test reclaims one node through its
 emulator and may SIGKILL it (the agent and its workers: the VM vanishes) at a moment it
 picks from what the node logs."""
 
@@ -16,6 +17,8 @@ import threading
 import time
 from pathlib import Path
 
+import torch.distributed as dist
+
 from cloud_adapters.aws.emulator import AWSMetadataEmulator
 from tests.ckpt_workers import free_port
 
@@ -25,9 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 class Node:
     """One node: a torchrun agent with its workers, its own emulator and staging dir."""
 
-    def __init__(
-        self, rank: int, nnodes: int, port: int, ckpt: str, tmp: Path, args: list[str], env: dict[str, str]
-    ) -> None:
+    def __init__(self, rank: int, rdzv: list[str], ckpt: str, tmp: Path, args: list[str], env: dict[str, str]) -> None:
         self.rank = rank
         self.emulator = AWSMetadataEmulator().__enter__()
         self.local_dir = tmp / f"node{rank}"
@@ -35,10 +36,7 @@ class Node:
         self.lines: list[str] = []
         self._new_line = threading.Condition()
         cmd = [
-            sys.executable, "-m", "torch.distributed.run",
-            "--nnodes", str(nnodes), "--node-rank", str(rank), "--nproc-per-node", "1",
-            "--rdzv-backend", "static", "--master-addr", "127.0.0.1", "--master-port", str(port),
-            "--max-restarts", "0",
+            sys.executable, "-m", "torch.distributed.run", *rdzv, "--nproc-per-node", "1",
             str(ROOT / "examples" / "train_ddp.py"),
             "--checkpoint-dir", ckpt, "--local-dir", str(self.local_dir), "--cloud", "aws", *args,
         ]  # fmt: skip
@@ -111,9 +109,44 @@ class Node:
         return "\n".join(self.lines[-n:])
 
 
+def run_nodes(nnodes: int, ckpt: str | Path, tmp: Path, args: list[str], out: Path | None = None) -> dict | None:
+    """A whole static run with no interruption; returns what rank 0 wrote to `out`."""
+    nodes = start_nodes(nnodes, str(ckpt), tmp, [*args, *(["--out", str(out)] if out else [])])
+    try:
+        codes = [node.finish(180) for node in nodes]
+    finally:
+        stop_all(nodes)
+    assert codes == [0] * nnodes, "\n".join(node.tail() for node in nodes)
+    return json.loads(out.read_text()) if out else None
+
+
 def start_nodes(nnodes: int, ckpt: str, tmp: Path, args: list[str], env: dict[str, str] | None = None) -> list[Node]:
     port = free_port()
-    return [Node(i, nnodes, port, ckpt, tmp, args, env or {}) for i in range(nnodes)]
+    static = ["--nnodes", str(nnodes), "--rdzv-backend", "static", "--master-addr", "127.0.0.1",
+              "--master-port", str(port), "--max-restarts", "0"]  # fmt: skip
+    return [Node(i, [*static, "--node-rank", str(i)], ckpt, tmp, args, env or {}) for i in range(nnodes)]
+
+
+class Rendezvous:
+    """The c10d rendezvous store of an elastic job, hosted here (where nothing is reclaimed), and
+    the torchrun arguments of a node that joins it: short heartbeats and last call, so that a
+    vanished node is dropped in ~3 s and a round closes 1 s after MIN agents are in."""
+
+    def __init__(self, nnodes: str, max_restarts: int) -> None:
+        self.port = free_port()
+        self.store = dist.TCPStore("127.0.0.1", self.port, is_master=True, wait_for_workers=False)
+        self.args = [
+            "--nnodes", nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}",
+            "--rdzv-id", "job", "--max-restarts", str(max_restarts), "--monitor-interval", "0.2", "--local-addr",
+            "127.0.0.1",
+            "--rdzv-conf", "is_host=false,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3",
+        ]  # fmt: skip
+
+    def join(self, name: int, ckpt: str, tmp: Path, args: list[str], env: dict[str, str] | None = None) -> Node:
+        """Start a node's agent (`name` tells nodes apart here; the rendezvous gives it its rank)."""
+        # Each round's workers get a store of their own (their rank 0 hosts it): torchrun's shared
+        # agent store gives a node that joins a later round no address to reach it by.
+        return Node(name, self.args, ckpt, tmp, args, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})})
 
 
 def stop_all(nodes: list[Node]) -> None:

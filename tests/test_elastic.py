@@ -1,0 +1,125 @@
+"""Elastic continue under torchrun's agent: real agents on 127.0.0.1 (`--nnodes 1:2 --rdzv-backend
+c10d --max-restarts 3`, tests/nodes.py), the rendezvous store hosted by the test. One node is
+reclaimed, the survivor trains on alone from the committed step, a new node joins and the job
+grows back: no step lost or repeated, every sample index of an epoch consumed once (spotguard.data),
+final weights equal to uninterrupted runs with the same world-size schedule."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections import defaultdict
+
+from spotguard.checkpoint import list_checkpoints
+from spotguard.data import ResumableSampler
+from tests.nodes import Node, Rendezvous, run_nodes, stop_all
+
+STEPS = 60
+DATA = ["--dataset", "100", "--batch-size", "4", "--log-samples"]  # 12 / 25 steps an epoch at 2 / 1 ranks
+ARGS = ["--steps", str(STEPS), "--step-time", "0.2", *DATA]
+
+
+def records(nodes: list[Node]) -> list[dict]:
+    """Every rank's step lines, each node's in its order."""
+    return [json.loads(line) for node in nodes for line in node.lines if line.startswith('{"step"')]
+
+
+def check_steps(lines: list[dict]) -> list[int]:
+    """Each step trained exactly once, by every rank of one world; returns the world size per step."""
+    by_step = defaultdict(list)
+    for line in lines:
+        by_step[line["step"]].append((line["rank"], line["world"]))
+    assert sorted(by_step) == list(range(STEPS)), f"steps lost or added: {sorted(by_step)}"
+    worlds = []
+    for step, seen in sorted(by_step.items()):
+        world = seen[0][1]
+        assert sorted(seen) == [(r, world) for r in range(world)], f"step {step} repeated or partial: {seen}"
+        worlds.append(world)
+    return worlds
+
+
+def check_samples(lines: list[dict]) -> None:
+    """The job's samples in step and rank order are each epoch's global order, nothing repeated."""
+    by_epoch = defaultdict(list)
+    for line in sorted(lines, key=lambda line: (line["step"], line["rank"])):
+        by_epoch[line["epoch"]].extend(line["samples"])
+    for epoch, got in by_epoch.items():
+        order = ResumableSampler(100, 4, world_size=1)
+        order.set_epoch(epoch)
+        assert got == order.order()[: len(got)], f"epoch {epoch}: an index repeated, skipped or out of order"
+        if epoch < max(by_epoch):
+            assert 100 - len(got) < 8, f"epoch {epoch} ended early"
+
+
+def spans(worlds: list[int]) -> list[tuple[int, int]]:
+    """(world size, last step) of each run of equal world sizes."""
+    out = []
+    for step, world in enumerate(worlds):
+        if out and out[-1][0] == world:
+            out[-1] = (world, step)
+        else:
+            out.append((world, step))
+    return out
+
+
+def test_two_nodes_one_reclaimed_the_other_goes_on_alone_then_a_new_node_joins(tmp_path):
+    rdzv = Rendezvous("1:2", max_restarts=3)
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out.json"
+    args = [*ARGS, "--out", str(out)]
+    nodes = [rdzv.join(0, str(ckpt), tmp_path, args), rdzv.join(1, str(ckpt), tmp_path, args)]
+    try:
+        nodes[0].wait_for(r'"step": 3, "rank": 0, "world": 2')
+        nodes[1].emulator.raise_notice()
+        assert nodes[1].finish(60) != 0  # its agent was told to leave: torchrun ends without restarting
+        nodes[1].kill()  # and the VM vanishes
+        nodes[0].wait_for(r'"rank": 0, "world": 1,', timeout=90)  # the survivor trains on alone
+        time.sleep(1)
+        nodes.append(rdzv.join(2, str(ckpt), tmp_path, args))
+        assert nodes[0].finish(180) == 0, nodes[0].tail()
+        assert nodes[2].finish(60) == 0, nodes[2].tail()
+    finally:
+        stop_all(nodes)
+
+    lines = records(nodes)
+    schedule = spans(check_steps(lines))
+    assert [w for w, _ in schedule] == [2, 1, 2], schedule
+    check_samples(lines)
+    reclaimed = json.loads(nodes[1].exit_file.read_text())
+    assert (reclaimed["exit_code"], reclaimed["committed"], reclaimed["leaving"]) == (143, True, True)
+    assert reclaimed["step"] == schedule[0][1]
+    text = nodes[0].output()
+    assert "leaving the elastic job" in nodes[1].output() and "leaving the elastic job" not in text
+    for _, last in schedule[:2]:  # each change of world size resumed the step committed just before it
+        assert re.search(rf"resumed +step={last} +next_step={last + 1}", text), text
+    committed = [c.step for c in list_checkpoints(str(ckpt)) if c.committed]
+    assert [s for _, s in schedule[:2]] == committed[:2], committed
+
+    # The same world-size schedule, each span run to its end and saved: the final weights agree.
+    ref = tmp_path / "ref"
+    for world, last in schedule[:2]:
+        run_nodes(world, ref / "ckpt", ref, ["--steps", str(last + 1), *DATA, "--save-final"])
+    expected = run_nodes(2, ref / "ckpt", ref, ["--steps", str(STEPS), *DATA], ref / "out.json")
+    assert json.loads(out.read_text())["digest"] == expected["digest"]
+
+
+def test_the_reclaimed_node_was_the_last_above_min_the_job_stops_with_restart_me(tmp_path):
+    """--nnodes 2:2: one survivor cannot form a round, so it commits, stops its own agent and leaves
+    "restart me" (143, committed) in its exit file, instead of waiting out the join timeout."""
+    rdzv = Rendezvous("2:2", max_restarts=3)
+    ckpt = str(tmp_path / "ckpt")
+    env = {"SPOTGUARD_MIN_NODES": "2"}
+    nodes = [rdzv.join(i, ckpt, tmp_path, ["--steps", "200", "--step-time", "0.05"], env) for i in range(2)]
+    try:
+        nodes[0].step_reached(3)
+        nodes[1].emulator.raise_notice()
+        started = time.monotonic()
+        assert all(node.finish(60) != 0 for node in nodes)  # both agents left, neither restarted
+        assert time.monotonic() - started < 30
+    finally:
+        stop_all(nodes)
+    survivor = json.loads(nodes[0].exit_file.read_text())
+    assert (survivor["exit_code"], survivor["committed"], survivor["leaving"]) == (143, True, False)
+    assert "1 node(s) would stay, fewer than min_nodes=2" in nodes[0].output()
+    assert "resumed" not in nodes[0].output() and "resumed" not in nodes[1].output()
+    assert [c.step for c in list_checkpoints(ckpt) if c.committed] == [survivor["step"]]
