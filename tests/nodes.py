@@ -1,156 +1,29 @@
-"""Several "nodes" on one host: one torchrun agent each (`--nnodes N --node-rank i`, static
-rendezvous on 127.0.0.1 hosted by node 0; or elastic: `--nnodes MIN:MAX`, c10d rendezvous on a
-store this test process hosts, as a non-spot host would), each with its own AWS metadata emulator
-and its own local staging dir, running examples/train_ddp.py. A test reclaims one node through its
-emulator and may SIGKILL it (the agent and its workers: the VM vanishes) at a moment it
-picks from what the node logs."""
+"""The nodes of the multi-node tests (spotguard.localnodes) running examples/train_ddp.py from
+this checkout."""
 
 from __future__ import annotations
 
-import json
-import os
-import re
-import signal
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
-import torch.distributed as dist
+from spotguard import localnodes
+from spotguard.localnodes import LocalNode as Node
+from spotguard.localnodes import stop_all
 
-from cloud_adapters.aws.emulator import AWSMetadataEmulator
-from tests.ckpt_workers import free_port
+__all__ = ["Node", "rendezvous", "run_nodes", "start_nodes", "stop_all"]
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class Node:
-    """One node: a torchrun agent with its workers, its own emulator and staging dir."""
-
-    def __init__(self, rank: int, rdzv: list[str], ckpt: str, tmp: Path, args: list[str], env: dict[str, str]) -> None:
-        self.rank = rank
-        self.emulator = AWSMetadataEmulator().__enter__()
-        self.local_dir = tmp / f"node{rank}"
-        self.exit_file = tmp / f"exit-node{rank}.json"  # SPOTGUARD_EXIT_FILE: how the node's job ended
-        self.lines: list[str] = []
-        self._new_line = threading.Condition()
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", *rdzv, "--nproc-per-node", "1",
-            str(ROOT / "examples" / "train_ddp.py"),
-            "--checkpoint-dir", ckpt, "--local-dir", str(self.local_dir), "--cloud", "aws", *args,
-        ]  # fmt: skip
-        env = {**os.environ, **env, "SPOTGUARD_METADATA_URL": self.emulator.url, "OMP_NUM_THREADS": "1"}
-        env["SPOTGUARD_EXIT_FILE"] = str(self.exit_file)
-        env.update(GLOO_SOCKET_IFNAME="lo", PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
-        )
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            with self._new_line:
-                self.lines.append(line.rstrip("\n"))
-                self._new_line.notify_all()
-        with self._new_line:
-            self.lines.append("<eof>")
-            self._new_line.notify_all()
-
-    def wait_for(self, pattern: str, timeout: float = 120) -> str | None:
-        """The first output line matching `pattern`, waiting for it; None if the node ends without one."""
-        regex = re.compile(pattern)
-        deadline = time.monotonic() + timeout
-        seen = 0
-        with self._new_line:
-            while True:
-                for line in self.lines[seen:]:
-                    if regex.search(line):
-                        return line
-                    if line == "<eof>":
-                        return None
-                seen = len(self.lines)
-                if not self._new_line.wait(max(0.0, deadline - time.monotonic())):
-                    raise AssertionError(f"node {self.rank}: no line like {pattern!r} in {timeout} s:\n{self.tail()}")
-
-    def step_reached(self, step: int, timeout: float = 120) -> None:
-        """Wait until rank 0 (on node 0) printed `step`."""
-
-        def printed(line: str) -> bool:
-            return line.startswith("{") and json.loads(line)["step"] >= step
-
-        deadline = time.monotonic() + timeout
-        while not any(printed(line) for line in list(self.lines)):
-            if "<eof>" in self.lines or time.monotonic() > deadline:
-                raise AssertionError(f"node {self.rank} never reached step {step}:\n{self.tail()}")
-            time.sleep(0.02)
-
-    def kill(self) -> None:
-        """The VM vanishes: SIGKILL the agent and its workers."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-    def finish(self, timeout: float = 120) -> int:
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"node {self.rank} still running after {timeout} s:\n{self.tail()}") from None
-        finally:
-            self.emulator.stop()
-
-    def output(self) -> str:
-        self.wait_for("^<eof>$", timeout=30)
-        return "\n".join(self.lines)
-
-    def tail(self, n: int = 40) -> str:
-        return "\n".join(self.lines[-n:])
-
-
-def run_nodes(nnodes: int, ckpt: str | Path, tmp: Path, args: list[str], out: Path | None = None) -> dict | None:
-    """A whole static run with no interruption; returns what rank 0 wrote to `out`."""
-    nodes = start_nodes(nnodes, str(ckpt), tmp, [*args, *(["--out", str(out)] if out else [])])
-    try:
-        codes = [node.finish(180) for node in nodes]
-    finally:
-        stop_all(nodes)
-    assert codes == [0] * nnodes, "\n".join(node.tail() for node in nodes)
-    return json.loads(out.read_text()) if out else None
+EXAMPLE = [str(ROOT / "examples" / "train_ddp.py")]
+CHECKOUT = {"PYTHONPATH": str(ROOT)}  # the workers import this checkout's spotguard
 
 
 def start_nodes(nnodes: int, ckpt: str, tmp: Path, args: list[str], env: dict[str, str] | None = None) -> list[Node]:
-    port = free_port()
-    static = ["--nnodes", str(nnodes), "--rdzv-backend", "static", "--master-addr", "127.0.0.1",
-              "--master-port", str(port), "--max-restarts", "0"]  # fmt: skip
-    return [Node(i, [*static, "--node-rank", str(i)], ckpt, tmp, args, env or {}) for i in range(nnodes)]
+    return localnodes.start_nodes(nnodes, EXAMPLE, ckpt, tmp, args, {**CHECKOUT, **(env or {})})
 
 
-class Rendezvous:
-    """The c10d rendezvous store of an elastic job, hosted here (where nothing is reclaimed), and
-    the torchrun arguments of a node that joins it: short heartbeats and last call, so that a
-    vanished node is dropped in ~3 s and a round closes 1 s after MIN agents are in."""
-
-    def __init__(self, nnodes: str, max_restarts: int) -> None:
-        self.port = free_port()
-        self.store = dist.TCPStore("127.0.0.1", self.port, is_master=True, wait_for_workers=False)
-        self.args = [
-            "--nnodes", nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{self.port}",
-            "--rdzv-id", "job", "--max-restarts", str(max_restarts), "--monitor-interval", "0.2", "--local-addr",
-            "127.0.0.1",
-            "--rdzv-conf", "is_host=false,last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3",
-        ]  # fmt: skip
-
-    def join(self, name: int, ckpt: str, tmp: Path, args: list[str], env: dict[str, str] | None = None) -> Node:
-        """Start a node's agent (`name` tells nodes apart here; the rendezvous gives it its rank)."""
-        # Each round's workers get a store of their own (their rank 0 hosts it): torchrun's shared
-        # agent store gives a node that joins a later round no address to reach it by.
-        return Node(name, self.args, ckpt, tmp, args, {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(env or {})})
+def run_nodes(nnodes: int, ckpt: str | Path, tmp: Path, args: list[str], out: Path | None = None) -> dict | None:
+    return localnodes.run_nodes(nnodes, EXAMPLE, ckpt, tmp, args, out, CHECKOUT)
 
 
-def stop_all(nodes: list[Node]) -> None:
-    for node in nodes:
-        if node.proc.poll() is None:
-            node.kill()
-        node.finish(30)
+def rendezvous(nnodes: str, max_restarts: int) -> localnodes.Rendezvous:
+    """An elastic job's rendezvous, hosted by the test, whose nodes run the example."""
+    return localnodes.Rendezvous(nnodes, max_restarts, EXAMPLE, CHECKOUT)

@@ -9,62 +9,18 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections import defaultdict
 
 from spotguard.checkpoint import list_checkpoints
-from spotguard.data import ResumableSampler
-from tests.nodes import Node, Rendezvous, run_nodes, stop_all
+from spotguard.elastic_demo import check_samples, check_steps, spans, step_lines
+from tests.nodes import rendezvous, run_nodes, stop_all
 
 STEPS = 60
 DATA = ["--dataset", "100", "--batch-size", "4", "--log-samples"]  # 12 / 25 steps an epoch at 2 / 1 ranks
 ARGS = ["--steps", str(STEPS), "--step-time", "0.2", *DATA]
 
 
-def records(nodes: list[Node]) -> list[dict]:
-    """Every rank's step lines, each node's in its order."""
-    return [json.loads(line) for node in nodes for line in node.lines if line.startswith('{"step"')]
-
-
-def check_steps(lines: list[dict]) -> list[int]:
-    """Each step trained exactly once, by every rank of one world; returns the world size per step."""
-    by_step = defaultdict(list)
-    for line in lines:
-        by_step[line["step"]].append((line["rank"], line["world"]))
-    assert sorted(by_step) == list(range(STEPS)), f"steps lost or added: {sorted(by_step)}"
-    worlds = []
-    for step, seen in sorted(by_step.items()):
-        world = seen[0][1]
-        assert sorted(seen) == [(r, world) for r in range(world)], f"step {step} repeated or partial: {seen}"
-        worlds.append(world)
-    return worlds
-
-
-def check_samples(lines: list[dict]) -> None:
-    """The job's samples in step and rank order are each epoch's global order, nothing repeated."""
-    by_epoch = defaultdict(list)
-    for line in sorted(lines, key=lambda line: (line["step"], line["rank"])):
-        by_epoch[line["epoch"]].extend(line["samples"])
-    for epoch, got in by_epoch.items():
-        order = ResumableSampler(100, 4, world_size=1)
-        order.set_epoch(epoch)
-        assert got == order.order()[: len(got)], f"epoch {epoch}: an index repeated, skipped or out of order"
-        if epoch < max(by_epoch):
-            assert 100 - len(got) < 8, f"epoch {epoch} ended early"
-
-
-def spans(worlds: list[int]) -> list[tuple[int, int]]:
-    """(world size, last step) of each run of equal world sizes."""
-    out = []
-    for step, world in enumerate(worlds):
-        if out and out[-1][0] == world:
-            out[-1] = (world, step)
-        else:
-            out.append((world, step))
-    return out
-
-
 def test_two_nodes_one_reclaimed_the_other_goes_on_alone_then_a_new_node_joins(tmp_path):
-    rdzv = Rendezvous("1:2", max_restarts=3)
+    rdzv = rendezvous("1:2", max_restarts=3)
     ckpt, out = tmp_path / "ckpt", tmp_path / "out.json"
     args = [*ARGS, "--out", str(out)]
     nodes = [rdzv.join(0, str(ckpt), tmp_path, args), rdzv.join(1, str(ckpt), tmp_path, args)]
@@ -81,10 +37,10 @@ def test_two_nodes_one_reclaimed_the_other_goes_on_alone_then_a_new_node_joins(t
     finally:
         stop_all(nodes)
 
-    lines = records(nodes)
-    schedule = spans(check_steps(lines))
+    records = [r for node in nodes for r in step_lines(node.lines)]
+    schedule = spans(check_steps(records, STEPS))  # each raises CheckFailed, saying what broke
     assert [w for w, _ in schedule] == [2, 1, 2], schedule
-    check_samples(lines)
+    check_samples(records, 100, 4)
     reclaimed = json.loads(nodes[1].exit_file.read_text())
     assert (reclaimed["exit_code"], reclaimed["committed"], reclaimed["leaving"]) == (143, True, True)
     assert reclaimed["step"] == schedule[0][1]
@@ -106,7 +62,7 @@ def test_two_nodes_one_reclaimed_the_other_goes_on_alone_then_a_new_node_joins(t
 def test_the_reclaimed_node_was_the_last_above_min_the_job_stops_with_restart_me(tmp_path):
     """--nnodes 2:2: one survivor cannot form a round, so it commits, stops its own agent and leaves
     "restart me" (143, committed) in its exit file, instead of waiting out the join timeout."""
-    rdzv = Rendezvous("2:2", max_restarts=3)
+    rdzv = rendezvous("2:2", max_restarts=3)
     ckpt = str(tmp_path / "ckpt")
     env = {"SPOTGUARD_MIN_NODES": "2"}
     nodes = [rdzv.join(i, ckpt, tmp_path, ["--steps", "200", "--step-time", "0.05"], env) for i in range(2)]
