@@ -324,7 +324,8 @@ class Guard:
             departure = Departure(leaving, self._meeting_store, prefix)
         self.leaving = self.topology.rank in leaving or departure is None
         self._withdrawal = elastic.withdrawal(
-            reclaimed=notice.cloud != "signal",
+            # this node's own cloud notice, whatever other notices (a joining node's SIGTERM) came with it
+            reclaimed=any(n.node == self.topology.node and n.cloud != "signal" for n in notices),
             leaving=self.leaving,
             ranks_left=self.topology.world_size - len(leaving),
             at_least=self.min_nodes,
