@@ -4,12 +4,14 @@
 
 On several nodes, each node runs the same command with its own node rank, e.g.
 `torchrun --nnodes 2 --node-rank 0 --nproc-per-node 8 --master-addr HOST --master-port 29500 ...`;
-when one node is reclaimed, the others commit the checkpoint without it.
+when one node is reclaimed, the others commit the checkpoint without it. Elastic (see the README's
+"Elastic training"): `torchrun --nnodes 1:2 --rdzv-backend c10d --rdzv-endpoint HOST:PORT --max-restarts 8 ...`
+with `--dataset N`, and the survivors train on at the smaller world size with the same data order.
 
 Start it again after an interruption (same command) and it resumes from the newest
 committed checkpoint. Deterministic on CPU: the data of a step depends only on
-the step and the rank, so an interrupted-and-resumed run ends with the same
-weights as one that never stopped.
+the step and the rank (with --dataset: on the global position of a ResumableSampler, whatever the
+world size), so an interrupted-and-resumed run ends with the same weights as one that never stopped.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import spotguard
 from spotguard.checkpoint import state_digest
+from spotguard.data import ResumableBatchSampler
 
 
 def build_model(hidden: int = 256) -> torch.nn.Module:
@@ -59,6 +62,38 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x.pow(2).mean(dim=1, keepdim=True)
 
 
+class Samples(torch.utils.data.Dataset):
+    """A map-style dataset: sample i depends only on i."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        x = torch.randn(64, generator=torch.Generator().manual_seed(i))
+        return x, x.pow(2).mean(dim=0, keepdim=True), i
+
+
+def batches(args: argparse.Namespace, start: int, rank: int, sampler: ResumableBatchSampler | None):
+    """(step, x, y, sample indices) from `start` to the last step: synthetic per step, or the
+    dataset's epochs through a DataLoader (the sampler's saved position says where to go on)."""
+    if sampler is None:
+        for step in range(start, args.steps):
+            yield (step, *batch(step, rank), [])
+        return
+    loader = torch.utils.data.DataLoader(Samples(args.dataset), batch_sampler=sampler, num_workers=args.workers)
+    step = start
+    while step < args.steps:
+        for x, y, index in loader:
+            yield step, x, y, index.tolist()
+            step += 1
+            if step == args.steps:
+                return
+        sampler.set_epoch(sampler.epoch + 1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -74,6 +109,11 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256, help="hidden width (the state grows with its square)")
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (to watch it)")
     parser.add_argument("--out", help="write the final weights' digest here as JSON (rank 0)")
+    parser.add_argument("--dataset", type=int, help="train on a map-style dataset of this many samples (epochs)")
+    parser.add_argument("--batch-size", type=int, default=8, help="samples per rank per step (--dataset)")
+    parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes (--dataset)")
+    parser.add_argument("--log-samples", action="store_true", help="every rank prints its steps and sample indices")
+    parser.add_argument("--save-final", action="store_true", help="commit a checkpoint of the last step at the end")
     args = parser.parse_args()
     if not args.checkpoint_dir:
         parser.error("--checkpoint-dir or SPOTGUARD_CHECKPOINT_DIR is required")
@@ -89,24 +129,40 @@ def main() -> None:
     net = shard(model) if args.fsdp else DDP(model) if distributed else model
     optimizer = torch.optim.AdamW(net.parameters(), lr=3e-3)
     state = {"model": net, "optim": optimizer}
+    sampler = ResumableBatchSampler(args.dataset, args.batch_size) if args.dataset else None
+    if sampler is not None:
+        state["data"] = sampler  # the global position: exactly-once data over restarts at any world size
+    world = dist.get_world_size() if distributed else 1
 
     with spotguard.Guard(
         args.checkpoint_dir, cloud=args.cloud, local_dir=args.local_dir, save_every=args.save_every
     ) as guard:
         start = guard.resume(state)
-        for step in range(start, args.steps):
-            x, y = batch(step, rank)
+        for step, x, y, samples in batches(args, start, rank, sampler):
             loss = F.mse_loss(net(x), y)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
-            if rank == 0:
+            if sampler is not None:
+                sampler.advance()  # before guard.step(): a checkpoint of this step includes its batch
+            if args.log_samples:
+                line = {
+                    "step": step,
+                    "rank": rank,
+                    "world": world,
+                    "epoch": sampler.epoch if sampler is not None else 0,
+                    "samples": samples,
+                }
+                print(json.dumps(line), flush=True)
+            elif rank == 0:
                 print(json.dumps({"step": step, "loss": round(loss.item(), 6)}), flush=True)
             if args.step_time:
                 time.sleep(args.step_time)
             if guard.step(step, state):
                 break
         else:
+            if args.save_final and start < args.steps:
+                guard.save(args.steps - 1, state)
             # The whole model on rank 0 (FSDP2 gathers the shards: every rank takes part).
             weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             if rank == 0 and args.out:

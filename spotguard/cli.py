@@ -101,8 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="an end-to-end run: training, interruption, emergency save, resume")
     demo.add_argument("--dir", help="checkpoint directory (default: a fresh temporary one)")
-    demo.add_argument("--world-size", type=int, default=2, choices=range(1, 5), metavar="N")
-    demo.add_argument("--cloud", choices=CLOUDS, default="aws")
+    demo.add_argument("--world-size", type=int, choices=range(1, 5), metavar="N", help="ranks (default 2)")
+    demo.add_argument("--cloud", choices=CLOUDS, help="whose notice (default aws)")
+    demo.add_argument(
+        "--elastic", action="store_true", help="two torchrun nodes: one reclaimed, the other trains on, one joins"
+    )
 
     # Both use SPOTGUARD_CHECKPOINT_KEY when it is set: steps not signed with it are then not committed / BAD.
     ls = sub.add_parser("ls", help="list checkpoints of a directory or bucket")
@@ -200,8 +203,14 @@ def _simulate(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from spotguard.demo import DemoFailed, run_demo
 
+    if args.elastic:
+        if args.world_size is not None or args.cloud is not None:
+            raise ValueError("--elastic runs two nodes of one rank each with AWS notices: drop --world-size / --cloud")
+        from spotguard.elastic_demo import run_elastic_demo
+
+        return run_elastic_demo(args.dir)
     try:
-        return run_demo(args.dir, world_size=args.world_size, cloud=args.cloud)
+        return run_demo(args.dir, world_size=args.world_size or 2, cloud=args.cloud or "aws")
     except DemoFailed as exc:
         print(f"spotguard demo: {exc}", file=sys.stderr)
         return 1

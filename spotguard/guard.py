@@ -41,7 +41,7 @@ from cloud_adapters.signals import SignalSource, parse_signal
 from cloud_adapters.sources import CLOUDS, cloud_sources
 from cloud_adapters.storage import write_durably
 from cloud_adapters.stores import check_location
-from spotguard import __version__, topology
+from spotguard import __version__, elastic, topology
 from spotguard.agreement import Decision, StepAgreement
 from spotguard.broadcast import EMERGENCY, Broadcast, inbox_connection, listener_store
 from spotguard.cadence import DEFAULT_MAX_S, DEFAULT_MIN_S, Cadence, Choice
@@ -94,6 +94,8 @@ class Guard:
         thread_count: parallel uploads / downloads / verifications per rank.
         checkpoint_key: a secret (bytes or str) to sign saves with and to require on resume;
             default: SPOTGUARD_CHECKPOINT_KEY when set, else no authentication.
+        min_nodes: under an elastic torchrun (`--nnodes=MIN:MAX`), its MIN: survivors fewer than
+            this stop their agents instead of restarting (default: SPOTGUARD_MIN_NODES, else 1).
     """
 
     def __init__(
@@ -120,6 +122,7 @@ class Guard:
         write_threads: int | None = None,
         thread_count: int = 4,
         checkpoint_key: bytes | str | None = None,
+        min_nodes: int | None = None,
     ) -> None:
         if cloud not in CLOUDS + ("none", "auto"):
             raise ValueError(f"cloud must be one of {CLOUDS + ('none', 'auto')}, not {cloud!r}")
@@ -150,12 +153,14 @@ class Guard:
         self.write_threads = write_threads
         self.thread_count = thread_count
         self._checkpoint_key = resolve_key(checkpoint_key)  # checked now; kept out of reprs and logs
+        self.min_nodes = elastic.min_nodes(min_nodes)
         self._store = store
 
         self.notice: Notice | None = None  # the interruption being handled, once one arrives
         self.interrupted = False  # step() returned True for an emergency
         self.emergency_saved = False  # ... and its checkpoint was committed
         self.leaving = False  # ... and this node was the one reclaimed
+        self._withdrawal: str | None = None  # why this node's torchrun agent must not restart it
         self.timeline = Timeline()
         self._entered = False
         self._ckpt: Checkpointer | None = None
@@ -208,7 +213,7 @@ class Guard:
         # Where leaving ranks and survivors meet in an emergency: a connection of its own, as the
         # listener has, never shared with the threads that publish and tick on `store`.
         self._meeting_store = listener_store(store)
-        self._prefix = prefix = topology.run_prefix()
+        self._prefix = prefix = topology.run_prefix(store, self._group)
         listen_store = listener_store(store)  # the agreement runs on the listener thread too
         self._broadcast = Broadcast(
             store,
@@ -249,6 +254,7 @@ class Guard:
             )
             if self._ledger is not None:
                 self._ledger.close(timeout_s=2.0)
+            self._leave_agent()
             logging.shutdown()
             sys.stdout.flush()
             sys.stderr.flush()
@@ -259,7 +265,12 @@ class Guard:
                 log.warning("emergency checkpoint committed; exiting with code %d so the job is restarted", code)
             else:
                 log.error("interrupted without a new checkpoint; exiting with code %d so the job is restarted", code)
+            self._leave_agent()
             sys.exit(code)
+
+    def _leave_agent(self) -> None:
+        if self._withdrawal and self.topology.is_node_leader:
+            elastic.withdraw_agent(self._withdrawal)
 
     def _teardown(self) -> None:
         self._stop_timer.set()
@@ -353,6 +364,13 @@ class Guard:
             prefix = f"{self._prefix}emergency/{emergencies[0].round}/"
             departure = Departure(leaving, self._meeting_store, prefix)
         self.leaving = self.topology.rank in leaving or departure is None
+        self._withdrawal = elastic.withdrawal(
+            # this node's own cloud notice, whatever other notices (a joining node's SIGTERM) came with it
+            reclaimed=any(n.node == self.topology.node and n.cloud != "signal" for n in notices),
+            leaving=self.leaving,
+            ranks_left=self.topology.world_size - len(leaving),
+            at_least=self.min_nodes,
+        )
         self.timeline.add(
             "save-start",
             step=step,

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 import socket
 
 import torch.distributed as dist
-
-_instances = itertools.count()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +55,15 @@ def current() -> Topology:
     return Topology(0, 1, 0, False, node_name(0))
 
 
-def run_prefix() -> str:
-    """A store prefix unique to this run, this restart and this Guard.
+def run_prefix(store: dist.Store, group: dist.ProcessGroup | None) -> str:
+    """A store prefix unique to this Guard in this job, the same on every rank of `group`.
 
-    torchrun keeps its store across worker restarts, so the restart count is part
-    of it; every rank creates its Guards in the same order, so the counter agrees.
+    torchrun's agents keep their store across worker restarts, and an elastic job's agents count
+    restarts differently (a node that joined later has fewer), so rank 0 draws a number from the
+    store and tells the others.
     """
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return f"spotguard/{run_id}/{restart}/{next(_instances)}/"
+    drawn = [store.add(f"spotguard/{run_id}/guards", 1) if group is None or dist.get_rank() == 0 else None]
+    if group is not None:
+        dist.broadcast_object_list(drawn, src=0, group=group)
+    return f"spotguard/{run_id}/{drawn[0]}/"

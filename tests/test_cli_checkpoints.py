@@ -100,6 +100,13 @@ def test_demo_runs_end_to_end_at_three_ranks_and_removes_its_directory(tmp_path,
         assert f" {event} " in out.stdout
 
 
+def test_elastic_demo_refuses_options_that_do_not_apply():
+    out = cli("demo", "--elastic", "--world-size", "3")
+    assert out.returncode == 2 and out.stderr.strip() == (
+        "spotguard demo: --elastic runs two nodes of one rank each with AWS notices: drop --world-size / --cloud"
+    )
+
+
 def test_ls_and_verify_a_bucket_show_progress(storage_servers, monkeypatch, tmp_path):
     from tests.conftest import backend_for
 

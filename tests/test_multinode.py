@@ -15,7 +15,7 @@ import pytest
 
 from spotguard.checkpoint import list_checkpoints, verify_checkpoint
 from tests.conftest import backend_for
-from tests.nodes import Node, start_nodes, stop_all
+from tests.nodes import Node, run_nodes, start_nodes, stop_all
 
 STEPS = 30
 BASE = ["--steps", str(STEPS), "--step-time", "0.03"]
@@ -30,17 +30,6 @@ def rng(request):
     return random.Random(request.node.nodeid)
 
 
-def run(nnodes, ckpt, tmp, args, out=None):
-    """A whole run with no interruption; returns what rank 0 wrote to `out`."""
-    nodes = start_nodes(nnodes, str(ckpt), tmp, [*args, *(["--out", str(out)] if out else [])])
-    try:
-        codes = [node.finish(180) for node in nodes]
-    finally:
-        stop_all(nodes)
-    assert codes == [0] * nnodes, "\n".join(node.tail() for node in nodes)
-    return json.loads(out.read_text()) if out else None
-
-
 @pytest.fixture(scope="module")
 def references(tmp_path_factory):
     """Final-weight digests of two-node runs that were never interrupted, per sharding."""
@@ -49,7 +38,7 @@ def references(tmp_path_factory):
     def get(sharding):
         if sharding not in found:
             tmp = tmp_path_factory.mktemp(f"reference-{sharding}")
-            found[sharding] = run(2, tmp / "ckpt", tmp, BASE + SHARDING[sharding], tmp / "ref.json")["digest"]
+            found[sharding] = run_nodes(2, tmp / "ckpt", tmp, BASE + SHARDING[sharding], tmp / "ref.json")["digest"]
         return found[sharding]
 
     return get
@@ -106,7 +95,7 @@ def test_survivors_commit_without_the_reclaimed_node_and_resume_bit_identical(sh
     assert ("handed" if sharding == "fsdp" else "save step") in nodes[1].output()
 
     fresh = tmp_path / "fresh"
-    resumed = run(2, ckpt, fresh, BASE + SHARDING[sharding], fresh / "resumed.json")
+    resumed = run_nodes(2, ckpt, fresh, BASE + SHARDING[sharding], fresh / "resumed.json")
     assert resumed["start"] == info.step + 1
     assert resumed["digest"] == references(sharding)
 
@@ -122,7 +111,7 @@ def test_three_nodes_the_two_survivors_share_the_writing(tmp_path, rng):
     assert written[0] > 0 and written[1] > 0, written  # DCP balanced the replicated tensors over both survivors
     assert not list((tmp_path / "node1").glob("step-*"))
     fresh = tmp_path / "fresh"
-    assert run(3, ckpt, fresh, BASE, fresh / "resumed.json")["start"] == info.step + 1
+    assert run_nodes(3, ckpt, fresh, BASE, fresh / "resumed.json")["start"] == info.step + 1
 
 
 # The reclaimed node is SIGKILLed (its VM vanishes) a random moment after a line it or the
@@ -185,7 +174,7 @@ def test_object_store_survivors_upload_and_a_fresh_pair_of_nodes_resumes(tmp_pat
     (info,) = committed_steps(backend.url)
     assert all(r.ok for r in verify_checkpoint(backend.url))
     fresh = tmp_path / "fresh"  # new VMs: empty staging dirs, everything comes from the bucket
-    assert run(2, backend.url, fresh, BASE + ["--fsdp"], fresh / "resumed.json")["start"] == info.step + 1
+    assert run_nodes(2, backend.url, fresh, BASE + ["--fsdp"], fresh / "resumed.json")["start"] == info.step + 1
 
 
 def test_sigterm_to_one_node_makes_only_that_node_leave(tmp_path, rng):

@@ -279,12 +279,24 @@ output "{cloud}" {{
 """
         for cloud in CLOUD_MODULES
     )
+    calls += f"""module "elastic" {{
+  source         = "{tf_copy / "modules" / STARTUP_MODULE}"
+  cloud          = "aws"
+  job_name       = "llm-run"
+  checkpoint_dir = "s3://ckpt-bucket/llm-run"
+  nodes          = 4
+  job            = {{ min_nodes = 2, rdzv_endpoint = "10.0.0.5:29400", max_restarts = 16 }}
+}}
+output "elastic" {{
+  value = module.elastic.script
+}}
+"""
     (root / "main.tf").write_text(calls)
     tf(["init", "-backend=false", "-no-color"], root, tf_env)
     tf(["apply", "-auto-approve", "-no-color"], root, tf_env)
     outputs = json.loads(tf(["output", "-json"], root, tf_env))
     scripts = {}
-    for cloud in CLOUD_MODULES:
+    for cloud in (*CLOUD_MODULES, "elastic"):
         scripts[cloud] = root / f"startup-{cloud}.sh"
         scripts[cloud].write_text(outputs[cloud]["value"])
     return scripts
@@ -349,3 +361,18 @@ def test_startup_torchrun_command_matches_torchrun(startup_scripts: dict[str, Pa
         "--note",
         "it's quoted",
     ]
+
+
+def test_elastic_startup_runs_torchrun_with_a_node_range_and_tells_the_guard_its_min(startup_scripts) -> None:
+    from torch.distributed.run import get_args_parser
+
+    args = parse_or_fail(get_args_parser(), command_argv(startup_scripts["elastic"], "train")[1:], "torchrun")
+    assert (args.nnodes, args.rdzv_backend, args.rdzv_endpoint, args.max_restarts) == (
+        "2:4",
+        "c10d",
+        "10.0.0.5:29400",
+        16,
+    )
+    text = startup_scripts["elastic"].read_text()
+    assert "export SPOTGUARD_MIN_NODES='2'" in text and "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text
+    assert "SPOTGUARD_MIN_NODES" not in startup_scripts["aws"].read_text()  # not elastic: nothing set

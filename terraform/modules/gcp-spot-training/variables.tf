@@ -110,6 +110,7 @@ variable "job" {
     nproc_per_node   = optional(string, "gpu")
     rdzv_endpoint    = optional(string, "")
     max_restarts     = optional(number, 2)
+    min_nodes        = optional(number, 0)
     watch_interval_s = optional(number, 1)
     requeue_grace_s  = optional(number, 300)
   })

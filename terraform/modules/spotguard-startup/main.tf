@@ -1,12 +1,15 @@
 locals {
   # One node needs no external rendezvous host; several must agree on one.
   rdzv_endpoint = var.job.rdzv_endpoint != "" ? var.job.rdzv_endpoint : "localhost:29400"
+  # Elastic (README "Elastic training"): survivors train on down to min_nodes.
+  elastic = var.job.min_nodes > 0 && var.job.min_nodes < var.nodes
 
   script = templatefile("${path.module}/startup.sh.tftpl", {
     cloud            = var.cloud
     job_name         = var.job_name
     checkpoint_dir   = var.checkpoint_dir
-    nodes            = var.nodes
+    nnodes           = local.elastic ? "${var.job.min_nodes}:${var.nodes}" : tostring(var.nodes)
+    min_nodes        = local.elastic ? var.job.min_nodes : 0
     environment      = var.environment
     train_script     = var.job.train_script
     train_args       = var.job.train_args

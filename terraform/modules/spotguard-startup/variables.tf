@@ -59,7 +59,8 @@ variable "job" {
     - code_repo_url / code_ref: git repository (and branch or tag) cloned into /opt/spotguard/work; empty means no clone.
     - nproc_per_node: torchrun --nproc-per-node: a number, "gpu", "auto" or "cpu".
     - rdzv_endpoint: host:port of the c10d rendezvous; required for more than one node, localhost:29400 otherwise.
-    - max_restarts: torchrun --max-restarts (worker-group restarts on the same VM before torchrun gives up).
+    - max_restarts: torchrun --max-restarts (worker-group restarts on the same VM before torchrun gives up; under elastic training each reclaim of another node uses one).
+    - min_nodes: elastic training: torchrun --nnodes=MIN_NODES:NODES; when a VM is reclaimed the others train on while at least this many remain, and the job grows back when the replacement joins. 0 (default) or NODES: not elastic.
     - watch_interval_s: polling interval of the `spotguard watch` sidecar.
     - requeue_grace_s: after the job stops because of an interruption notice, how long to wait for the VM to be reclaimed before resuming on this VM (a rebalance recommendation does not always end in a reclaim).
   EOT
@@ -73,6 +74,7 @@ variable "job" {
     nproc_per_node   = optional(string, "gpu")
     rdzv_endpoint    = optional(string, "")
     max_restarts     = optional(number, 2)
+    min_nodes        = optional(number, 0)
     watch_interval_s = optional(number, 1)
     requeue_grace_s  = optional(number, 300)
   })
@@ -97,6 +99,10 @@ variable "job" {
   validation {
     condition     = var.job.max_restarts >= 0 && var.job.max_restarts <= 100 && floor(var.job.max_restarts) == var.job.max_restarts
     error_message = "job.max_restarts must be a whole number between 0 and 100."
+  }
+  validation {
+    condition     = var.job.min_nodes >= 0 && floor(var.job.min_nodes) == var.job.min_nodes
+    error_message = "job.min_nodes must be a whole number, 0 for a job that is not elastic."
   }
   validation {
     condition     = var.job.watch_interval_s > 0 && var.job.watch_interval_s <= 60
