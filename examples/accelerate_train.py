@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
-import time
 
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator, DataLoaderConfiguration
 from accelerate.utils import set_seed
+from pause import wait_while_paused  # examples/pause.py
 from torch.utils.data import DataLoader, TensorDataset
 
 from spotguard.checkpoint import state_digest
@@ -32,9 +33,11 @@ def main() -> None:
     parser.add_argument("--checkpoint-dir", required=True)
     parser.add_argument("--cloud", default="auto", choices=["auto", "aws", "gcp", "azure", "none"])
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (to watch it)")
+    parser.add_argument("--pause-file", help="wait after the step this file names, until it is removed (see pause.py)")
     parser.add_argument("--out", help="write the final weights' digest here as JSON (rank 0)")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("spotguard").setLevel(logging.INFO)  # the agreed step, the save, the commit
 
     # A seedable sampler: each epoch's shuffle depends on the seed and the epoch only.
     accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
@@ -60,7 +63,7 @@ def main() -> None:
             scheduler.step()
             optimizer.zero_grad()
             print(json.dumps({"rank": accelerator.process_index, "pid": os.getpid(), "step": step}), flush=True)
-            time.sleep(args.step_time)
+            wait_while_paused(args.pause_file, step)
             if run.step(step):  # True on every rank at the agreed step, once its checkpoint is committed
                 break
             step += 1

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
-import time
 from typing import Any
 
 import torch
+from pause import wait_while_paused  # examples/pause.py
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from spotguard.checkpoint import state_digest
@@ -25,14 +26,14 @@ from spotguard.integrations.hf import SpotGuardTrainerCallback, train
 
 
 class Progress(TrainerCallback):
-    """Prints each finished step (the tests interrupt at one) and slows steps down to watch them."""
+    """Prints each finished step, then waits while the pause file names it (to interrupt it at a chosen step)."""
 
-    def __init__(self, step_time: float) -> None:
-        self.step_time = step_time
+    def __init__(self, pause_file: str | None) -> None:
+        self.pause_file = pause_file
 
     def on_step_end(self, args: TrainingArguments, state: Any, control: Any, **kwargs: Any) -> None:
         print(json.dumps({"rank": args.process_index, "pid": os.getpid(), "step": state.global_step}), flush=True)
-        time.sleep(self.step_time)
+        wait_while_paused(self.pause_file, state.global_step)
 
 
 def data(n: int = 64, length: int = 16) -> list[dict[str, torch.Tensor]]:
@@ -47,9 +48,11 @@ def main() -> None:
     parser.add_argument("--output-dir", default="hf_output", help="the Trainer's own output")
     parser.add_argument("--cloud", default="auto", choices=["auto", "aws", "gcp", "azure", "none"])
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (to watch it)")
+    parser.add_argument("--pause-file", help="wait after the step this file names, until it is removed (see pause.py)")
     parser.add_argument("--out", help="write the final weights' digest here as JSON (rank 0)")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("spotguard").setLevel(logging.INFO)  # the agreed step, the save, the commit
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(
@@ -73,7 +76,8 @@ def main() -> None:
     spotguard = SpotGuardTrainerCallback(
         args.checkpoint_dir, cloud=args.cloud, metadata_url=os.environ.get("SPOTGUARD_METADATA_URL")
     )
-    trainer = Trainer(model=model, args=training, train_dataset=data(), callbacks=[Progress(args.step_time), spotguard])
+    callbacks = [Progress(args.pause_file), spotguard]
+    trainer = Trainer(model=model, args=training, train_dataset=data(), callbacks=callbacks)
     result = train(trainer)  # after an emergency, exits 143 here (exit_code=None: returns)
     if training.process_index == 0 and args.out:
         with open(args.out, "w") as f:

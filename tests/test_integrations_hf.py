@@ -1,29 +1,20 @@
 """Hugging Face's Trainer (DDP, 2 CPU processes under torchrun, a tiny GPT-2 with dropout) with
-SpotGuardTrainerCallback: an AWS notice at a random step, or SIGTERM to one rank only; every rank
-stops at the agreed step, the checkpoint is committed, the next run resumes at the step after it
-(through the Trainer's own skip and RNG restore) and ends bit-identical to a run that never stopped."""
+SpotGuardTrainerCallback: an AWS notice at a random step, then SIGTERM to one rank only at a later
+one; each time every rank stops at the agreed step, the checkpoint is committed and the next run
+resumes at the step after it (through the Trainer's own `resume_from_checkpoint` skip and RNG
+restore); a later save killed mid-write is ignored, and the run ends bit-identical to a run that
+never stopped."""
 
 import pytest
 
 pytest.importorskip("transformers")
 
-from tests.torchrun_examples import aws_notice, reference_run, sigterm_to_rank_1  # noqa: E402
-
-SCRIPT = "hf_trainer_train.py"
-STEPS = 12  # 3 epochs of 4 optimizer steps (8 batches per rank, 2 accumulated per step)
+from tests.framework_runs import notice_then_sigterm_then_finish  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    return reference_run(SCRIPT, tmp_path_factory.mktemp("reference"))
-
-
-def test_aws_notice_at_a_random_step_stops_every_rank_and_resumes_bit_identical(tmp_path, reference, request):
-    aws_notice(SCRIPT, tmp_path, reference, request.node.nodeid, STEPS)
-
-
-def test_sigterm_to_one_rank_only_takes_the_same_path(tmp_path, reference, request):
-    sigterm_to_rank_1(SCRIPT, tmp_path, reference, request.node.nodeid, STEPS)
+def test_notice_then_sigterm_to_one_rank_each_stop_every_rank_and_the_run_ends_bit_identical(tmp_path, request):
+    # global_step 1 to 12: 3 epochs of 4 optimizer steps (8 batches per rank, 2 accumulated per step)
+    notice_then_sigterm_then_finish("hf_trainer_train.py", tmp_path, request.node.nodeid, 1, 12)
 
 
 def test_misuse_fails_with_a_clear_error(tmp_path):
