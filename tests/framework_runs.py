@@ -34,7 +34,7 @@ TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 
 
 class Run:
-    """One torchrun of an example; its output is read on a thread, so a hung run cannot block the test."""
+    """One launch of an example; its output is read on a thread, so a hung run cannot block the test."""
 
     def __init__(self, script, tmp, cloud="none", env=None, launcher=TORCHRUN):
         cmd = [*launcher, str(ROOT / "examples" / script), "--checkpoint-dir", str(tmp / "ckpt")]
@@ -42,7 +42,13 @@ class Run:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "SPOTGUARD_EXIT_FILE": str(tmp / "exit.json"), **(env or {})}
         (tmp / "cwd").mkdir(exist_ok=True)  # the framework's own output goes here
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=tmp / "cwd"
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=tmp / "cwd",
+            start_new_session=True,  # so that a failed test can kill the launcher and its workers at once
         )
         self._lines: list[str] = []
         self._eof = threading.Event()
@@ -60,16 +66,25 @@ class Run:
     def wait_for(self, done, what):
         """Poll until `done(output)`; fail with the output if the run ends or hangs first."""
         deadline = time.monotonic() + HANG_S
-        while not done(self.out):
-            if self._eof.is_set() or time.monotonic() > deadline:
-                self.proc.kill()
+        while True:
+            ended = self._eof.is_set()  # before reading the output: all of it is in by then
+            if done(self.out):
+                return
+            if ended or time.monotonic() > deadline:
+                self.kill()
                 pytest.fail(f"{what}: not seen before the run ended or {HANG_S} s passed\n{self.out[-3000:]}")
             time.sleep(0.05)
+
+    def kill(self):
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
     def finish(self):
         """The launcher's exit code and the whole output."""
         if not self._eof.wait(HANG_S):
-            self.proc.kill()
+            self.kill()
             pytest.fail(f"the run did not end within {HANG_S} s\n{self.out[-3000:]}")
         return self.proc.wait(), self.out
 
