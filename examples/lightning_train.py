@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
-import time
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from pause import wait_while_paused  # examples/pause.py
 from torch.utils.data import DataLoader, TensorDataset
 
 from spotguard.checkpoint import state_digest
@@ -26,22 +28,30 @@ from spotguard.integrations.lightning import SpotGuardCallback
 
 
 class Regressor(pl.LightningModule):
-    def __init__(self, step_time: float = 0.0) -> None:
+    def __init__(self) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
-        self.step_time = step_time
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = F.mse_loss(self.net(x), y)
         self.log("loss", loss)
-        print(json.dumps({"rank": self.global_rank, "pid": os.getpid(), "step": self.global_step}), flush=True)
-        time.sleep(self.step_time)
         return loss
 
     def configure_optimizers(self) -> dict:
         optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
         return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 5, gamma=0.9)}
+
+
+class Progress(Callback):
+    """Prints each finished step, then waits while the pause file names it (to interrupt it at a chosen step)."""
+
+    def __init__(self, pause_file: str | None) -> None:
+        self.pause_file = pause_file
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        print(json.dumps({"rank": trainer.global_rank, "pid": os.getpid(), "step": trainer.global_step}), flush=True)
+        wait_while_paused(self.pause_file, trainer.global_step)
 
 
 def data() -> DataLoader:
@@ -56,12 +66,14 @@ def main() -> None:
     parser.add_argument("--root", default="lightning_logs", help="Lightning's own output (ModelCheckpoint)")
     parser.add_argument("--cloud", default="auto", choices=["auto", "aws", "gcp", "azure", "none"])
     parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (to watch it)")
+    parser.add_argument("--pause-file", help="wait after the step this file names, until it is removed (see pause.py)")
     parser.add_argument("--out", help="write the final weights' digest here as JSON (rank 0)")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("spotguard").setLevel(logging.INFO)  # the agreed step, the save, the commit
 
     pl.seed_everything(0)
-    model = Regressor(args.step_time)
+    model = Regressor()
     spotguard = SpotGuardCallback(
         args.checkpoint_dir, cloud=args.cloud, metadata_url=os.environ.get("SPOTGUARD_METADATA_URL")
     )
@@ -71,7 +83,11 @@ def main() -> None:
         strategy="ddp",
         max_epochs=args.epochs,
         default_root_dir=args.root,
-        callbacks=[spotguard, ModelCheckpoint(dirpath=os.path.join(args.root, "best"), monitor="loss")],
+        callbacks=[
+            Progress(args.pause_file),
+            spotguard,
+            ModelCheckpoint(dirpath=os.path.join(args.root, "best"), monitor="loss"),
+        ],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,

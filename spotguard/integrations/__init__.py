@@ -1,4 +1,5 @@
-"""Drop-ins for training frameworks: `lightning`, `hf` (transformers' Trainer), `accelerate`.
+"""Drop-ins for training frameworks: `lightning` (Trainer), `fabric` (Lightning Fabric loops), `hf`
+(transformers' Trainer) and `accelerate`; `loop` is what the Fabric and Accelerate helpers share.
 
 Each submodule imports its framework; this package imports nothing, so `import spotguard`
 never needs one installed.

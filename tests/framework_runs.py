@@ -1,0 +1,163 @@
+"""Run an example training script (2 CPU processes, under real torchrun or the framework's own
+launcher), interrupt it at random steps, resume it, and compare it with a run that never stopped:
+what the framework tests share.
+
+The examples print `{"rank", "pid", "step"}` after each step, wait after the step their
+`--pause-file` names until it is removed (examples/pause.py), and write their final weights'
+digest to `--out`. The pause makes the interruption land at the chosen step however fast or slow
+the machine is: both ranks wait after that step, the test delivers the interruption and removes
+the file once both have agreed on the step to stop at (the next one they finish: the paused one);
+nothing depends on how many steps fit in some number of seconds.
+"""
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from cloud_adapters.aws.emulator import AWSMetadataEmulator
+from spotguard.checkpoint import MANIFEST_NAME, list_checkpoints, step_dir_name
+
+ROOT = Path(__file__).resolve().parents[1]
+PROGRESS = re.compile(r'\{"rank": \d+, "pid": \d+, "step": \d+\}')  # both ranks share one pipe
+HANG_S = 180  # bounds a hung run only: generous, the machine may be loaded
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0")
+
+
+class Run:
+    """One launch of an example; its output is read on a thread, so a hung run cannot block the test."""
+
+    def __init__(self, script, tmp, cloud="none", env=None, launcher=TORCHRUN):
+        cmd = [*launcher, str(ROOT / "examples" / script), "--checkpoint-dir", str(tmp / "ckpt")]
+        cmd += ["--cloud", cloud, "--pause-file", str(tmp / "pause"), "--out", str(tmp / "out.json")]
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "SPOTGUARD_EXIT_FILE": str(tmp / "exit.json"), **(env or {})}
+        (tmp / "cwd").mkdir(exist_ok=True)  # the framework's own output goes here
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            cwd=tmp / "cwd",
+            start_new_session=True,  # so that a failed test can kill the launcher and its workers at once
+        )
+        self._lines: list[str] = []
+        self._eof = threading.Event()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            self._lines.append(line)
+        self._eof.set()
+
+    @property
+    def out(self):
+        return "".join(self._lines)
+
+    def wait_for(self, done, what):
+        """Poll until `done(output)`; fail with the output if the run ends or hangs first."""
+        deadline = time.monotonic() + HANG_S
+        while True:
+            ended = self._eof.is_set()  # before reading the output: all of it is in by then
+            if done(self.out):
+                return
+            if ended or time.monotonic() > deadline:
+                self.kill()
+                pytest.fail(f"{what}: not seen before the run ended or {HANG_S} s passed\n{self.out[-3000:]}")
+            time.sleep(0.05)
+
+    def kill(self):
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def finish(self):
+        """The launcher's exit code and the whole output."""
+        if not self._eof.wait(HANG_S):
+            self.kill()
+            pytest.fail(f"the run did not end within {HANG_S} s\n{self.out[-3000:]}")
+        return self.proc.wait(), self.out
+
+
+def steps_by_rank(out):
+    steps = {}
+    for m in PROGRESS.findall(out):
+        p = json.loads(m)
+        steps.setdefault(p["rank"], []).append(p)
+    return steps
+
+
+def reference_run(script, tmp, launcher):
+    tmp.mkdir()
+    code, out = Run(script, tmp, launcher=launcher).finish()
+    assert code == 0, out[-3000:]
+    return json.loads((tmp / "out.json").read_text())
+
+
+def interrupted(script, tmp, launcher, at, interrupt, resumed_at, cloud="none", env=None):
+    """Run from the newest committed step (`resumed_at` is the first step expected), pause both ranks
+    after step `at`, `interrupt(pids)`, go on once both agreed; the step committed (`at`)."""
+    (tmp / "pause").write_text(str(at))
+    run = Run(script, tmp, cloud=cloud, env=env, launcher=launcher)
+    run.wait_for(lambda out: _all_reached(out, at), f"both ranks at step {at}")
+    interrupt({r: s[-1]["pid"] for r, s in steps_by_rank(run.out).items()})
+    # Each rank logs the round's result; only then may they go on to the step agreed.
+    run.wait_for(lambda out: len(re.findall(r"all 2 ranks agreed on step \d+ \(emergency\)", out)) == 2, "agreement")
+    (tmp / "pause").unlink()
+    code, out = run.finish()
+    # torchrun reports 1 for its workers: the node's exit file says what they exited with.
+    assert json.loads((tmp / "exit.json").read_text())["exit_code"] == 143, out[-3000:]
+    (tmp / "exit.json").unlink()
+    # The ranks paused before reporting step `at` to the Guard: the agreed step is `at` itself.
+    assert out.count(f"all 2 ranks agreed on step {at} (emergency)") == 2, out[-3000:]
+    assert max(c.step for c in list_checkpoints(str(tmp / "ckpt")) if c.committed) == at, out[-3000:]
+    firsts_and_lasts = {r: (s[0]["step"], s[-1]["step"]) for r, s in steps_by_rank(out).items()}
+    assert firsts_and_lasts == {0: (resumed_at, at), 1: (resumed_at, at)}, out[-3000:]
+    return at
+
+
+def _all_reached(out, step):
+    steps = steps_by_rank(out)
+    return len(steps) == 2 and all(s[-1]["step"] == step for s in steps.values())
+
+
+def notice_then_sigterm_then_finish(script, tmp, seed, first_step, last_step, launcher=TORCHRUN):
+    """An AWS notice at a random step, then (resumed) SIGTERM to rank 1 only at a later one, then a
+    save killed mid-write; the last run resumes past it and ends equal to a run never interrupted."""
+    reference = reference_run(script, tmp / "reference", launcher)
+    tmp = tmp / "interrupted"
+    tmp.mkdir()
+    rng = random.Random(seed)
+    with AWSMetadataEmulator() as emu:
+        env = {"SPOTGUARD_METADATA_URL": emu.url}
+        at = rng.randint(first_step + 1, last_step // 3)
+        first = interrupted(script, tmp, launcher, at, lambda pids: emu.raise_notice(), first_step, "aws", env)
+    at = rng.randint(first + 2, 2 * last_step // 3)
+    second = interrupted(script, tmp, launcher, at, lambda pids: os.kill(pids[1], signal.SIGTERM), first + 1)
+    committed = [(c.step, c.reason) for c in list_checkpoints(str(tmp / "ckpt")) if c.committed]
+    assert committed == [(first, "emergency"), (second, "emergency")]
+    place_a_killed_save(tmp / "ckpt", second)
+
+    code, out = Run(script, tmp, launcher=launcher).finish()
+    assert code == 0, out[-3000:]
+    assert {r: s[0]["step"] for r, s in steps_by_rank(out).items()} == {0: second + 1, 1: second + 1}, out[-3000:]
+    assert json.loads((tmp / "out.json").read_text()) == reference
+
+
+def place_a_killed_save(ckpt, step):
+    """A later step as a save SIGKILLed mid-write leaves it: shards there, one cut short, no manifest."""
+    killed = ckpt / step_dir_name(step + 1)
+    shutil.copytree(ckpt / step_dir_name(step), killed)
+    (killed / MANIFEST_NAME).unlink()
+    shard = next(killed.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])

@@ -1,0 +1,25 @@
+"""A Lightning Fabric loop (DDP, 2 CPU processes under torchrun, dropout on) guarded by
+`spotguard.integrations.fabric.guarded`: an AWS notice at a random step, then SIGTERM to one rank
+only at a later one; each time every rank stops at the agreed step, the checkpoint is committed
+and the next run resumes at the step after it (data position and per-rank RNG restored); a later
+save killed mid-write is ignored, and the run ends bit-identical to a run that never stopped."""
+
+import pytest
+
+pytest.importorskip("lightning")
+
+from tests.framework_runs import notice_then_sigterm_then_finish  # noqa: E402
+
+
+def test_notice_then_sigterm_to_one_rank_each_stop_every_rank_and_the_run_ends_bit_identical(tmp_path, request):
+    notice_then_sigterm_then_finish("fabric_train.py", tmp_path, request.node.nodeid, 0, 23)  # 3 epochs of 8
+
+
+def test_dataloader_not_set_up_by_fabric_is_refused(tmp_path):
+    from lightning.fabric import Fabric
+    from torch.utils.data import DataLoader
+
+    from spotguard.integrations.fabric import guarded
+
+    with pytest.raises(ValueError, match="fabric.setup_dataloaders"):
+        guarded(Fabric(accelerator="cpu", devices=1), str(tmp_path), "none", models=[], dataloader=DataLoader([1]))
