@@ -11,15 +11,13 @@ one that never stopped.
 
 from __future__ import annotations
 
-import argparse
 import json
-import logging
 import os
 
 import torch
 import torch.nn.functional as F
+from example_cli import arguments, log_spotguard, wait_while_paused  # examples/example_cli.py
 from lightning.fabric import Fabric
-from pause import wait_while_paused  # examples/pause.py
 from torch.utils.data import DataLoader, TensorDataset
 
 from spotguard.checkpoint import state_digest
@@ -27,15 +25,9 @@ from spotguard.integrations.fabric import guarded
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint-dir", required=True)
-    parser.add_argument("--cloud", default="auto", choices=["auto", "aws", "gcp", "azure", "none"])
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--pause-file", help="wait after the step this file names, until it is removed (see pause.py)")
-    parser.add_argument("--out", help="write the final weights' digest here as JSON (rank 0)")
+    parser = arguments(__doc__)
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("spotguard").setLevel(logging.INFO)  # the agreed step, the save, the commit
+    log_spotguard()
 
     fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")  # under torchrun: its 2 processes
     fabric.launch()

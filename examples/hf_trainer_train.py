@@ -11,14 +11,12 @@ CPU: an interrupted-and-resumed run ends with the same weights as one that never
 
 from __future__ import annotations
 
-import argparse
 import json
-import logging
 import os
 from typing import Any
 
 import torch
-from pause import wait_while_paused  # examples/pause.py
+from example_cli import arguments, log_spotguard, wait_while_paused  # examples/example_cli.py
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 from spotguard.checkpoint import state_digest
@@ -43,16 +41,10 @@ def data(n: int = 64, length: int = 16) -> list[dict[str, torch.Tensor]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint-dir", required=True)
+    parser = arguments(__doc__)
     parser.add_argument("--output-dir", default="hf_output", help="the Trainer's own output")
-    parser.add_argument("--cloud", default="auto", choices=["auto", "aws", "gcp", "azure", "none"])
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--pause-file", help="wait after the step this file names, until it is removed (see pause.py)")
-    parser.add_argument("--out", help="write the final weights' digest here as JSON (rank 0)")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("spotguard").setLevel(logging.INFO)  # the agreed step, the save, the commit
+    log_spotguard()
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(

@@ -10,17 +10,15 @@ an interrupted-and-resumed run ends with the same weights as one that never stop
 
 from __future__ import annotations
 
-import argparse
 import json
-import logging
 import os
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from example_cli import arguments, log_spotguard, wait_while_paused  # examples/example_cli.py
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from pause import wait_while_paused  # examples/pause.py
 from torch.utils.data import DataLoader, TensorDataset
 
 from spotguard.checkpoint import state_digest
@@ -61,16 +59,10 @@ def data() -> DataLoader:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint-dir", required=True)
+    parser = arguments(__doc__)
     parser.add_argument("--root", default="lightning_logs", help="Lightning's own output (ModelCheckpoint)")
-    parser.add_argument("--cloud", default="auto", choices=["auto", "aws", "gcp", "azure", "none"])
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--pause-file", help="wait after the step this file names, until it is removed (see pause.py)")
-    parser.add_argument("--out", help="write the final weights' digest here as JSON (rank 0)")
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("spotguard").setLevel(logging.INFO)  # the agreed step, the save, the commit
+    log_spotguard()
 
     pl.seed_everything(0)
     model = Regressor()

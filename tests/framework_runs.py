@@ -3,7 +3,7 @@ launcher), interrupt it at random steps, resume it, and compare it with a run th
 what the framework tests share.
 
 The examples print `{"rank", "pid", "step"}` after each step, wait after the step their
-`--pause-file` names until it is removed (examples/pause.py), and write their final weights'
+`--pause-file` names until it is removed (examples/example_cli.py), and write their final weights'
 digest to `--out`. The pause makes the interruption land at the chosen step however fast or slow
 the machine is: both ranks wait after that step, the test delivers the interruption and removes
 the file once both have agreed on the step to stop at (the next one they finish: the paused one);
