@@ -94,6 +94,18 @@ class StepAgreement:
 
         `leaving_nodes(nodes)`, for an interruption, tells which of the job's nodes are being reclaimed.
         """
+        decision, done_with = self._round(round_id, event, timeout_s, leaving_nodes)
+        self._remove_keys(done_with)  # after the round: the training thread never waits on this
+        return decision
+
+    def _round(
+        self,
+        round_id: int,
+        event: dict[str, Any],
+        timeout_s: float,
+        leaving_nodes: Callable[[set[str]], set[str]] | None,
+    ) -> tuple[Decision | None, list[str]]:
+        """The round, holding the step counter; also the key prefixes of rounds no rank reads any more."""
         base = f"{self.prefix}agree/{round_id}/"
         with self._lock:  # freezes this rank's step counter for the whole round
             started = time.monotonic()
@@ -108,9 +120,11 @@ class StepAgreement:
                 proposal = ABORT
             decided = self._decide(f"{base}decision", proposal, deadline + DECIDE_GRACE_S)
             elapsed_ms = (time.monotonic() - started) * 1000
-            if decided not in (ABORT, None):
-                self._clean_up_earlier_rounds()
-            self._finished_rounds.append(base)
+            if decided in (ABORT, None):
+                self._finished_rounds.append(base)
+                done_with: list[str] = []
+            else:  # every rank published in this round, so every rank has left the earlier ones
+                done_with, self._finished_rounds = self._finished_rounds, [base]
             if decided in (ABORT, None):
                 log.error(
                     "round %d: %s; no save in this round, resume will use the last committed checkpoint",
@@ -119,7 +133,7 @@ class StepAgreement:
                     if decided == ABORT
                     else "the store cannot be reached to learn the decision",
                 )
-                return None
+                return None, done_with
             decided = json.loads(decided)
             decision = Decision(round_id, int(decided["step"]), event, tuple(decided["leaving"]))
             self._pending.append(decision)
@@ -133,7 +147,7 @@ class StepAgreement:
                 elapsed_ms,
                 f"; leaving: ranks {list(decision.leaving)}" if decision.leaving else "",
             )
-            return decision
+            return decision, done_with
 
     def _propose(self, keys: list[str], leaving_nodes: Callable[[set[str]], set[str]] | None) -> str:
         answers = [json.loads(self.store.get(k)) for k in keys]
@@ -153,19 +167,17 @@ class StepAgreement:
                     return None
                 time.sleep(0.1)
 
-    def _clean_up_earlier_rounds(self) -> None:
-        """A decided round means every rank published in it, so every rank has left all earlier
-        rounds: their keys can go (this rank's step key; rank 0 also the decision), and a long run
-        keeps only the last rounds' keys in the store. The current round's keys stay: a slow rank
-        may still be reading them."""
+    def _remove_keys(self, rounds: list[str]) -> None:
+        """Remove this rank's step key of `rounds` (rank 0: also their decisions), rounds that no rank
+        reads any more, so that a long run keeps only the last rounds' keys in the store. The current
+        round's keys stay: a slow rank may still be reading them."""
         try:
-            for base in self._finished_rounds:
+            for base in rounds:
                 self.store.delete_key(f"{base}step/{self.rank}")
                 if self.rank == 0:
                     self.store.delete_key(f"{base}decision")
         except Exception as exc:  # noqa: BLE001 - a leftover key costs a few bytes, not a round
             log.debug("could not clean up earlier rounds' keys: %s", exc)
-        self._finished_rounds.clear()
 
     def _wait_for(self, keys: list[str], deadline: float) -> bool:
         # Polls check() rather than blocking in wait(): a timed-out wait() logs socket

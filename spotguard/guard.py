@@ -23,11 +23,12 @@ import json
 import logging
 import operator
 import os
+import signal
 import sys
 import threading
 import time
 import warnings
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -241,7 +242,6 @@ class Guard:
         self._entered = False
         exiting = self.interrupted and self.exit_code is not None and exc_type is None
         code = self.exit_code if self.emergency_saved else self.lost_exit_code
-        self._ledger_exit(code if exiting else None, exc)
         if exiting:
             self._record_exit(code)
         if exiting and self.emergency_saved and not self.last_save.durable:  # type: ignore[union-attr]
@@ -252,6 +252,7 @@ class Guard:
                 self.last_save.error,  # type: ignore[union-attr]
                 code,
             )
+            self._ledger_exit(code, exc)
             if self._ledger is not None:
                 self._ledger.close(timeout_s=2.0)
             self._leave_agent()
@@ -259,23 +260,27 @@ class Guard:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(code)
-        self._teardown()
+        if exiting:  # before the teardown: meanwhile the agent could restart this node into the next round
+            self._leave_agent()
+        self._teardown(lambda: self._ledger_exit(code if exiting else None, exc))
         if exiting:
             if self.emergency_saved:
                 log.warning("emergency checkpoint committed; exiting with code %d so the job is restarted", code)
             else:
                 log.error("interrupted without a new checkpoint; exiting with code %d so the job is restarted", code)
-            self._leave_agent()
             sys.exit(code)
 
     def _leave_agent(self) -> None:
         if self._withdrawal and self.topology.is_node_leader:
             elastic.withdraw_agent(self._withdrawal)
 
-    def _teardown(self) -> None:
+    def _teardown(self, saves_done: Callable[[], None] = lambda: None) -> None:
+        """Stop everything the guard started; `saves_done` runs once the last save has ended."""
         self._stop_timer.set()
         if self._watcher is not None:
             self._watcher.stop()  # also restores the signal handlers
+            if self._withdrawal and self.topology.is_node_leader:  # the withdrawn agent passes its SIGTERM on
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if self._broadcast is not None:
             self._broadcast.stop()
         if self._ckpt is not None:
@@ -283,6 +288,7 @@ class Guard:
                 self._ckpt.wait()
             except Exception:  # noqa: BLE001 - a failed background save is already logged; leave cleanly
                 log.exception("the last background checkpoint failed")
+            saves_done()  # the ledger's exit record comes after the last save's
             if self._ledger is not None:  # after the last save's record, before the store closes
                 self._ledger.close()
             self._ckpt.close()

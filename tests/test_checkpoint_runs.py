@@ -22,17 +22,29 @@ def run_of(root, step) -> str:
     return json.loads((root / f"step-{step:010d}" / MANIFEST_NAME).read_text())["run"]
 
 
-def test_a_resumed_job_is_the_same_run_and_retention_treats_its_steps_as_its_own(tmp_path):
+def test_a_restarted_job_is_a_new_run_whose_saves_go_on_and_whose_retention_covers_the_old_steps(tmp_path):
     with Checkpointer(str(tmp_path), keep_last=1) as first:
         first.save(1, state(1), reason="periodic")
-        first_run = first.run
     with Checkpointer(str(tmp_path), keep_last=1) as restarted:
         assert restarted.resume(state(0)) == 1
-        assert restarted.run == run_of(tmp_path, 1) == first_run
-        restarted.save(2, state(2), reason="periodic")
-        restarted.save(3, state(3), reason="periodic")  # no refusal: the steps are its own
-    assert [c.step for c in list_checkpoints(str(tmp_path))] == [3]  # keep_last deleted its older steps
-    assert run_of(tmp_path, 3) == first_run
+        assert restarted.run != run_of(tmp_path, 1)  # each start of the job is a run of its own
+        restarted.save(2, state(2), reason="periodic")  # the old run's step is older than this run: no sign
+        restarted.save(3, state(3), reason="periodic")
+        assert run_of(tmp_path, 3) == restarted.run
+    assert [c.step for c in list_checkpoints(str(tmp_path))] == [3]  # keep_last deleted the older steps
+
+
+def test_a_second_job_that_resumed_the_first_one_s_step_is_still_told_apart(tmp_path, caplog):
+    """The commonest mistake: the same job launched twice; the second resumes the first's newest step."""
+    with Checkpointer(str(tmp_path), keep_last=1) as a:
+        a.save(1, state(1), reason="periodic")
+        with Checkpointer(str(tmp_path), keep_last=1) as b:
+            assert b.resume(state(0)) == 1
+            a.save(2, state(2), reason="periodic")  # the first job goes on
+            b.save(3, state(3), reason="periodic")  # B's look after its commit sees A's step 2
+            with pytest.raises(CheckpointError, match=rf"step 2 committed by run {a.run}.*two jobs share"):
+                b.save(4, state(4), reason="periodic")
+    assert [c.step for c in list_checkpoints(str(tmp_path))] == [2, 3]  # B deleted none of A's
 
 
 def test_two_jobs_in_one_directory_are_refused_and_keep_each_other_s_steps(tmp_path, caplog):

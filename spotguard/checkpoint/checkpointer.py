@@ -50,7 +50,7 @@ from spotguard.checkpoint.layout import MANIFEST_NAME, manifest_key, sibling_nam
 from spotguard.checkpoint.manifest import REASONS, FileRecord, Manifest, versions
 from spotguard.checkpoint.ownership import SurvivorPlanner, expects_handoff, flat, unique_shards
 from spotguard.checkpoint.resume import load_newest
-from spotguard.checkpoint.runs import RunWatch, SharedDirectory, is_other_run, new_run_id, refuse
+from spotguard.checkpoint.runs import RunWatch, SharedDirectory, new_run_id, refuse
 from spotguard.checkpoint.save import write_shards
 from spotguard.checkpoint.staging import Stager
 from spotguard.checkpoint.state import to_dcp
@@ -162,7 +162,7 @@ class Checkpointer:
         self._stager = Stager()  # background saves copy into its buffers, reused from save to save
         self.last_report: SaveReport | None = None  # of the last save that committed, background ones too
         self._uploads_abandoned = False  # an emergency is coming: background saves commit locally only
-        # This run's id (every rank the same), in each manifest it commits; resume() adopts the loaded step's.
+        # This run's id (every rank the same: one start of the job), in each manifest it commits.
         self.run: str = self.comm.broadcast(new_run_id() if self.comm.is_coordinator else None)
         self._run_watch = RunWatch(utc_now())
         self._refusal: str | None = None  # set on rank 0 once another run was seen committing here
@@ -295,19 +295,7 @@ class Checkpointer:
             threads=self.thread_count,
             key=self._key,
         )
-        if step is not None:  # the job goes on as the run that committed the step it resumed
-            loaded = self.comm.broadcast(self._run_of(step) if self.comm.is_coordinator else None)
-            self.run = loaded or self.run
         return step
-
-    def _run_of(self, step: int) -> str | None:
-        """The run recorded in the manifest of `step`, as resume left it on this node."""
-        root = self.local_root if self.local_root is not None else Path(self.remote.url)
-        try:
-            return Manifest.from_bytes((root / step_dir_name(step) / MANIFEST_NAME).read_bytes()).run
-        except (OSError, ValueError) as exc:
-            log.warning("could not read the run of step %d (%s); this run keeps its own id", step, exc)
-            return None
 
     def close(self) -> None:
         """Finish the in-flight save, stop the worker thread, release the store's connections.
@@ -673,7 +661,9 @@ class Checkpointer:
                 leaving=leaving,
                 run=self.run,
             )
-            final, created = commit_dir(stage, sign(manifest, self._key) if self._key is not None else manifest)
+            final, created = commit_dir(
+                stage, sign(manifest, self._key) if self._key is not None else manifest, self._run_watch
+            )
         except SharedDirectory as exc:
             self._refusal = str(exc)
             return {"error": str(exc)}
@@ -715,7 +705,7 @@ class Checkpointer:
     def _foreign(self, step: int, cutoff: Cutoff) -> str | None:
         """Why the committed `step` in the object store is not this run's to keep (None when it is)."""
         existing = Manifest.from_bytes(within(lambda: self.remote.get_bytes(manifest_key(step)), cutoff))
-        if not is_other_run(existing, self.run):
+        if not self._run_watch.is_concurrent(existing, self.run):
             return None
         self._refusal = str(refuse(self.remote.url, existing, self.run))
         return self._refusal

@@ -10,7 +10,7 @@ from pathlib import Path
 from cloud_adapters.storage import fsync_path, write_durably
 from spotguard.checkpoint.layout import MANIFEST_NAME, sibling_name, step_dir_name
 from spotguard.checkpoint.manifest import Manifest
-from spotguard.checkpoint.runs import is_other_run, refuse
+from spotguard.checkpoint.runs import RunWatch, refuse
 
 log = logging.getLogger(__name__)
 
@@ -24,17 +24,22 @@ def set_aside(step_dir: Path, step: int) -> None:
     os.rename(step_dir, step_dir.parent / sibling_name(step, "stale"))
 
 
-def commit_dir(stage_dir: Path, manifest: Manifest) -> tuple[Path, bool]:
+def commit_dir(stage_dir: Path, manifest: Manifest, runs: RunWatch | None = None) -> tuple[Path, bool]:
     """Write the manifest into `stage_dir` and rename it to `step-N` beside it.
 
     Returns (the step directory, whether this call created it). A step that is already
     committed is never replaced: the new copy is discarded and the old one kept (SharedDirectory
-    when another run committed it).
+    when another run committed it since this one started, as `runs` tells).
     """
     final = stage_dir.parent / step_dir_name(manifest.step)
     if is_committed(final):
-        existing = Manifest.from_bytes((final / MANIFEST_NAME).read_bytes())
-        if manifest.run is not None and is_other_run(existing, manifest.run):
+        existing = _readable_manifest(final)
+        if (
+            runs is not None
+            and manifest.run is not None
+            and existing is not None
+            and runs.is_concurrent(existing, manifest.run)
+        ):
             shutil.rmtree(stage_dir, ignore_errors=True)
             raise refuse(str(final.parent), existing, manifest.run)
         log.warning("step %d is already committed at %s; keeping it and discarding the new copy", manifest.step, final)
@@ -48,3 +53,11 @@ def commit_dir(stage_dir: Path, manifest: Manifest) -> tuple[Path, bool]:
     os.rename(stage_dir, final)
     fsync_path(final.parent)
     return final, True
+
+
+def _readable_manifest(step_dir: Path) -> Manifest | None:
+    """The manifest of a committed step, or None when it cannot be read (then it is only kept, as before)."""
+    try:
+        return Manifest.from_bytes((step_dir / MANIFEST_NAME).read_bytes())
+    except (OSError, ValueError):  # ManifestError is a ValueError
+        return None

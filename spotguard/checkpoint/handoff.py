@@ -386,10 +386,10 @@ def _recv_into(sock: socket.socket, view: memoryview, cutoff: Cutoff, idle_s: fl
     pass at the end would keep the sender waiting for it.
     """
     got = checked = crc = 0
-    sock.settimeout(_timeout(cutoff, idle_s))  # each recv waits at most this long; the cutoff is checked between
     while got < len(view):
         if cutoff.passed():
             raise HandoffError("the deadline passed during the handoff")
+        sock.settimeout(_timeout(cutoff, idle_s))  # a recv waits at most the idle time, never past the cutoff
         n = sock.recv_into(view[got : got + CHUNK])
         if n == 0:
             raise HandoffError(f"the connection closed after {got} of {len(view)} bytes")

@@ -1,11 +1,11 @@
-"""One job per checkpoint_dir: every run has an id, written into each manifest it commits.
+"""One job per checkpoint_dir: every run (one start of the job: one Checkpointer, on every rank
+alike) has an id, written into each manifest it commits.
 
-A fresh start takes a new id; `resume()` takes over the id of the step it loaded, so a job that
-restarts from its own checkpoint stays the same run. A step committed under another id while this
-run is going means two jobs share the directory: each would resume, overwrite, or (retention)
-delete the other's steps. The first sign of it stops this run's saves and retention there, with
-a message that says which run and what to do. Steps another run committed before this one started
-(an earlier job in the same directory) are no sign of it.
+A step that a different run committed *after* this one started means another job is writing into
+the same directory, whether or not it resumed from this directory's steps: each would resume,
+overwrite, or (retention) delete the other's steps. The first sign of it stops this run's saves
+and retention there, with a message that says which run and what to do. Steps committed before
+this run started (an earlier start of the same job, an earlier job) are no sign of it.
 """
 
 from __future__ import annotations
@@ -41,11 +41,15 @@ def refuse(where: str, manifest: Manifest, run: str) -> SharedDirectory:
 
 
 class RunWatch:
-    """Looks, after each save, for steps that another run committed since this one started."""
+    """Tells steps committed by another run since this one started; looks for them after each save."""
 
     def __init__(self, started_at: datetime) -> None:
         self.started_at = started_at
         self._seen: set[int] = set()  # steps whose manifests were already read (listing new ones only)
+
+    def is_concurrent(self, manifest: Manifest, run: str) -> bool:
+        """Committed by another run since this one started: another job writes here."""
+        return is_other_run(manifest, run) and parse_iso8601(manifest.created_at) >= self.started_at
 
     def check(self, store: ObjectStore, run: str) -> None:
         """SharedDirectory when a step new to this watch was committed by another run after it started."""
@@ -53,5 +57,5 @@ class RunWatch:
         fresh = {step: files for step, files in listing.items() if step not in self._seen}
         for manifest in committed_manifests(store, fresh):
             self._seen.add(manifest.step)
-            if is_other_run(manifest, run) and parse_iso8601(manifest.created_at) >= self.started_at:
+            if self.is_concurrent(manifest, run):
                 raise refuse(store.url, manifest, run)
