@@ -23,6 +23,7 @@ import logging
 import math
 import statistics
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +36,9 @@ DEFAULT_RATE_PER_H = 1 / 24  # no prior and no history: one interruption a day
 PRIOR_WEIGHT_H = 4.0  # the prior counts as this many hours of running (bench/cadence_sim.py: 2 to 8 do well)
 RECENT_SAVES = 8  # C is the median stall of this many most recent background saves
 CHANGE = 0.05  # a new interval differing from the last one by more than this fraction is logged
+# A fleet-wide AWS rebalance recommendation reaches every node leader, each of which asks for a
+# save: the requests of one wave, this close together, count once.
+SAME_WAVE_S = 600.0
 
 
 def young_daly(save_cost_s: float, mtbi_s: float) -> float:
@@ -88,6 +92,7 @@ class Cadence:
         self._costs: deque[float] = deque(maxlen=RECENT_SAVES)
         self._history = (0, 0.0)  # (interruptions, hours) of earlier segments
         self._seen = 0  # interruptions and rebalance recommendations during this run
+        self._last_seen_at: float | None = None  # time.monotonic() of the last one counted
         self.on_change = on_change
         self.last: Choice | None = None  # the interval now
         self._announced: Choice | None = None  # the interval last logged (drift is measured from it)
@@ -100,9 +105,14 @@ class Cadence:
         with self._lock:
             self._history = (interruptions, hours)
 
-    def observe_interruption(self) -> None:
-        """An interruption, or a rebalance recommendation, during this run."""
+    def observe_interruption(self, now: float | None = None) -> None:
+        """An interruption, or a rebalance recommendation, during this run (`now`: time.monotonic());
+        several within SAME_WAVE_S of the last one counted are one wave, counted once."""
+        now = time.monotonic() if now is None else now
         with self._lock:
+            if self._last_seen_at is not None and now - self._last_seen_at < SAME_WAVE_S:
+                return
+            self._last_seen_at = now
             self._seen += 1
 
     def rate_per_hour(self, run_hours: float) -> tuple[float, int, float]:

@@ -167,8 +167,12 @@ def test_the_auto_cadence_is_young_daly_within_bounds(caplog):
         assert cadence.interval(0.0) == pytest.approx(120.0)
         cadence.observe_history(interruptions=52, hours=24.0)  # (52 + 4) / 28 = 2/h
         assert cadence.interval(0.0) == pytest.approx(math.sqrt(2 * 2.0 * 1800))
-        cadence.observe_interruption()  # a rebalance recommendation counts as one more
+        cadence.observe_interruption(now=1000.0)  # a rebalance recommendation counts as one more
         assert cadence.rate_per_hour(0.0)[0] == pytest.approx(57 / 28)
+        cadence.observe_interruption(now=1005.0)  # another node leader's request of the same wave
+        assert cadence.rate_per_hour(0.0)[0] == pytest.approx(57 / 28)
+        cadence.observe_interruption(now=1000.0 + 601)  # a later wave
+        assert cadence.rate_per_hour(0.0)[0] == pytest.approx(58 / 28)
         cadence.observe_history(interruptions=0, hours=10_000.0)
         assert cadence.interval(0.0) == 1000 and cadence.last.bound == "max"
     assert [round(c.interval_s) for c in changes] == [10, 120, 85, 1000]  # each change logged once
