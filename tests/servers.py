@@ -36,6 +36,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _listens(pid: int, port: int) -> bool:
+    """Whether process `pid` itself holds the socket listening on `port` (Linux /proc): with tests
+    running in parallel, another process's server may have been given the same free port."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":  # 0A: LISTEN
+                inodes.add(fields[9])
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{fd}") in {f"socket:[{i}]" for i in inodes}:
+                return True
+        except OSError:
+            continue
+    return False
+
+
 class ServerProcess:
     """A server subprocess: started, waited for until its port answers, stopped or killed."""
 
@@ -65,11 +91,9 @@ class ServerProcess:
                 self.log.seek(0)
                 err = self.log.read().decode(errors="replace").strip()[-2000:]
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}: {err}")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+            if _listens(self.proc.pid, self.port):
                 return
-            except OSError:
-                time.sleep(0.1)
+            time.sleep(0.1)
         raise RuntimeError(f"{self.name} did not listen on {self.url} within {timeout:.0f} s")
 
     def freeze(self) -> None:
