@@ -99,15 +99,20 @@ def listing_problems(manifest: Manifest, files: dict[str, ObjectInfo]) -> list[s
     return problems
 
 
-def dir_problems(step_dir: Path, manifest: Manifest, *, threads: int = 4, key: bytes | None = None) -> list[str]:
+def dir_problems(
+    step_dir: Path, manifest: Manifest, *, threads: int = 4, key: bytes | None = None, contents: bool = True
+) -> list[str]:
     """Full check of a local directory: sizes and CRC32C of every manifest file; with a checkpoint
-    `key`, the manifest's HMAC first and every file's SHA-256."""
+    `key`, the manifest's HMAC first and every file's SHA-256. Without `contents`, the files are
+    not read (the load that reads them checks them: shard_read.py)."""
     if step_dir.is_symlink():  # its files would be wherever it points
         return [f"{step_dir} is a symlink, not a step directory"]
     if key is not None and (unsigned := signature_problem(manifest, key)):  # nothing in it is worth reading then
         return [unsigned]
     with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="spotguard-verify") as pool:
-        results = pool.map(lambda r: check_file(step_dir / r.name, r, sha256=key is not None), manifest.files)
+        results = pool.map(
+            lambda r: check_file(step_dir / r.name, r, sha256=key is not None, contents=contents), manifest.files
+        )
         return [p for p in results if p]
 
 

@@ -1,16 +1,20 @@
 """Load the newest good step into the user's state, falling back to older steps when one is bad.
 
 Rank 0 lists the candidate steps. Before DCP reads a byte of a step, its files are
-checked against the manifest (size and CRC32C), and all ranks agree on the outcome
-before loading. With a separate local directory, each node's leader (LOCAL_RANK 0)
-makes sure a verified copy of the step is on its local disk, downloading it when
-needed, and every rank of the node reads from there. A step that then fails to load
-(a refused pickle, a DCP error) is skipped on every rank alike, like one that failed
-verification. A step the store cannot deliver (network or store errors) is not bad:
-resume tries again, within RESUME_TIMEOUT_S, and then fails loudly rather than start
-afresh. The checksums catch damage, not malice: what makes a tampered step harmless
-is that its pickles are read by `safe_pickle`, which cannot run code. With a checkpoint
-key (`auth`), only steps signed with it are loaded, after every file matched its SHA-256.
+checked against the manifest for presence and size, and all ranks agree on the outcome
+before loading; the CRC32C of every byte is checked as the load reads it (shard_read.py: one
+read of each file, not a checking pass and a loading pass). With a separate local directory,
+each node's leader (LOCAL_RANK 0) makes sure a copy of the step is on its local disk,
+downloading (and fully checking) it when needed, and every rank of the node reads from there;
+a local copy found damaged while loading is set aside and fetched again, once. A step that
+fails to load (a damaged file, a refused pickle, a DCP error) is skipped on every rank alike,
+like one that failed the checks before it: an older step is then loaded over the whole state
+(and when none loads after tensors were overwritten, resume raises rather than start afresh).
+A step the store cannot deliver (network or store errors) is not bad: resume tries again,
+within RESUME_TIMEOUT_S, and then fails loudly rather than start afresh. The checksums catch
+damage, not malice: what makes a tampered step harmless is that its pickles are read by
+`safe_pickle`, which cannot run code. With a checkpoint key (`auth`), only steps signed with
+it are loaded, and every file must match its SHA-256 too.
 """
 
 from __future__ import annotations
@@ -22,13 +26,13 @@ import os
 import shutil
 import time
 from collections.abc import Callable, MutableMapping
-from concurrent.futures import Future
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.futures import Future
 
 from cloud_adapters.retry import calls_until
 from cloud_adapters.storage import (
@@ -48,6 +52,7 @@ from spotguard.checkpoint.errors import CheckpointError, CheckpointUnavailable
 from spotguard.checkpoint.layout import DCP_METADATA_NAME, MANIFEST_NAME, manifest_key, sibling_name, step_dir_name
 from spotguard.checkpoint.manifest import Manifest, ManifestError, checksum_bytes, mismatch
 from spotguard.checkpoint.safe_pickle import WeightsOnlyLoadPlanner, load_metadata
+from spotguard.checkpoint.shard_read import Damaged, read_checked
 from spotguard.checkpoint.state import load_from_dcp, to_dcp
 from spotguard.checkpoint.transfer import Cutoff, DeadlineExceeded, download
 
@@ -71,11 +76,14 @@ class VerifiedReader(FileSystemReader):
     `.metadata` is a pickle: its bytes are checked against the manifest in memory (with a
     checkpoint `key`, the manifest's HMAC and the file's SHA-256 too), then unpickled with only
     DCP's metadata types allowed; every shard it points to must be a manifest file; non-tensor
-    values are loaded by `WeightsOnlyLoadPlanner`.
+    values are loaded by `WeightsOnlyLoadPlanner`. The shard files are read by `threads` threads and
+    checked as they are read (`read_checked`): a damaged one raises `Damaged` at its end.
     """
 
-    def __init__(self, path: Path, manifest: Manifest, key: bytes | None = None) -> None:
+    def __init__(self, path: Path, manifest: Manifest, key: bytes | None = None, *, threads: int = 4) -> None:
         super().__init__(path)
+        self.threads = threads
+        self.key = key
         # Checked again here, not only by _verify: the manifest read now is the one whose files DCP reads.
         if key is not None and (unsigned := signature_problem(manifest, key)):
             raise CheckpointError(f"{path}: {unsigned}")
@@ -96,7 +104,13 @@ class VerifiedReader(FileSystemReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         if not isinstance(planner, WeightsOnlyLoadPlanner):  # any other would unpickle non-tensor values freely
             raise CheckpointError(f"VerifiedReader needs a WeightsOnlyLoadPlanner, not a {type(planner).__name__}")
-        return super().read_data(plan, planner)
+        records = {r.name: r for r in self.manifest.files}
+        read_checked(
+            self.path, plan, planner, self.storage_data, records, threads=self.threads, sha256=self.key is not None
+        )
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
 
     def set_up_storage_reader(self, metadata: Any, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -193,22 +207,33 @@ def _load_newest_once(
     if isinstance(steps, _Unavailable):
         return steps
     for step in steps:
-        try:
-            where, why = _prepare(step, remote, local_root, comm, threads, key, cutoff)
-        except FAILURES as exc:  # reported through the all_gather below, so ranks stay in step
-            where, why = (UNAVAILABLE if _undelivered(exc) else None), f"{comm.host}: {describe(exc)}"
-        verdict, problems = _verdict(comm.all_gather((comm.host, where, why)), local_root is not None)
-        if verdict == UNAVAILABLE:
-            return _Unavailable(f"{step_dir_name(step)}: " + "; ".join(problems))
-        if verdict == OK:
+        refetched = False
+        while True:
+            try:
+                where, why = _prepare(step, remote, local_root, comm, threads, key, cutoff)
+            except FAILURES as exc:  # reported through the all_gather below, so ranks stay in step
+                where, why = (UNAVAILABLE if _undelivered(exc) else None), f"{comm.host}: {describe(exc)}"
+            verdict, problems = _verdict(comm.all_gather((comm.host, where, why)), local_root is not None)
+            if verdict == UNAVAILABLE:
+                return _Unavailable(f"{step_dir_name(step)}: " + "; ".join(problems))
+            if verdict != OK:
+                break
             step_dir = (local_root if local_root is not None else Path(remote.url)) / step_dir_name(step)
-            failure = _load(step_dir, state, comm, key)
+            failure, damaged_on = _load(step_dir, state, comm, key, threads)
             if failure is None:
                 if comm.is_coordinator:
                     log.info("resumed from %s (world size %d)", step_dir, comm.world_size)
                 return step
+            if damaged_on and local_root is not None and not refetched:
+                # A local copy went bad on disk: the store may still hold a good one.
+                if comm.is_node_leader and comm.host in damaged_on:
+                    log.warning("local copy is damaged (%s); fetching %s again", failure, step_dir.name)
+                    set_aside(step_dir, step)
+                refetched = True
+                continue
             unloadable.append(failure)
             problems = [failure]
+            break
         bad.add(step)
         if comm.is_coordinator:
             log.warning("skipping %s: %s", step_dir_name(step), "; ".join(problems))
@@ -260,21 +285,21 @@ def _prepare(
     if local_root is None:
         if not comm.is_coordinator:
             return FOLLOW, None
-        why = _verify(Path(remote.url) / step_dir_name(step), step, threads, key)
+        why = _verify(Path(remote.url) / step_dir_name(step), step, threads, key, contents=False)
         return (SHARED, None) if why is None else (None, why)
     if not comm.is_node_leader:
         return FOLLOW, None
     return _ensure_local(step, remote, local_root, comm.host, threads, key, cutoff)
 
 
-def _verify(step_dir: Path, step: int, threads: int, key: bytes | None) -> str | None:
+def _verify(step_dir: Path, step: int, threads: int, key: bytes | None, *, contents: bool) -> str | None:
     try:
         manifest = Manifest.from_bytes((step_dir / MANIFEST_NAME).read_bytes())
     except (OSError, ManifestError) as exc:
         return f"{step_dir}: {exc}"
     if manifest.step != step:
         return f"{step_dir}: manifest says step {manifest.step}"
-    problems = dir_problems(step_dir, manifest, threads=threads, key=key)
+    problems = dir_problems(step_dir, manifest, threads=threads, key=key, contents=contents)
     return f"{step_dir}: " + "; ".join(problems) if problems else None
 
 
@@ -284,7 +309,7 @@ def _ensure_local(
     """Make `local_root/step-N` a verified copy, downloading it from `remote` when it is missing or damaged."""
     final = local_root / step_dir_name(step)
     if is_committed(final):
-        why = _verify(final, step, threads, key)
+        why = _verify(final, step, threads, key, contents=False)
         if why is None:
             return LOCAL, None
         log.warning("local copy is damaged (%s); fetching %s again from %s", why, step_dir_name(step), remote.url)
@@ -326,18 +351,24 @@ def _ensure_local(
     return LOCAL, None
 
 
-def _load(step_dir: Path, state: MutableMapping[str, Any], comm: Comm, key: bytes | None) -> str | None:
-    """Load `step_dir` into `state` on every rank; None, or why it failed on some rank (the same on all)."""
+def _load(
+    step_dir: Path, state: MutableMapping[str, Any], comm: Comm, key: bytes | None, threads: int
+) -> tuple[str | None, set[str]]:
+    """Load `step_dir` into `state` on every rank: (None, no hosts), or (why it failed on some rank,
+    the hosts where a file read did not match the manifest), the same on all ranks."""
     # Outside the checks: a state DCP cannot take (an optimizer without its model) is the user's error, on every rank.
     loaded = to_dcp(state)
     # Opening the step is agreed before dcp.load: a rank failing alone would leave the others waiting in it.
-    reader, failure = _on_every_rank(
-        comm, lambda: VerifiedReader(step_dir, Manifest.from_bytes((step_dir / MANIFEST_NAME).read_bytes()), key)
+    reader, failure, damaged_on = _on_every_rank(
+        comm,
+        lambda: VerifiedReader(
+            step_dir, Manifest.from_bytes((step_dir / MANIFEST_NAME).read_bytes()), key, threads=threads
+        ),
     )
     if failure is None:
         # Tensors are loaded in place: if this fails midway, the next step tried overwrites them all again.
-        _, failure = _on_every_rank(comm, lambda: _dcp_load(reader, loaded, state, comm))
-    return None if failure is None else f"loading {step_dir} failed: {failure}"
+        _, failure, damaged_on = _on_every_rank(comm, lambda: _dcp_load(reader, loaded, state, comm))
+    return (None, set()) if failure is None else (f"loading {step_dir} failed: {failure}", damaged_on)
 
 
 def _dcp_load(reader: VerifiedReader, loaded: dict[str, Any], state: MutableMapping[str, Any], comm: Comm) -> None:
@@ -346,23 +377,27 @@ def _dcp_load(reader: VerifiedReader, loaded: dict[str, Any], state: MutableMapp
     load_from_dcp(state, loaded)
 
 
-def _on_every_rank(comm: Comm, action: Callable[[], T]) -> tuple[T | None, str | None]:
-    """(what `action` returned here, None) when it succeeded on every rank, else (None, why, by rank)."""
-    result, why = None, None
+def _on_every_rank(comm: Comm, action: Callable[[], T]) -> tuple[T | None, str | None, set[str]]:
+    """(what `action` returned here, None, no hosts) when it succeeded on every rank, else
+    (None, why, by rank, the hosts of the ranks that read a damaged file)."""
+    result, why, damaged = None, None, False
     try:
         result = action()
     except CheckpointException as exc:  # DCP hands every rank all the ranks' failures: each tells its own
         own = exc.failures.get(comm.rank)
         why = describe(own[0]) if own else ""
+        damaged = bool(own) and isinstance(own[0], Damaged)
     except Exception as exc:
         why = describe(exc)
-    gathered = comm.all_gather(why)
-    if all(w is None for w in gathered):
-        return result, None
+        damaged = isinstance(exc, Damaged)
+    gathered = comm.all_gather((comm.host, why, damaged))
+    if all(w is None for _, w, _ in gathered):
+        return result, None, set()
     ranks_by_reason: dict[str, list[str]] = {}
-    for rank, reason in enumerate(gathered):
+    for rank, (_, reason, _) in enumerate(gathered):
         if reason:
             ranks_by_reason.setdefault(reason, []).append(str(rank))
-    return None, "; ".join(
+    why = "; ".join(
         f"rank{'s' if len(ranks) > 1 else ''} {', '.join(ranks)}: {reason}" for reason, ranks in ranks_by_reason.items()
     )
+    return None, why, {host for host, _, was_damaged in gathered if was_damaged}

@@ -1,0 +1,207 @@
+"""How a step's shard files get read fast: one pass, several files at a time, checked as the bytes go by.
+
+DCP's own reader goes through a rank's files one after another, and a resume that checks the
+files first reads every byte twice. Here each file that this rank's load plan touches is read
+once, from its first byte to its last, `threads` files at a time: the CRC32C (and, with a
+checkpoint key, the SHA-256) is computed from the bytes as they are read, and the records the
+plan needs are deserialised and copied into the state on the way. Only at a file's end is it
+known whether it matched its manifest: `Damaged` then tells resume that what was copied from
+it is wrong, and resume loads an older step over the whole state (or, when no step loads,
+refuses to start from a half-loaded state). A rank that needs part of a file still reads all
+of it, so that every byte it used was checked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+
+from spotguard.checkpoint.errors import CheckpointError
+from spotguard.checkpoint.manifest import FileRecord, mismatch
+from spotguard.checkpoint.shard_io import crc32c_extend
+
+_GAP_CHUNK = 8 << 20  # bytes between and after the records are read (and checked) this much at a time
+
+
+class Damaged(CheckpointError):
+    """A file read by the load did not match its manifest record."""
+
+
+def read_checked(
+    step_dir: Path,
+    plan: LoadPlan,
+    planner: LoadPlanner,
+    storage_data: Mapping[Any, Any],
+    records: Mapping[str, FileRecord],
+    *,
+    threads: int,
+    sha256: bool,
+) -> None:
+    """Load `plan`'s items from `step_dir` into the planner's state, checking each file against `records`.
+
+    Raises Damaged for the first file (in plan order) that differs from its record, and
+    CheckpointError for a plan that names a file the manifest does not list.
+    """
+    per_file: dict[str, list[ReadItem]] = {}
+    for item in plan.items:
+        info = storage_data[item.storage_index]
+        if getattr(info, "transform_descriptors", None):  # spotguard never writes them
+            raise CheckpointError(f"{step_dir}: {info.relative_path} was written with transforms spotguard cannot read")
+        per_file.setdefault(info.relative_path, []).append(item)
+    unlisted = sorted(set(per_file) - set(records))
+    if unlisted:
+        raise CheckpointError(f"{step_dir}: the load plan reads files the manifest does not list: {unlisted}")
+    loader = _Loader(planner, storage_data)
+    work = [(step_dir / name, records[name], items) for name, items in per_file.items()]
+    if len(work) <= 1 or threads <= 1:
+        for args in work:
+            loader.read_file(*args, sha256=sha256)
+        return
+    with ThreadPoolExecutor(min(threads, len(work)), thread_name_prefix="spotguard-read") as pool:
+        futures = [pool.submit(loader.read_file, *args, sha256=sha256) for args in work]
+        for future in futures:  # every file is finished (or failed) before the first error is raised
+            future.exception()
+        for future in futures:
+            future.result()
+
+
+class _Loader:
+    """Reads whole files and hands their records to the planner; the planner is called by one thread at a time."""
+
+    def __init__(self, planner: LoadPlanner, storage_data: Mapping[Any, Any]) -> None:
+        self._planner = planner
+        self._storage_data = storage_data
+        self._lock = threading.Lock()
+
+    def read_file(self, path: Path, record: FileRecord, items: list[ReadItem], *, sha256: bool) -> None:
+        by_range: dict[tuple[int, int], list[ReadItem]] = {}  # items of one stored record share its bytes
+        for item in items:
+            info = self._storage_data[item.storage_index]
+            by_range.setdefault((info.offset, info.length), []).append(item)
+        reader = _CheckingReader(path, sha256=sha256)
+        failure: Exception | None = None
+        try:
+            for (offset, length), readers in sorted(by_range.items()):
+                if offset < reader.position:  # overlapping records: never written by DCP
+                    raise CheckpointError(f"{path}: records overlap at byte {offset}")
+                reader.skip(offset - reader.position)
+                data = reader.take(length)
+                if len(data) < length:
+                    break  # the file is short: the size check below says so
+                try:
+                    self._deliver(data, readers)
+                except Exception as exc:  # a damaged file explains it better: read on to its end first
+                    failure = exc
+                    break
+            reader.skip_to_end()
+        finally:
+            reader.close()
+        wrong = mismatch(reader.record(record.name), record, sha256=sha256)
+        if wrong:
+            raise Damaged(f"{path.parent}/{wrong}") from failure
+        if failure is not None:
+            raise failure
+
+    def _deliver(self, data: memoryview, items: Iterable[ReadItem]) -> None:
+        items = list(items)
+        if items[0].type == LoadItemType.BYTE_IO:
+            with self._lock:
+                for item in items:
+                    self._planner.load_bytes(item, io.BytesIO(data))
+            return
+        stored = torch.load(_View(data), map_location="cpu", weights_only=True)
+        for item in items:
+            piece = narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
+            with self._lock:
+                target = self._planner.resolve_tensor(item).detach()
+            if target.size() != piece.size():
+                stored_size, wanted = tuple(piece.size()), tuple(target.size())
+                raise CheckpointError(f"{item.storage_index}: stored {stored_size}, the state has {wanted}")
+            target.copy_(piece)
+            with self._lock:
+                self._planner.commit_tensor(item, target)
+
+
+class _CheckingReader:
+    """Sequential reads of one file into a reused buffer, checksumming every byte that passes."""
+
+    def __init__(self, path: Path, *, sha256: bool) -> None:
+        # O_NOFOLLOW: a step holds its own files only (resume checked that before; this closes the gap).
+        self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        self._buffer = bytearray()
+        self.position = 0
+        self._crc = 0
+        self._sha256 = hashlib.sha256() if sha256 else None
+
+    def take(self, length: int) -> memoryview:
+        """The next `length` bytes (fewer at the end of the file), valid until the next call."""
+        if len(self._buffer) < length:
+            self._buffer = bytearray(length)
+        view = memoryview(self._buffer)[:length]
+        got = 0
+        while got < length:
+            n = os.readv(self._fd, [view[got:]])
+            if n == 0:
+                break
+            got += n
+        view = view[:got]
+        self._crc = crc32c_extend(self._crc, view)
+        if self._sha256 is not None:
+            self._sha256.update(view)
+        self.position += got
+        return view
+
+    def skip(self, length: int) -> None:
+        while length > 0 and (got := len(self.take(min(length, _GAP_CHUNK)))):
+            length -= got
+
+    def skip_to_end(self) -> None:
+        while self.take(_GAP_CHUNK):
+            pass
+
+    def record(self, name: str) -> FileRecord:
+        return FileRecord(name, self.position, f"{self._crc:08x}", self._sha256.hexdigest() if self._sha256 else None)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+class _View(io.RawIOBase):
+    """A seekable file over a memoryview, so that torch.load reads a record from the buffer it is already in."""
+
+    def __init__(self, data: memoryview) -> None:
+        super().__init__()
+        self._data = data
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        out = memoryview(buffer).cast("B")
+        chunk = self._data[self._pos : self._pos + len(out)]
+        if len(chunk):  # a torch copy: several threads, and the GIL released (a memoryview copy holds it)
+            torch.frombuffer(out, dtype=torch.uint8)[: len(chunk)].copy_(torch.frombuffer(chunk, dtype=torch.uint8))
+        self._pos += len(chunk)
+        return len(chunk)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._data)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos

@@ -1,0 +1,92 @@
+"""One-pass resume: every file is read once, checked as it is read, and a damaged byte anywhere means falling back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from spotguard.checkpoint import Checkpointer, CheckpointError, shard_read, step_dir_name
+from spotguard.checkpoint import manifest as manifest_module
+from tests.ckpt_workers import assert_same
+from tests.test_checkpoint import flip_byte, resume_fresh, save_steps
+
+WRITE_THREADS = 3  # three shard files per step, and .metadata
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return root, save_steps(root, [1, 2], write_threads=WRITE_THREADS)
+
+
+def step_files(root, step) -> list:
+    return sorted(p for p in (root / step_dir_name(step)).iterdir() if p.name != "spotguard.json")
+
+
+def copy_of(root, tmp_path):
+    import shutil
+
+    shutil.copytree(root, tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+def test_each_shard_file_is_read_once_and_checked_as_it_is_read(two_steps, monkeypatch):
+    root, held = two_steps
+    opened, fully_checked = [], []
+    real_reader = shard_read._CheckingReader.__init__
+    monkeypatch.setattr(
+        shard_read._CheckingReader,
+        "__init__",
+        lambda self, path, **kw: opened.append(path.name) or real_reader(self, path, **kw),
+    )
+    real_checksum = manifest_module.checksum_file
+    monkeypatch.setattr(
+        manifest_module,
+        "checksum_file",
+        lambda path, **kw: fully_checked.append(path.name) or real_checksum(path, **kw),
+    )
+    step, _, loaded = resume_fresh(root)
+    assert step == 2
+    assert_same(loaded, held[1])
+    shards = sorted(p.name for p in step_files(root, 2) if p.suffix == ".distcp")
+    assert len(shards) == WRITE_THREADS and sorted(opened) == shards  # each once, by the load itself
+    assert fully_checked == []  # no separate checking pass
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+@pytest.mark.parametrize("which", range(WRITE_THREADS + 1))
+def test_a_flipped_byte_in_any_file_falls_back_to_the_step_before(two_steps, tmp_path, caplog, which, where):
+    ckpt = copy_of(two_steps[0], tmp_path)
+    victim = step_files(ckpt, 2)[which]
+    size = victim.stat().st_size
+    flip_byte(victim, {"first": 0, "middle": size // 2, "last": size - 1}[where])
+    step, state, loaded = resume_fresh(ckpt)
+    assert step == 1 and state["step"] == 1
+    assert_same(loaded, two_steps[1][0])  # every tensor the damaged step had overwritten is step 1's again
+    assert "skipping step-0000000002" in caplog.text and victim.name in caplog.text
+
+
+def test_a_damaged_only_step_stops_resume_instead_of_a_fresh_start_from_half_loaded_weights(two_steps, tmp_path):
+    ckpt = copy_of(two_steps[0], tmp_path)
+    (ckpt / step_dir_name(1) / "spotguard.json").unlink()  # step 1 is no checkpoint any more
+    victim = step_files(ckpt, 2)[-1]
+    flip_byte(victim)
+    with pytest.raises(CheckpointError, match=f"no checkpoint could be loaded: .*{victim.name}: crc32c"):
+        resume_fresh(ckpt)
+
+
+def test_a_load_of_some_records_still_checks_every_byte_of_the_files_it_reads(tmp_path):
+    """A byte flipped in a record the load does not need, in a file it reads, is still caught."""
+    from spotguard.checkpoint.safe_pickle import load_metadata
+
+    with Checkpointer(str(tmp_path), write_threads=2) as ck:
+        ck.save(1, {f"t{i}": torch.arange(1000.0) + i for i in range(6)}, reason="manual")
+    step_dir = tmp_path / step_dir_name(1)
+    by_file: dict[str, list] = {}
+    for index, info in load_metadata((step_dir / ".metadata").read_bytes()).storage_data.items():
+        by_file.setdefault(info.relative_path, []).append((index.fqn, info))
+    name, records = next((n, r) for n, r in sorted(by_file.items()) if len(r) >= 2)
+    (needed, _), (_, other) = records[:2]
+    flip_byte(step_dir / name, other.offset + other.length // 2)
+    with pytest.raises(CheckpointError, match=f"{name}: crc32c"):
+        Checkpointer(str(tmp_path)).resume({needed: torch.zeros(1000)})
