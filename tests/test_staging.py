@@ -5,6 +5,7 @@ their placement, and a Checkpointer's successive background saves each commit th
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -60,7 +61,11 @@ DTENSOR = textwrap.dedent("""
 
 def test_a_dtensor_is_staged_as_its_local_shard_with_its_placement():
     done = subprocess.run(
-        [sys.executable, "-c", DTENSOR], capture_output=True, text=True, timeout=120, env={"PYTHONPATH": str(ROOT)}
+        [sys.executable, "-c", DTENSOR],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
     )
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])

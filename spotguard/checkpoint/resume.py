@@ -129,6 +129,7 @@ def load_newest(
     local_root: Path | None,
     comm: Comm,
     threads: int = 4,
+    read_threads: int = 4,
     key: bytes | None = None,
 ) -> int | None:
     """Load the newest step that every rank can verify; return it, or None when there is none.
@@ -140,6 +141,7 @@ def load_newest(
     resume is tried again until RESUME_TIMEOUT_S has passed, then CheckpointUnavailable is
     raised, since starting afresh would throw the committed progress away. With a checkpoint
     `key`, a step not signed with it is bad (and files are checked against their SHA-256).
+    `threads` transfer and check downloads; `read_threads` read a step's files into the state.
     """
     until = time.monotonic() + RESUME_TIMEOUT_S  # rank 0's clock decides when every rank gives up
     bad: set[int] = set()
@@ -147,7 +149,9 @@ def load_newest(
     pauses = itertools.chain(_RETRY_PAUSES_S, itertools.repeat(_RETRY_PAUSES_S[-1]))
     with calls_until(until):
         while isinstance(
-            outcome := _load_newest_once(state, remote, local_root, comm, threads, key, Cutoff(until), bad, unloadable),
+            outcome := _load_newest_once(
+                state, remote, local_root, comm, (threads, read_threads), key, Cutoff(until), bad, unloadable
+            ),
             _Unavailable,
         ):
             pause = next(pauses)
@@ -183,7 +187,7 @@ def _load_newest_once(
     remote: ObjectStore,
     local_root: Path | None,
     comm: Comm,
-    threads: int,
+    threads_for: tuple[int, int],
     key: bytes | None,
     cutoff: Cutoff,
     bad: set[int],
@@ -192,7 +196,9 @@ def _load_newest_once(
     """One pass over the committed steps, newest first: the step loaded, None, or what the store could not deliver.
 
     Adds the steps found bad to `bad` (not tried again) and the load failures to `unloadable`.
+    `threads_for` is (threads for transfers and checks, threads reading files into the state).
     """
+    threads, read_threads = threads_for
     steps: list[int] | str | _Unavailable | None = None
     if comm.is_coordinator:
         try:
@@ -219,7 +225,7 @@ def _load_newest_once(
             if verdict != OK:
                 break
             step_dir = (local_root if local_root is not None else Path(remote.url)) / step_dir_name(step)
-            failure, damaged_on = _load(step_dir, state, comm, key, threads)
+            failure, damaged_on = _load(step_dir, state, comm, key, read_threads)
             if failure is None:
                 if comm.is_coordinator:
                     log.info("resumed from %s (world size %d)", step_dir, comm.world_size)

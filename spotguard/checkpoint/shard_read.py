@@ -4,7 +4,8 @@ DCP's own reader goes through a rank's files one after another, and a resume tha
 files first reads every byte twice. Here each file that this rank's load plan touches is read
 once, from its first byte to its last, `threads` files at a time: the CRC32C (and, with a
 checkpoint key, the SHA-256) is computed from the bytes as they are read, and the records the
-plan needs are deserialised and copied into the state on the way. Only at a file's end is it
+plan needs are copied into the state on the way, straight from the read buffer (a tensor record
+is viewed where it lies, not loaded into new memory first; pinned buffers for CUDA tensors). Only at a file's end is it
 known whether it matched its manifest: `Damaged` then tells resume that what was copied from
 it is wrong, and resume loads an older step over the whole state (or, when no step loads,
 refuses to start from a half-loaded state). A rank that needs part of a file still reads all
@@ -61,7 +62,8 @@ def read_checked(
     unlisted = sorted(set(per_file) - set(records))
     if unlisted:
         raise CheckpointError(f"{step_dir}: the load plan reads files the manifest does not list: {unlisted}")
-    loader = _Loader(planner, storage_data)
+    pinned = any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in planner.state_dict.values())
+    loader = _Loader(planner, storage_data, pinned=pinned)
     work = [(step_dir / name, records[name], items) for name, items in per_file.items()]
     if len(work) <= 1 or threads <= 1:
         for args in work:
@@ -78,17 +80,18 @@ def read_checked(
 class _Loader:
     """Reads whole files and hands their records to the planner; the planner is called by one thread at a time."""
 
-    def __init__(self, planner: LoadPlanner, storage_data: Mapping[Any, Any]) -> None:
+    def __init__(self, planner: LoadPlanner, storage_data: Mapping[Any, Any], *, pinned: bool) -> None:
         self._planner = planner
         self._storage_data = storage_data
         self._lock = threading.Lock()
+        self._buffers = _Buffers(pinned)
 
     def read_file(self, path: Path, record: FileRecord, items: list[ReadItem], *, sha256: bool) -> None:
         by_range: dict[tuple[int, int], list[ReadItem]] = {}  # items of one stored record share its bytes
         for item in items:
             info = self._storage_data[item.storage_index]
             by_range.setdefault((info.offset, info.length), []).append(item)
-        reader = _CheckingReader(path, sha256=sha256)
+        reader = _CheckingReader(path, self._buffers, sha256=sha256)
         failure: Exception | None = None
         try:
             for (offset, length), readers in sorted(by_range.items()):
@@ -119,7 +122,7 @@ class _Loader:
                 for item in items:
                     self._planner.load_bytes(item, io.BytesIO(data))
             return
-        stored = torch.load(_View(data), map_location="cpu", weights_only=True)
+        stored = _stored_tensor(data)
         for item in items:
             piece = narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
             with self._lock:
@@ -132,22 +135,53 @@ class _Loader:
                 self._planner.commit_tensor(item, target)
 
 
-class _CheckingReader:
-    """Sequential reads of one file into a reused buffer, checksumming every byte that passes."""
+def _stored_tensor(data: memoryview) -> torch.Tensor:
+    """The tensor that torch.save wrote into `data`, as a view of `data` (valid while `data` is).
 
-    def __init__(self, path: Path, *, sha256: bool) -> None:
+    torch.load would copy the record into newly allocated memory (a second pass over the
+    bytes, with a page fault per page); its loader can slice storages out of one buffer
+    instead, which is what its own mmap mode does. Same restricted unpickler as torch.load's
+    weights_only=True.
+    """
+    reader = torch._C.PyTorchFileReader(_View(data))
+    whole = torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
+    return torch.serialization._load(
+        reader, "cpu", torch._weights_only_unpickler, overall_storage=whole, encoding="utf-8"
+    )
+
+
+class _Buffers:
+    """One read buffer per thread, grown to the largest record it met, pinned for copies to a GPU."""
+
+    def __init__(self, pinned: bool) -> None:
+        self._pinned = pinned
+        self._local = threading.local()
+
+    def get(self, length: int) -> memoryview:
+        buffer = getattr(self._local, "buffer", None)
+        if buffer is None or len(buffer) < length:
+            tensor = torch.empty(max(length, _GAP_CHUNK), dtype=torch.uint8, pin_memory=self._pinned)
+            self._local.tensor = tensor  # keeps the memory alive
+            self._local.buffer = buffer = memoryview(tensor.numpy())
+        return buffer[:length]
+
+
+class _CheckingReader:
+    """Sequential reads of one file into the thread's buffer, checksumming every byte that passes."""
+
+    def __init__(self, path: Path, buffers: _Buffers, *, sha256: bool) -> None:
         # O_NOFOLLOW: a step holds its own files only (resume checked that before; this closes the gap).
         self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        self._buffer = bytearray()
+        if hasattr(os, "posix_fadvise"):  # a larger readahead: the disk reads on while a record is copied
+            os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        self._buffers = buffers
         self.position = 0
         self._crc = 0
         self._sha256 = hashlib.sha256() if sha256 else None
 
     def take(self, length: int) -> memoryview:
         """The next `length` bytes (fewer at the end of the file), valid until the next call."""
-        if len(self._buffer) < length:
-            self._buffer = bytearray(length)
-        view = memoryview(self._buffer)[:length]
+        view = self._buffers.get(length)
         got = 0
         while got < length:
             n = os.readv(self._fd, [view[got:]])

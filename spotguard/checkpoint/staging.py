@@ -9,6 +9,12 @@ overwrite a tensor whose copy has not finished. The background thread serialises
 from the buffers. A state whose tensors change (new keys, shapes or dtypes) gets new buffers
 for what changed, and buffers nothing uses any more are dropped.
 
+Blocking saves (an emergency) of a state on a GPU stage too once a background save has
+allocated the buffers: the device-to-host copy into them runs at the copy's full speed (one
+H100: 8 GB in 0.15 s), where DCP's own per-tensor copies into fresh pageable memory cost about
+2 s of an 8 GB save. Allocating them for the emergency alone would cost more than it saves
+(pinning 8 GB took 3.2 s), so without a background save before, the write copies as it goes.
+
 Memory: one staged copy of the state in host RAM, kept from one background save to the next.
 """
 
@@ -30,6 +36,10 @@ class Stager:
     def __init__(self) -> None:
         self._buffers: dict[Key, torch.Tensor] = {}
         self._stream: torch.cuda.Stream | None = None
+
+    def speeds_up(self, state_dict: Mapping[str, Any]) -> bool:
+        """Whether a blocking save of `state_dict` should stage first: it holds GPU tensors and buffers exist."""
+        return bool(self._buffers) and _on_device(state_dict)
 
     @property
     def nbytes(self) -> int:
@@ -81,3 +91,15 @@ class Stager:
         else:
             buffer.copy_(tensor)
         return buffer
+
+
+def _on_device(tree: Any) -> bool:
+    if isinstance(tree, DTensor):
+        return tree.to_local().device.type != "cpu"
+    if isinstance(tree, torch.Tensor):
+        return tree.device.type != "cpu"
+    if isinstance(tree, Mapping):
+        return any(_on_device(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return any(_on_device(v) for v in tree)
+    return False

@@ -1,0 +1,373 @@
+"""The data path on one GPU, every method on the same state in one run: save, background-save stall, resume.
+
+    python bench/gpu.py [--gb 8] [--repeat 1] [--dir DIR] [--device cuda|cpu] [--threads N]
+
+One process holds an MLP of --width x --width float32 layers with its AdamW state (weights +
+exp_avg + exp_avg_sq after one real step), --gb GB in all, on --device. Without CUDA the
+script says so and exits 0; `--device cpu` runs the same table on CPU tensors. Timed (the
+files of at most two methods on the disk at a time, so --gb 24 fits a 64 GB disk):
+
+  copy limit          every tensor into host buffers allocated beforehand: device -> pinned
+                      memory with non_blocking copies on CUDA, a memcpy on CPU (median of 5)
+  disk limit          the state's bytes written by --threads threads (spotguard's default:
+                      from os.cpu_count()), writeback started as they go, then fsync
+  torch.save          the full state_dict to one file, then fsync (the classic rank-0 save)
+  dcp.save            torch.distributed.checkpoint.save with its defaults (fsyncs its files)
+  spotguard emergency a GCP preemption raised on a local metadata emulator while the loop runs
+                      training steps; timed from the raise to guard.step() returning True with
+                      the step committed (the notice's detection included). Twice: in a Guard
+                      that made no save before (the device-to-host copy happens inside the
+                      write), and in one that made a background save first (`save_every`; the
+                      notice comes once it is done), whose buffers the emergency stages into
+  background stall    what Checkpointer.save(wait=False) holds the training thread, between real
+                      training steps (median of --stall-saves saves after the first, which
+                      allocates the buffers), against the copy limit and dcp.async_save's call
+  resume, cold cache  the page cache dropped (/proc/sys/vm/drop_caches as root, else
+                      posix_fadvise DONTNEED on each file): Checkpointer.resume into the
+                      existing state against torch.load + load_state_dict of the torch.save
+                      file, and the disk's read limit (--threads threads reading that file)
+
+Goals (the project's GPU issue): emergency >= 0.9 of the disk limit; stall <= 2x the copy limit;
+resume >= 1.5x faster than torch.load and >= 0.8 of the read limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from _common import table  # also puts the checkout on sys.path
+
+BLOCK = 16 << 20
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gb", type=float, default=8.0, help="state size in GB (weights + AdamW moments)")
+    parser.add_argument("--width", type=int, default=8192, help="layer width (a layer's weight is width x width)")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds of each disk method (the fastest counts)")
+    parser.add_argument("--stall-saves", type=int, default=3, help="0: no background-save rows")
+    parser.add_argument("--threads", type=int, default=None, help="disk threads (default: spotguard's choice)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--dir", help="where the files go (default: a temporary directory)")
+    args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench/gpu.py: no CUDA device here; nothing measured (`--device cpu` runs the same table on CPU)")
+        return 0
+    from spotguard.checkpoint.checkpointer import default_write_threads
+
+    threads = args.threads or default_write_threads()
+    with tempfile.TemporaryDirectory(prefix="spotguard-bench-gpu-", dir=args.dir) as tmp:
+        Bench(args, Path(tmp), threads).run()
+    return 0
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace, work: Path, threads: int) -> None:
+        self.args, self.work, self.threads = args, work, threads
+        self.device = torch.device(args.device)
+        self.cuda = self.device.type == "cuda"
+        started = time.perf_counter()
+        self.model, self.optim, self.nbytes = build(args.gb, args.width, self.device)
+        self.state = {"model": self.model, "optim": self.optim}
+        self.tensors = [p for p in self.model.parameters()] + [
+            t for s in self.optim.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0
+        ]
+        self.rows: list[list[str]] = []
+        self.results: dict[str, float] = {}
+        name = torch.cuda.get_device_name(self.device) if self.cuda else f"{os.cpu_count()} CPU cores"
+        print(
+            f"state: {self.nbytes / 1e9:.2f} GB on {name} ({len(self.tensors)} tensors), built in "
+            f"{time.perf_counter() - started:.1f} s; torch {torch.__version__}; disk threads {threads}; "
+            f"files under {work}",
+            flush=True,
+        )
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def timed(self, what: str, run: Callable[[], object], repeat: int, after: Callable[[], object] = lambda: None):
+        times = []
+        for _ in range(repeat):
+            self.sync()
+            started = time.perf_counter()
+            run()
+            self.sync()
+            times.append(time.perf_counter() - started)
+            after()
+        best = min(times)
+        self.results[what] = best
+        print(f"  {what}: {best:.3f} s (of {', '.join(f'{t:.3f}' for t in times)})", flush=True)
+        return best
+
+    def train_step(self) -> None:
+        x = torch.randn(64, self.args.width, device=self.device)
+        self.model(x).square().mean().backward()
+        self.optim.step()
+        self.optim.zero_grad(set_to_none=True)
+
+    def free_host_memory(self) -> None:
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+            torch._C._host_emptyCache()  # pinned blocks the caching host allocator keeps
+
+    # ---- rows --------------------------------------------------------------------------------
+    def run(self) -> None:
+        work = self.work
+        copy = self.copy_limit()
+        self.free_host_memory()  # the copy's buffers
+        disk = self.timed("disk limit", lambda: write_bytes(work / "raw", self.nbytes, self.threads),
+                          self.args.repeat, lambda: shutil.rmtree(work / "raw"))  # fmt: skip
+        dcp_s = self.timed("dcp.save", lambda: dcp.save(self.state_dict(), checkpoint_id=work / "dcp", no_dist=True),
+                           self.args.repeat, lambda: shutil.rmtree(work / "dcp"))  # fmt: skip
+        stall, async_stall = self.stalls(work / "background") if self.args.stall_saves else (float("nan"),) * 2
+        self.free_host_memory()
+        cold_emergency, _ = self.emergency(work / "cold", save_every=None)
+        shutil.rmtree(work / "cold")
+        self.free_host_memory()
+        emergency, _ = self.emergency(work / "spotguard", save_every=10_000)  # a background save of step 0 only
+        self.free_host_memory()
+        # Kept for the resumes (at most two copies of the state on the disk at any time).
+        torch_file = work / "torch.pt"
+        torch_save = self.timed("torch.save", lambda: self.torch_save(torch_file), self.args.repeat)
+        read_limit, ours, theirs = self.resumes(work / "spotguard", torch_file)
+        gb = self.nbytes / 1e9
+        copy_name = "device -> pinned host copy (the D2H limit)" if self.cuda else "memcpy into buffers (the limit)"
+        self.rows = [
+            [copy_name, f"{copy:.3f}", f"{gb / copy:.1f}", ""],
+            [f"disk write, {self.threads} threads + fsync (the disk limit)", f"{disk:.2f}", f"{gb / disk:.2f}", "1.00"],
+            ["torch.save + fsync", f"{torch_save:.2f}", f"{gb / torch_save:.2f}", f"{disk / torch_save:.2f}"],
+            ["dcp.save, defaults", f"{dcp_s:.2f}", f"{gb / dcp_s:.2f}", f"{disk / dcp_s:.2f}"],
+            ["spotguard emergency save, no save before (notice -> committed)", f"{cold_emergency:.2f}",
+             f"{gb / cold_emergency:.2f}", f"{disk / cold_emergency:.2f}"],
+            ["spotguard emergency save after a background save (notice -> committed)", f"{emergency:.2f}",
+             f"{gb / emergency:.2f}", f"{disk / emergency:.2f}"],
+            ["background save: spotguard stall", f"{stall:.3f}", "", f"{stall / copy:.2f}x copy"],
+            ["background save: dcp.async_save call", f"{async_stall:.3f}", "", f"{async_stall / copy:.2f}x copy"],
+            [f"disk read, {self.threads} threads, cold (the read limit)", f"{read_limit:.2f}",
+             f"{gb / read_limit:.2f}", "1.00"],
+            ["resume, cold: torch.load + load_state_dict", f"{theirs:.2f}", f"{gb / theirs:.2f}",
+             f"{read_limit / theirs:.2f}"],
+            ["resume, cold: spotguard", f"{ours:.2f}", f"{gb / ours:.2f}", f"{read_limit / ours:.2f}"],
+        ]  # fmt: skip
+        print()
+        print(table(["what", "seconds", "GB/s", "vs the limit"], self.rows))
+        print()
+        print(f"emergency save: {disk / emergency:.2f} of the disk limit after a background save, "
+              f"{disk / cold_emergency:.2f} without one (goal >= 0.9); "
+              f"{30 - emergency:.1f} s left of GCP's 30 s")  # fmt: skip
+        print(f"background stall: {stall / copy:.2f}x the copy limit (goal <= 2x); dcp.async_save "
+              f"{async_stall / stall:.1f}x spotguard's")  # fmt: skip
+        print(f"resume: {theirs / ours:.2f}x faster than torch.load (goal >= 1.5x), {read_limit / ours:.2f} of the "
+              f"read limit (goal >= 0.8)")  # fmt: skip
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optim": self.optim.state_dict()}
+
+    def copy_limit(self) -> float:
+        buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=self.cuda) for t in self.tensors]
+
+        def copy() -> None:
+            for buffer, tensor in zip(buffers, self.tensors):
+                buffer.copy_(tensor, non_blocking=self.cuda)
+
+        copy()  # first touch of the buffers
+        return self.timed("copy limit", copy, 5)
+
+    def torch_save(self, path: Path) -> None:
+        with open(path, "wb") as f:
+            torch.save(self.state_dict(), f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def emergency(self, path: Path, save_every: int | None) -> tuple[float, float]:
+        """(notice raised -> committed, the guard.step() that saved); with `save_every`, the
+        notice comes once the Guard's first background save is done."""
+        import spotguard
+        from cloud_adapters.gcp.emulator import GCPMetadataEmulator
+
+        with GCPMetadataEmulator() as emulator:
+            guard = spotguard.Guard(
+                str(path), cloud="gcp", metadata_url=emulator.url, exit_code=None, save_every=save_every
+            )
+            with guard:
+                raised: list[float] = []
+                began = time.perf_counter()
+                for step in range(100_000):
+                    self.train_step()
+                    self.sync()
+                    if not raised and step >= 3 and time.perf_counter() - began >= 1.0:  # the watcher is up
+                        while save_every is not None and guard.last_save is None:
+                            time.sleep(0.05)  # until the background save of step 0 is done
+                        raised.append(time.perf_counter())
+                        emulator.raise_notice()
+                    called = time.perf_counter()
+                    if guard.step(step, self.state):
+                        break
+                done = time.perf_counter()
+                saved = guard.last_save
+        if saved is None or not saved.durable:
+            raise SystemExit(f"the emergency save failed: {saved.error if saved else 'no save'}")
+        save_s, committed = done - called, done - raised[0]
+        print(f"  spotguard emergency ({'after a background save' if save_every else 'no save before'}): "
+              f"notice -> committed {committed:.2f} s, guard.step {save_s:.2f} s (write {saved.write_s:.2f}, "
+              f"commit {saved.commit_s:.2f})", flush=True)  # fmt: skip
+        for old in sorted(path.glob("step-*"))[:-1]:  # only the emergency step stays on the disk
+            shutil.rmtree(old)
+        return committed, save_s
+
+    def stalls(self, root: Path) -> tuple[float, float]:
+        """(spotguard's median stall, dcp.async_save's median call)."""
+        from spotguard.checkpoint import Checkpointer
+
+        ours = []
+        with Checkpointer(str(root / "spotguard"), keep_last=1) as ckpt:
+            for i in range(self.args.stall_saves + 1):
+                for _ in range(3):
+                    self.train_step()
+                self.sync()
+                started = time.perf_counter()
+                ckpt.save(i + 1, self.state, reason="periodic", wait=False)
+                ours.append(time.perf_counter() - started)
+                self.train_step()  # the next step runs beside the save's writes
+                ckpt.wait()
+        theirs = []
+        for i in range(self.args.stall_saves):
+            self.train_step()
+            self.sync()
+            started = time.perf_counter()
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore")
+                future = dcp.async_save(self.state_dict(), checkpoint_id=root / f"dcp{i}", no_dist=True)
+            theirs.append(time.perf_counter() - started)
+            self.train_step()
+            future.result()
+            shutil.rmtree(root / f"dcp{i}")
+        shutil.rmtree(root)
+        print(f"  background stall: spotguard {', '.join(f'{t:.3f}' for t in ours)} (the first allocates); "
+              f"dcp.async_save {', '.join(f'{t:.3f}' for t in theirs)}", flush=True)  # fmt: skip
+        return statistics.median(ours[1:]), statistics.median(theirs)
+
+    def resumes(self, spotguard_dir: Path, torch_file: Path) -> tuple[float, float, float]:
+        from spotguard.checkpoint import Checkpointer
+
+        def cold() -> str:
+            return drop_page_cache([spotguard_dir, torch_file])
+
+        how = cold()
+        read_limit = self.timed("read limit", lambda: read_bytes(torch_file, self.threads), 1)
+        cold()
+        ours = self.timed("spotguard resume", lambda: Checkpointer(str(spotguard_dir)).resume(self.state), 1)
+        cold()
+
+        def torch_load() -> None:
+            loaded = torch.load(torch_file, map_location="cpu", weights_only=True)
+            self.model.load_state_dict(loaded["model"])
+            self.optim.load_state_dict(loaded["optim"])
+
+        theirs = self.timed("torch.load + load_state_dict", torch_load, 1)
+        print(f"  page cache dropped with {how}", flush=True)
+        return read_limit, ours, theirs
+
+
+def build(gb: float, width: int, device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer, int]:
+    layers = max(1, round(gb * 1e9 / (3 * 4 * (width * width + width))))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers))).to(device)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    model(torch.randn(2, width, device=device)).square().mean().backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    return model, optim, sum(p.numel() * p.element_size() for p in model.parameters()) * 3
+
+
+def write_bytes(path: Path, nbytes: int, threads: int) -> None:
+    """`nbytes` of incompressible data in `threads` files written in parallel, each fsynced."""
+    from spotguard.checkpoint.shard_io import start_writeback
+
+    path.mkdir()
+    block = os.urandom(BLOCK)
+    share = -(-nbytes // threads)
+
+    def one(i: int) -> None:
+        size = max(0, min(share, nbytes - i * share))
+        with open(path / f"part{i}", "wb", buffering=0) as f:
+            for offset in range(0, size, BLOCK):
+                f.write(block[: min(BLOCK, size - offset)])
+                start_writeback(f.fileno(), offset, BLOCK)
+            os.fsync(f.fileno())
+
+    run_threads(one, threads)
+
+
+def read_bytes(path: Path, threads: int) -> None:
+    """Read a file by `threads` threads, each a contiguous range, in 16 MiB reads."""
+    size = path.stat().st_size
+    share = -(-size // threads)
+
+    def one(i: int) -> None:
+        buffer = bytearray(BLOCK)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            offset, end = i * share, min(size, (i + 1) * share)
+            while offset < end and (got := os.preadv(fd, [memoryview(buffer)[: min(BLOCK, end - offset)]], offset)):
+                offset += got
+        finally:
+            os.close(fd)
+
+    run_threads(one, threads)
+
+
+def run_threads(work: Callable[[int], None], count: int) -> None:
+    errors: list[BaseException] = []
+
+    def guarded(i: int) -> None:
+        try:
+            work(i)
+        except BaseException as exc:
+            errors.append(exc)
+
+    pool = [threading.Thread(target=guarded, args=(i,)) for i in range(count)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def drop_page_cache(paths: list[Path]) -> str:
+    """Make the next reads of `paths` come from the disk; returns how."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        return "/proc/sys/vm/drop_caches"
+    except OSError:
+        pass
+    for root in paths:
+        for file in [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()]:
+            fd = os.open(file, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    return "posix_fadvise(DONTNEED) per file"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

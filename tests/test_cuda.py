@@ -1,0 +1,147 @@
+"""CUDA tensors through the staged background save, the one-pass resume and an NCCL process group.
+
+These need a CUDA device and are skipped without one (the CPU tests exercise the same code
+paths on CPU tensors); they run where a GPU is present.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from spotguard.checkpoint import Checkpointer, step_dir_name
+from spotguard.demo import free_port, rank_env
+from tests.ckpt_workers import ROOT
+from tests.test_checkpoint import flip_byte
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+NUMEL = 16 << 20  # 64 MiB per tensor: a copy that takes long enough for a race to show
+
+
+def cuda_state(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.Linear(4096, 4096)).cuda()
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, optim
+
+
+def step(model: torch.nn.Module, optim: torch.optim.Optimizer) -> None:
+    model(torch.randn(256, 4096, device="cuda")).square().mean().backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+
+
+def on_host(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    held = {f"p{i}": p.detach().to("cpu", copy=True) for i, p in enumerate(model.parameters())}
+    for i, s in enumerate(optim.state.values()):
+        held.update({f"s{i}.{k}": v.detach().to("cpu", copy=True) for k, v in s.items() if torch.is_tensor(v)})
+    return held
+
+
+def test_a_background_save_racing_the_next_optimizer_steps_saves_its_own_step(tmp_path):
+    model, optim = cuda_state(0)
+    state = {"model": model, "optim": optim}
+    with Checkpointer(str(tmp_path)) as ckpt:
+        for saved in (1, 2, 3):  # the second and third reuse the pinned buffers of the first
+            step(model, optim)
+            torch.cuda.synchronize()
+            expected = on_host(model, optim)
+            ckpt.save(saved, state, reason="periodic", wait=False)
+            for _ in range(5):  # queued at once on the training stream, racing the staging copies
+                step(model, optim)
+            ckpt.wait()
+            model2, optim2 = cuda_state(1)
+            step(model2, optim2)  # the optimizer state exists, as after a real step
+            assert Checkpointer(str(tmp_path)).resume({"model": model2, "optim": optim2}) == saved
+            got = on_host(model2, optim2)
+            assert got.keys() == expected.keys()
+            assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_resume_into_cuda_tensors_is_bit_identical_and_a_damaged_file_falls_back(tmp_path):
+    model, optim = cuda_state(0)
+    held = {}
+    with Checkpointer(str(tmp_path), write_threads=3) as ckpt:
+        for saved in (1, 2):
+            step(model, optim)
+            ckpt.save(saved, {"model": model, "optim": optim}, reason="manual")
+            held[saved] = on_host(model, optim)
+    model2, optim2 = cuda_state(1)
+    step(model2, optim2)
+    assert Checkpointer(str(tmp_path)).resume({"model": model2, "optim": optim2}) == 2
+    assert all(torch.equal(v, on_host(model2, optim2)[k]) for k, v in held[2].items())
+    flip_byte(sorted((tmp_path / step_dir_name(2)).glob("*.distcp"))[-1])
+    assert Checkpointer(str(tmp_path)).resume({"model": model2, "optim": optim2}) == 1
+    assert all(torch.equal(v, on_host(model2, optim2)[k]) for k, v in held[1].items())
+
+
+NCCL = textwrap.dedent("""
+    import json, sys, torch, torch.distributed as dist
+    from cloud_adapters.gcp.emulator import GCPMetadataEmulator
+    import spotguard
+    from spotguard.checkpoint import Checkpointer
+    from tests.test_cuda import cuda_state, on_host, step
+
+    dist.init_process_group("nccl", device_id=torch.device("cuda:0"))
+    model, optim = cuda_state(0)
+    state = {"model": model, "optim": optim}
+    with GCPMetadataEmulator() as emulator:
+        with spotguard.Guard(sys.argv[1], cloud="gcp", metadata_url=emulator.url, exit_code=None) as guard:
+            for n in range(10_000):
+                step(model, optim)
+                if n == 3:
+                    emulator.raise_notice()
+                if guard.step(n, state):
+                    break
+    held = on_host(model, optim)
+    model2, optim2 = cuda_state(1)
+    step(model2, optim2)
+    resumed = Checkpointer(sys.argv[1]).resume({"model": model2, "optim": optim2})
+    got = on_host(model2, optim2)
+    print(json.dumps({"stopped_at": n, "resumed": resumed, "saved": guard.emergency_saved,
+                      "same": all(torch.equal(got[k], held[k]) for k in held)}))
+    dist.destroy_process_group()
+""")
+
+
+def test_an_nccl_job_saves_on_a_notice_and_resumes_bit_identical(tmp_path):
+    env = dict(rank_env(0, 1, free_port()), PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, "-c", NCCL, str(tmp_path / "ckpt")], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got == {"stopped_at": got["stopped_at"], "resumed": got["stopped_at"], "saved": True, "same": True}
+    assert got["stopped_at"] >= 3
+
+
+def test_an_emergency_save_after_a_background_save_stages_into_its_buffers(tmp_path, monkeypatch):
+    from spotguard.checkpoint.staging import Stager
+
+    staged = []
+    real_stage = Stager.stage
+    monkeypatch.setattr(Stager, "stage", lambda self, sd: staged.append(1) or real_stage(self, sd))
+    model, optim = cuda_state(0)
+    state = {"model": model, "optim": optim}
+    with Checkpointer(str(tmp_path)) as ckpt:
+        step(model, optim)
+        ckpt.save(1, state, reason="emergency")  # no buffers yet: DCP copies as it writes
+        assert staged == []
+        ckpt.save(2, state, reason="periodic", wait=False)
+        step(model, optim)
+        torch.cuda.synchronize()
+        expected = on_host(model, optim)
+        ckpt.save(3, state, reason="emergency")
+        assert staged == [1, 1]
+    model2, optim2 = cuda_state(1)
+    step(model2, optim2)
+    assert Checkpointer(str(tmp_path)).resume({"model": model2, "optim": optim2}) == 3
+    got = on_host(model2, optim2)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
