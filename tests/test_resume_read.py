@@ -37,7 +37,7 @@ def test_each_shard_file_is_read_once_and_checked_as_it_is_read(two_steps, monke
     monkeypatch.setattr(
         shard_read._CheckingReader,
         "__init__",
-        lambda self, path, **kw: opened.append(path.name) or real_reader(self, path, **kw),
+        lambda self, path, *a, **kw: opened.append(path.name) or real_reader(self, path, *a, **kw),
     )
     real_checksum = manifest_module.checksum_file
     monkeypatch.setattr(
