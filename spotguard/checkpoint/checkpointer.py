@@ -5,7 +5,7 @@ A save is one protocol on every rank, in the same order:
   2. every rank checksums its own files and sends the records to rank 0;
   3. rank 0 writes the manifest last and renames the sibling to `step-N` (commit);
   4. for an object store, every rank uploads its own files, then rank 0 uploads
-     the manifest last, create-only (with S3 each shard file streams up while step 1
+     the manifest last, create-only (with S3 / Azure each shard file streams up while step 1
      writes it, `streaming`: this step then only waits for those uploads and sends what
      did not stream);
   5. retention (not in a save with a deadline: the next save cleans up).
@@ -117,7 +117,7 @@ class Checkpointer:
     single process. `keep_last` keeps that many newest committed steps. With a
     `checkpoint_key` (default: $SPOTGUARD_CHECKPOINT_KEY), saves are signed and resume
     loads only steps signed with it (`auth`); every node needs the same key. With
-    `stream_uploads` and a store that takes parts (S3), shard files upload while they are written.
+    `stream_uploads` and a store that takes parts (S3, Azure), shard files upload while they are written.
     """
 
     def __init__(

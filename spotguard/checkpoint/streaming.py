@@ -1,7 +1,7 @@
 """Shard files go up to an object store while DCP is still writing them.
 
-With a store that takes an object part by part (`PartsStore`: S3), each `.distcp` file this rank
-writes becomes a multipart upload. The checksumming stream (`shard_io`) flushes at every part
+With a store that takes an object part by part (`PartsStore`: S3, Azure), each `.distcp` file this
+rank writes becomes an upload in parts. The checksumming stream (`shard_io`) flushes at every part
 boundary and hands over the range just written; `threads` upload threads read each range back with
 pread (from the page cache: the bytes were just written) and send it as a part. So the local write
 never waits for the network: the queue holds (offset, length) ranges, not bytes, and the memory this
