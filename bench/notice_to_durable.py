@@ -1,26 +1,33 @@
 """Notice -> durable in a bucket: an emergency checkpoint of a ~1 GB state uploaded to S3
-before GCP's 30 s deadline, against the classic save-then-upload pattern.
+before GCP's 30 s deadline, against the classic save-then-upload pattern, and spotguard's
+streaming upload against its upload after the local commit.
 
-    python bench/notice_to_durable.py [--gb 1.0]
+    python bench/notice_to_durable.py [--gb 1.0] [--repeat 1]
 
 Two ranks (gloo, subprocesses) hold a replicated DDP state of --gb GB. A moto S3
 server and a GCP metadata emulator run on 127.0.0.1. In the same run:
 
-  classic     rank 0 torch.saves the full state to local disk (fsync), then uploads
-              it with boto3's upload_file (default TransferConfig); rank 1 waits
-  spotguard   a preemption is raised on the emulator while the ranks loop; timed
-              from the raise to guard.step() returning True, when the manifest is in
-              the bucket (Guard(checkpoint_dir="s3://...", local_dir=...))
+  classic       rank 0 torch.saves the full state to local disk (fsync), then uploads
+                it with boto3's upload_file (default TransferConfig); rank 1 waits
+  then --repeat rounds of three Guards (order reversed every other round), each timed from
+  a preemption raised on the emulator while the ranks loop to guard.step() returning True:
+  local         checkpoint_dir is a local path: the local write and commit only
+  after-commit  s3://..., stream_uploads=False: the files go up after the local commit
+  streaming     s3://..., stream_uploads=True (the default): each shard file goes up
+                part by part while it is written; the manifest still goes last
 
-Prints both times, the ratio, the timeline of the spotguard run and its margin to
-the 30 s deadline. moto runs on the same 2 cores as the ranks, so absolute speeds
-say more about this machine than about S3.
+Prints the times, the ratios, the goal (streaming ~= the after-commit run with its write and
+upload overlapped: its notice -> durable less the shorter of the two), the timeline of the
+last streaming run and its margin to the 30 s deadline. moto runs on the same 2 cores as
+the ranks, so absolute speeds say more about this machine than about S3.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -30,6 +37,7 @@ from _common import Ranks, build_state, init_worker, report, table
 
 GCP_DEADLINE_S = 30.0
 BUCKET = "bench"
+PHASES = ("local", "after-commit", "streaming")
 
 
 def run(args: argparse.Namespace) -> None:
@@ -52,26 +60,47 @@ def run(args: argparse.Namespace) -> None:
             results: dict[str, dict] = {}
             raised = 0.0
             worker_args = ["--metadata-url", emulator.url, "--dir", tmp, "--gb", str(args.gb)]
+            worker_args += ["--repeat", str(args.repeat)]
+            runs: dict[str, list[dict]] = {phase: [] for phase in PHASES}
             with Ranks(__file__, 2, worker_args, Path(tmp)) as ranks:
                 for msg in ranks.messages():
                     if msg.get("event") == "built":
                         print(f"state: {msg['bytes'] / 1e9:.2f} GB per rank, replicated on 2 ranks", flush=True)
+                    elif msg.get("event") == "ready":  # a fresh Guard is next: no notice pending, an empty bucket
+                        emulator.clear()
+                        empty_bucket(boto3.client("s3"))
+                        ranks.tell("go")
                     elif msg.get("event") == "looping":
                         time.sleep(0.3)
                         raised = time.time()
                         emulator.raise_notice(kind="preempt")
+                    elif "phase" in msg:
+                        msg["latency"] = msg["done_at"] - raised
+                        msg["raised"] = raised
+                        runs[msg["phase"]].append(msg)
+                        print(f"  {msg['phase']}: {msg['latency']:.2f} s from the notice", flush=True)
                     elif "method" in msg:
                         results[msg["method"]] = msg
                         print(f"  {msg['method']}: {msg['seconds']:.2f} s", flush=True)
-                ranks.wait(timeout_s=120)
+                ranks.wait(timeout_s=120 + 120 * args.repeat)
     finally:
         server.stop()
-    summarize(results, raised)
+    summarize(results, runs)
 
 
-def summarize(results: dict[str, dict], raised: float) -> None:
-    classic, ours = results["classic"], results["spotguard"]
-    latency = ours["done_at"] - raised
+def empty_bucket(client) -> None:
+    """moto keeps every object: each Guard's bytes are dropped before the next one saves."""
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET):
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if keys:
+            client.delete_objects(Bucket=BUCKET, Delete={"Objects": keys, "Quiet": True})
+
+
+def summarize(results: dict[str, dict], runs: dict[str, list[dict]]) -> None:
+    classic = results["classic"]
+    ours = runs["streaming"][-1]
+    raised = ours["raised"]
+    latency = statistics.median(r["latency"] for r in runs["streaming"])
     print()
     print(
         table(
@@ -84,7 +113,7 @@ def summarize(results: dict[str, dict], raised: float) -> None:
                     "1.00x",
                 ],
                 [
-                    "spotguard: notice -> manifest in the bucket",
+                    "spotguard (streaming, median): notice -> manifest in the bucket",
                     f"{ours['bytes'] / 1e9:.2f}",
                     f"{latency:.2f}",
                     f"{classic['seconds'] / latency:.2f}x",
@@ -92,6 +121,8 @@ def summarize(results: dict[str, dict], raised: float) -> None:
             ],
         )
     )
+    print()
+    print(streaming_table(runs))
     print(
         f"\nmargin to GCP's {GCP_DEADLINE_S:.0f} s deadline: {GCP_DEADLINE_S - latency:.1f} s "
         f"(spotguard's own report: {ours['margin_s']:.1f} s; durable={ours['durable']})"
@@ -101,12 +132,44 @@ def summarize(results: dict[str, dict], raised: float) -> None:
     )
 
 
+def streaming_table(runs: dict[str, list[dict]]) -> str:
+    """Streaming against the upload after the commit, the local write alone and the goal (medians over rounds)."""
+
+    def median(phase: str, field: str) -> float:
+        return statistics.median(r[field] for r in runs[phase])
+
+    local, after, streamed = (median(p, "latency") for p in PHASES)
+    written, uploaded = median("after-commit", "write_commit_s"), median("after-commit", "upload_s")
+    goal = after - min(written, uploaded)  # the after-commit run with its write and upload overlapped
+    rows = [
+        ["local write only: notice -> committed (path checkpoint_dir)", f"{local:.2f}", "", ""],
+        [
+            f"after-commit upload (stream_uploads=False; write+commit {written:.2f} s, upload {uploaded:.2f} s)",
+            f"{after:.2f}",
+            "1.00x",
+            f"{after / goal:.2f}",
+        ],
+        [
+            f"streaming upload (stream_uploads=True; write+commit {median('streaming', 'write_commit_s'):.2f} s, "
+            f"upload after it {median('streaming', 'upload_s'):.2f} s)",
+            f"{streamed:.2f}",
+            f"{after / streamed:.2f}x",
+            f"{streamed / goal:.2f}",
+        ],
+    ]
+    lines = table(["notice -> durable (2 ranks)", "seconds", "speed-up", "vs goal"], rows)
+    return (
+        f"{lines}\n\ngoal: {goal:.2f} s = after-commit - min(write+commit, upload), i.e. max(local write, upload) "
+        f"(streaming / goal should be ~1.0); streaming / local write only: {streamed / local:.2f}; "
+        f"medians of {len(runs['streaming'])} round(s): "
+        + "; ".join(f"{p} " + " ".join(f"{r['latency']:.2f}" for r in runs[p]) for p in PHASES)
+    )
+
+
 def worker(args: argparse.Namespace) -> None:
     import boto3
     import torch
     import torch.distributed as dist
-
-    import spotguard
 
     rank, _ = init_worker()
     model, optimizer, _, nbytes = build_state(args.gb)
@@ -127,13 +190,32 @@ def worker(args: argparse.Namespace) -> None:
         path.unlink()
     dist.barrier()
 
+    for round_ in range(args.repeat):
+        for phase in PHASES if round_ % 2 == 0 else reversed(PHASES):
+            emergency(args, rank, state, phase, Path(args.dir) / f"{phase}-{round_}")
+    dist.destroy_process_group()
+
+
+def emergency(args: argparse.Namespace, rank: int, state: dict, phase: str, scratch: Path) -> None:
+    """One Guard from a clean start to its emergency save (the parent raises the notice); rank 0 reports."""
+    import torch
+    import torch.distributed as dist
+
+    import spotguard
+
+    if rank == 0:
+        report(event="ready", phase=phase)
+        sys.stdin.readline()  # the parent has cleared the emulator and emptied the bucket
+    dist.barrier()
     tick = torch.zeros(1)
+    where = str(scratch / "ckpt") if phase == "local" else f"s3://{BUCKET}/{scratch.name}"
     with spotguard.Guard(
-        f"s3://{BUCKET}/run",
+        where,
         cloud="gcp",
         metadata_url=args.metadata_url,
-        local_dir=str(Path(args.dir) / "local"),
+        local_dir=str(scratch / "local") if phase != "local" else None,
         exit_code=None,
+        stream_uploads=phase == "streaming",
     ) as guard:
         for step in range(6000):
             time.sleep(0.01)
@@ -141,30 +223,37 @@ def worker(args: argparse.Namespace) -> None:
             if step == 20 and rank == 0:
                 report(event="looping")
             if guard.step(step, state):
+                done_at = time.time()  # durable (committed, for "local"): before the Guard's own exit
                 break
         saved = guard.last_save
+    dist.barrier()
     if rank == 0:
+        shutil.rmtree(scratch, ignore_errors=True)
         report(
-            method="spotguard",
-            seconds=saved.write_s + saved.commit_s + saved.upload_s,
+            phase=phase,
             bytes=saved.bytes,
-            done_at=time.time(),
+            done_at=done_at,
+            write_commit_s=saved.write_s + saved.commit_s,
+            upload_s=saved.upload_s,
+            streamed_bytes=saved.streamed_bytes,
             durable=saved.durable,
-            margin_s=saved.margin_s,
+            margin_s=saved.margin_s if saved.margin_s is not None else float("nan"),
             events=[(e.event, e.at.timestamp()) for e in guard.timeline.entries],
         )
-    dist.destroy_process_group()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gb", type=float, default=1.0, help="state size per rank in GB (default 1.0)")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds of the three Guards (default 1)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--metadata-url", help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.gb <= 0:
         parser.error("--gb must be positive")
+    if args.repeat < 1:
+        parser.error("--repeat must be >= 1")
     if args.worker:
         worker(args)
     else:

@@ -71,6 +71,30 @@ class ObjectStore(Protocol):
     def delete(self, keys: Iterable[str]) -> None: ...
 
 
+class PartUpload(Protocol):
+    """One object written as numbered parts (from 1, sent in any order and in parallel); readers see
+    nothing until `complete()`, which assembles the parts in number order."""
+
+    def put_part(self, number: int, data: bytes) -> None: ...
+
+    def complete(self) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+@runtime_checkable
+class PartsStore(Protocol):
+    """A store that can write an object part by part while its bytes are still being produced (S3, Azure).
+
+    Every part but the last must hold at least `min_part_size` bytes; an object has at most `max_parts`.
+    """
+
+    min_part_size: int
+    max_parts: int
+
+    def start_parts(self, key: str) -> PartUpload: ...
+
+
 def fsync_path(path: str | Path) -> None:
     """Flush a file's data, or a directory's entries (a rename or a new file in it), to disk."""
     fd = os.open(path, os.O_RDONLY)

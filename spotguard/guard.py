@@ -93,6 +93,8 @@ class Guard:
         write_threads: files each rank writes in parallel when saving; default: this node's
             cores shared among its ranks, 2 to 8 (2 was fastest on a 2-core VM with 2 ranks).
         thread_count: parallel uploads / downloads / verifications per rank.
+        stream_uploads: with an S3 or Azure checkpoint_dir, upload each shard file while it is written
+            (notice -> durable about max(write, upload) instead of their sum); False: after the commit.
         checkpoint_key: a secret (bytes or str) to sign saves with and to require on resume;
             default: SPOTGUARD_CHECKPOINT_KEY when set, else no authentication.
         min_nodes: under an elastic torchrun (`--nnodes=MIN:MAX`), its MIN: survivors fewer than
@@ -124,6 +126,7 @@ class Guard:
         thread_count: int = 4,
         checkpoint_key: bytes | str | None = None,
         min_nodes: int | None = None,
+        stream_uploads: bool = True,
     ) -> None:
         if cloud not in CLOUDS + ("none", "auto"):
             raise ValueError(f"cloud must be one of {CLOUDS + ('none', 'auto')}, not {cloud!r}")
@@ -153,6 +156,7 @@ class Guard:
         self.save_on_rebalance = save_on_rebalance
         self.write_threads = write_threads
         self.thread_count = thread_count
+        self.stream_uploads = stream_uploads
         self._checkpoint_key = resolve_key(checkpoint_key)  # checked now; kept out of reprs and logs
         self.min_nodes = elastic.min_nodes(min_nodes)
         self._store = store
@@ -193,6 +197,7 @@ class Guard:
             keep_last=self.keep_last,
             write_threads=self.write_threads,
             thread_count=self.thread_count,
+            stream_uploads=self.stream_uploads,
             on_event=self.timeline.add,
             on_outcome=self._on_save_outcome,
             checkpoint_key=self._checkpoint_key,
@@ -513,6 +518,7 @@ class Guard:
                 "write_s": report.write_s,
                 "commit_s": report.commit_s,
                 "upload_s": report.upload_s,
+                "streamed_bytes": report.streamed_bytes,
                 "durable": report.durable,
             }
         self._ledger.record("save", step=step, reason=reason, ok=report is not None, error=error, **measured)

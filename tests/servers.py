@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import signal
 import socket
@@ -17,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
@@ -150,12 +152,14 @@ def azurite_connection_string(url: str) -> str:
 
 @dataclass
 class Fault:
-    """What the proxy answers instead of forwarding: `count` times, or always when count is None."""
+    """What the proxy answers instead of forwarding: `count` times, or always when count is None;
+    with `match`, only to requests whose path and query it matches (a regular expression, searched)."""
 
     status: int
     body: bytes = b""
     headers: dict[str, str] = field(default_factory=dict)
     count: int | None = 1
+    match: str | None = None
 
 
 _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "expect",
@@ -176,6 +180,9 @@ class FaultProxy:
         self.seen: list[tuple[str, str, dict[str, str]]] = []  # (method, path?query, headers) of every request
         self.faulted = 0
         self.slow_s = 0.0  # delay before forwarding each request: a slow network or server
+        self.slow_match: str | None = None  # when set, only requests whose path and query contain it are slow
+        # Called (on a worker thread) with (method, path?query) as each request arrives, before it is forwarded.
+        self.on_request: Callable[[str, str], None] | None = None
         self.drop_headers: set[str] = set()  # answer headers (lower case) the proxy strips, e.g. {"etag"}
         # Requests never answered nor read (a blackholed network): the client fills its socket buffer and waits.
         self.blackhole = False
@@ -195,10 +202,10 @@ class FaultProxy:
         with self._lock:
             self._fault = fault
 
-    def _take_fault(self) -> Fault | None:
+    def _take_fault(self, path_qs: str) -> Fault | None:
         with self._lock:
             fault = self._fault
-            if fault is None:
+            if fault is None or (fault.match is not None and not re.search(fault.match, path_qs)):
                 return None
             if fault.count is not None:
                 fault.count -= 1
@@ -233,9 +240,11 @@ class FaultProxy:
         body = await request.read()
         with self._lock:
             self.seen.append((request.method, request.path_qs, dict(request.headers)))
-        if fault := self._take_fault():
+        if self.on_request is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.on_request, request.method, request.path_qs)
+        if fault := self._take_fault(request.path_qs):
             return web.Response(status=fault.status, body=fault.body, headers=fault.headers)
-        if self.slow_s:
+        if self.slow_s and (self.slow_match is None or self.slow_match in request.path_qs):
             await asyncio.sleep(self.slow_s)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
         async with self._session.request(

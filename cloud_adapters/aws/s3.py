@@ -66,6 +66,8 @@ class S3Store(RetryingStore):
     """`s3://BUCKET[/PREFIX]`: keys are relative to PREFIX."""
 
     scheme = "s3"
+    min_part_size = 5 * MiB  # S3's smallest part (but the last)
+    max_parts = 10_000
 
     def __init__(
         self,
@@ -175,6 +177,16 @@ class S3Store(RetryingStore):
                 )
 
     # ---- S3 specifics ---------------------------------------------------------------
+    def start_parts(self, key: str) -> S3Parts:
+        """Begin a multipart upload of `key` (a PartsStore): its parts can go up while the file is written."""
+        answer = self._call(
+            f"start a multipart upload of {key} to",
+            lambda: self.client.create_multipart_upload(
+                Bucket=self.bucket, Key=self._name(key), ChecksumAlgorithm=CHECKSUM
+            ),
+        )
+        return S3Parts(self, key, answer["UploadId"])
+
     def abort_multipart_uploads(self, prefix: str = "", *, select: Callable[[str], bool] | None = None) -> int:
         """Abort unfinished multipart uploads under `prefix` (their parts cost storage); returns how many.
 
@@ -279,3 +291,41 @@ class S3Store(RetryingStore):
         if isinstance(exc, (ClientError, BotoCoreError)):
             return StoreError(f"{what}: {one_line(exc)}")
         return StoreError(f"{what}: unexpected {one_line(exc)}")
+
+
+class S3Parts:
+    """One multipart upload (a PartUpload): parts carry a CRC32 each, and each call is bounded like every other."""
+
+    def __init__(self, store: S3Store, key: str, upload_id: str) -> None:
+        self._store = store
+        self.key = key
+        self._upload = {"Bucket": store.bucket, "Key": store._name(key), "UploadId": upload_id}
+        self._parts: dict[int, dict[str, object]] = {}
+        self._lock = threading.Lock()
+
+    def put_part(self, number: int, data: bytes) -> None:
+        answer = self._store._call(
+            f"upload part {number} of {self.key} to",
+            lambda: self._store.client.upload_part(
+                **self._upload, PartNumber=number, Body=data, ChecksumAlgorithm=CHECKSUM
+            ),
+        )
+        with self._lock:
+            self._parts[number] = {
+                "PartNumber": number,
+                "ETag": answer["ETag"],
+                "ChecksumCRC32": answer["ChecksumCRC32"],
+            }
+
+    def complete(self) -> None:
+        with self._lock:
+            parts = [self._parts[n] for n in sorted(self._parts)]
+        self._store._call(
+            f"complete the upload of {self.key} to",
+            lambda: self._store.client.complete_multipart_upload(**self._upload, MultipartUpload={"Parts": parts}),
+        )
+
+    def abort(self) -> None:
+        self._store._call(
+            f"abort the upload of {self.key} to", lambda: self._store.client.abort_multipart_upload(**self._upload)
+        )

@@ -4,12 +4,15 @@
 (keys, SAS, or an emulator such as azurite), else from `AZURE_STORAGE_ACCOUNT` with
 DefaultAzureCredential (managed identity, workload identity, az login; needs
 azure-identity). Large files go up as blocks of `part_size` in parallel, each block
-verified with a transactional MD5 (CRC64 would need azure-storage-extensions).
+verified with a transactional MD5 (CRC64 would need azure-storage-extensions). A file
+can also go up block by block while it is written (`start_parts`: Put Block, then Put
+Block List).
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import threading
 from collections.abc import Iterable
 from pathlib import Path
@@ -25,7 +28,7 @@ try:
         ServiceRequestError,
         ServiceResponseError,
     )
-    from azure.storage.blob import BlobServiceClient, LinearRetry
+    from azure.storage.blob import BlobBlock, BlobServiceClient, LinearRetry
 except ImportError as exc:  # an optional extra: say how to get it, in one line
     raise ImportError("az:// checkpoints need azure-storage-blob: pip install spotguard[azure]") from exc
 
@@ -51,6 +54,8 @@ class BlobStore(RetryingStore):
     """`az://CONTAINER[/PREFIX]`: keys are relative to PREFIX."""
 
     scheme = "az"
+    min_part_size = 1  # a block may have any size (up to 4000 MiB)
+    max_parts = 50_000  # committed blocks per blob
 
     def __init__(
         self,
@@ -141,6 +146,10 @@ class BlobStore(RetryingStore):
             if failed:
                 raise StoreError(f"delete from {self.url}: {len(failed)} objects not deleted ({failed[0].reason})")
 
+    def start_parts(self, key: str) -> BlobParts:
+        """Write `key` as staged blocks (a PartsStore); nothing shows until the block list is committed."""
+        return BlobParts(self, key)
+
     # ---- errors ---------------------------------------------------------------------
     def _is_transient(self, exc: BaseException) -> bool:
         if isinstance(exc, IncompleteReadError):  # the connection broke mid-body
@@ -159,6 +168,38 @@ class BlobStore(RetryingStore):
         if isinstance(exc, ResourceExistsError) or getattr(exc, "status_code", None) == 412:
             return AlreadyExists(f"{what}: the key already exists")
         return StoreError(f"{what}: {one_line(exc)}")
+
+
+class BlobParts:
+    """One block blob written as staged blocks (a PartUpload), each with a transactional MD5."""
+
+    def __init__(self, store: BlobStore, key: str) -> None:
+        self._store = store
+        self.key = key
+        self._blob = store.container.get_blob_client(store._name(key))
+        # Block ids of one upload share a random prefix, so blocks another attempt staged never mix in.
+        self._prefix = secrets.token_hex(8)
+        self._numbers: set[int] = set()
+        self._lock = threading.Lock()
+
+    def _block_id(self, number: int) -> str:
+        return f"{self._prefix}-{number:05d}"  # every id of a blob must have the same length
+
+    def put_part(self, number: int, data: bytes) -> None:
+        self._store._call(
+            f"upload block {number} of {self.key} to",
+            lambda: self._blob.stage_block(self._block_id(number), data, validate_content=CHECKSUM),
+        )
+        with self._lock:
+            self._numbers.add(number)
+
+    def complete(self) -> None:
+        with self._lock:
+            blocks = [BlobBlock(block_id=self._block_id(n)) for n in sorted(self._numbers)]
+        self._store._call(f"commit the blocks of {self.key} to", lambda: self._blob.commit_block_list(blocks))
+
+    def abort(self) -> None:
+        """Nothing to remove: the service drops uncommitted blocks (at the blob's next commit, or after a week)."""
 
 
 class _Deltas:

@@ -5,7 +5,9 @@ A save is one protocol on every rank, in the same order:
   2. every rank checksums its own files and sends the records to rank 0;
   3. rank 0 writes the manifest last and renames the sibling to `step-N` (commit);
   4. for an object store, every rank uploads its own files, then rank 0 uploads
-     the manifest last, create-only;
+     the manifest last, create-only (with S3 / Azure each shard file streams up while step 1
+     writes it, `streaming`: this step then only waits for those uploads and sends what
+     did not stream);
   5. retention (not in a save with a deadline: the next save cleans up).
 Async saves (wait=False) copy the state into host buffers reused from save to save
 (`staging.Stager`: the training thread pays a memcpy) and run the same protocol on one
@@ -38,7 +40,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import SavePlanner
 
 from cloud_adapters.notice import Notice, isoformat_z, parse_iso8601, utc_now
-from cloud_adapters.storage import AlreadyExists, LocalStore, ObjectStore
+from cloud_adapters.storage import AlreadyExists, LocalStore, ObjectStore, PartsStore
 from cloud_adapters.stores import open_store
 from spotguard.checkpoint import retention
 from spotguard.checkpoint.auth import KEY_ENV, CheckpointKey, resolve_key, sign
@@ -54,6 +56,7 @@ from spotguard.checkpoint.runs import RunWatch, SharedDirectory, new_run_id, ref
 from spotguard.checkpoint.save import write_shards
 from spotguard.checkpoint.staging import Stager
 from spotguard.checkpoint.state import to_dcp
+from spotguard.checkpoint.streaming import ShardStreams
 from spotguard.checkpoint.transfer import Cutoff, upload, within
 from spotguard.progress import TransferProgress
 from spotguard.timeline import seconds
@@ -82,7 +85,7 @@ class SaveReport:
     files: int
     write_s: float  # DCP write + checksums (slowest phase end on rank 0's clock)
     commit_s: float  # gather, manifest, rename
-    upload_s: float  # 0.0 without an object store
+    upload_s: float  # local commit -> durable; 0.0 without an object store
     location: str  # where the committed step is: the durable copy when there is one
     durable: bool  # committed in checkpoint_dir, not only in local_dir
     margin_s: float | None  # seconds left before the deadline when the step became durable
@@ -92,6 +95,7 @@ class SaveReport:
     local_location: str | None = None  # the committed local copy, when staging in local_dir
     error: str | None = None  # why it is not durable
     stall_s: float = 0.0  # how long save() held its caller (the training thread): the whole save when waited for
+    streamed_bytes: int = 0  # of this rank's files, sent to the object store while they were written
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +116,8 @@ class Checkpointer:
     collective (a dedicated gloo group); without an initialized process group this is a
     single process. `keep_last` keeps that many newest committed steps. With a
     `checkpoint_key` (default: $SPOTGUARD_CHECKPOINT_KEY), saves are signed and resume
-    loads only steps signed with it (`auth`); every node needs the same key.
+    loads only steps signed with it (`auth`); every node needs the same key. With
+    `stream_uploads` and a store that takes parts (S3, Azure), shard files upload while they are written.
     """
 
     def __init__(
@@ -127,6 +132,7 @@ class Checkpointer:
         on_event: SaveEvents | None = None,
         on_outcome: SaveOutcomes | None = None,
         checkpoint_key: CheckpointKey | None = None,
+        stream_uploads: bool = True,
     ) -> None:
         for name, value in (("keep_last", keep_last), ("write_threads", write_threads), ("thread_count", thread_count)):
             if value is not None and value < 1:
@@ -135,6 +141,7 @@ class Checkpointer:
         self.keep_last = keep_last
         self.write_threads = write_threads or default_write_threads()
         self.thread_count = thread_count
+        self.stream_uploads = stream_uploads
         self._key = resolve_key(checkpoint_key)
         self.comm = Comm(group)
         remote_root = Path(self.remote.url) if isinstance(self.remote, LocalStore) else None
@@ -360,6 +367,25 @@ class Checkpointer:
         )
 
     @contextlib.contextmanager
+    def _streams(self, step: int, cutoff: Cutoff) -> Iterator[ShardStreams | None]:
+        """This rank's streaming uploads for a save (None: the files go up after the commit only); stopped after."""
+        if (
+            not self.stream_uploads
+            or self.local_root is None
+            or not isinstance(self.remote, PartsStore)
+            or cutoff.passed()  # a background save whose uploads were abandoned before it began
+        ):
+            yield None
+            return
+        streams = ShardStreams(
+            self.remote, step_dir_name(step), manifest_key(step), threads=self.thread_count, cutoff=cutoff
+        )
+        try:
+            yield streams
+        finally:
+            streams.close()
+
+    @contextlib.contextmanager
     def _retries_until(self, cutoff: Cutoff) -> Iterator[None]:
         """The store's retries end by `cutoff` inside, and get their own limit back after."""
         self._limit_retries(cutoff)
@@ -530,7 +556,7 @@ class Checkpointer:
         stall_s: float = 0.0,
     ) -> SaveReport:
         """The save protocol on `comm`'s ranks; `on_commit` hears of the local commit on its rank 0."""
-        with self._retries_until(cutoff):
+        with self._retries_until(cutoff), self._streams(step, cutoff) as streams:
             comm = comm or self.comm
             t0 = time.monotonic()
             stage_name, refusal = comm.broadcast(
@@ -544,7 +570,13 @@ class Checkpointer:
             try:
                 stage.parent.mkdir(parents=True, exist_ok=True)
                 records = write_shards(
-                    stage, state_dict, comm, threads=self.write_threads, planner=planner, sha256=self._key is not None
+                    stage,
+                    state_dict,
+                    comm,
+                    threads=self.write_threads,
+                    planner=planner,
+                    sha256=self._key is not None,
+                    tee=streams.open if streams is not None else None,
                 )
             except FAILURES as exc:
                 error = describe(exc, comm.rank)
@@ -579,11 +611,12 @@ class Checkpointer:
                 durable, upload_error, durable_at = self.local_root is None, None, committed_at
                 if self.local_root is not None:
                     durable, upload_error, uploaded = self._upload(
-                        step, commit, records, stage, final, deadline, cutoff, comm
+                        step, commit, records, stage, final, deadline, cutoff, comm, streams
                     )
                     durable_at = utc_now() if durable else None
-                    if uploaded:
-                        self.upload_bytes_per_s = commit["bytes"] / max(time.monotonic() - t_committed, 1e-9)
+                    if uploaded:  # streamed uploads began with the write: their rate counts from there
+                        began = t0 if streams is not None and streams.streamed_bytes else t_committed
+                        self.upload_bytes_per_s = commit["bytes"] / max(time.monotonic() - began, 1e-9)
             finally:
                 # A copy that was not committed here (failed, or another node's partial copy) is abandoned.
                 if comm.is_node_leader and stage.exists():
@@ -606,6 +639,7 @@ class Checkpointer:
                 local_location=str(final) if self.local_root is not None else None,
                 error=upload_error,
                 stall_s=stall_s,
+                streamed_bytes=streams.streamed_bytes if streams is not None else 0,
             )
             if report.durable:
                 self._emit(comm, "durable", step=step, at=report.location, margin_s=seconds(report.margin_s))
@@ -617,7 +651,8 @@ class Checkpointer:
                 self._retain()
             if comm.is_coordinator:
                 log.info(
-                    "checkpoint step %d (%s) %s: %.1f MB in %d files, write %.2fs commit %.2fs upload %.2fs%s",
+                    "checkpoint step %d (%s) %s: %.1f MB in %d files, write %.2fs commit %.2fs upload %.2fs "
+                    "(rank 0 streamed %.1f MB during the write)%s",
                     step,
                     reason,
                     "durable at " + report.location if durable else "committed locally only at " + str(final),
@@ -626,6 +661,7 @@ class Checkpointer:
                     report.write_s,
                     report.commit_s,
                     report.upload_s,
+                    report.streamed_bytes / 1e6,
                     f", {report.margin_s:.1f}s before the deadline" if report.margin_s is not None else "",
                 )
             self.last_report = report
@@ -723,10 +759,12 @@ class Checkpointer:
         deadline: datetime | None,
         cutoff: Cutoff,
         comm: Comm,
+        streams: ShardStreams | None = None,
     ) -> tuple[bool, str | None, bool]:
         """Every rank uploads its files, then rank 0 the manifest, create-only. (durable, error, uploaded).
 
-        The upload uses the whole window but never goes past `cutoff` (`DEADLINE_RESERVE_S`
+        Files that streamed up whole while they were written (`streams`) are only waited for; the
+        others go up now. The upload uses the whole window but never goes past `cutoff` (`DEADLINE_RESERVE_S`
         before the deadline, or earlier when a later save takes over): what is unfinished
         then is abandoned, no manifest is written, and the committed local copy is what remains.
         """
@@ -756,7 +794,13 @@ class Checkpointer:
                 sum(p.stat().st_size for p, _ in items),
                 every_s=5.0,
             )
-            upload(self.remote, items, threads=self.thread_count, cutoff=cutoff, progress=progress)
+            streamed: set[str] = set()
+            if streams is not None:  # waited for first, so that no streamed object lands after the uploads below
+                streamed = streams.finish(progress if commit["created"] else None)
+                if not commit["created"]:
+                    streamed = set()  # what streamed was the copy not committed
+            rest = [(p, key) for p, key in items if p.name not in streamed]
+            upload(self.remote, rest, threads=self.thread_count, cutoff=cutoff, progress=progress)
         except Exception as exc:
             error = f"rank {comm.rank}: {exc}"
         errors = comm.gather(error)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ from spotguard.checkpoint.comm import Comm
 from spotguard.checkpoint.layout import DCP_METADATA_NAME, shard_prefix
 from spotguard.checkpoint.manifest import FileRecord
 from spotguard.checkpoint.shard_io import ChecksummingFileSystem, without_zip_crc32
+from spotguard.checkpoint.streaming import StreamedFile
 
 
 def write_shards(
@@ -22,17 +24,19 @@ def write_shards(
     threads: int,
     planner: SavePlanner | None = None,
     sha256: bool = False,
+    tee: Callable[[Path], StreamedFile | None] | None = None,
 ) -> list[FileRecord]:
     """Save `state_dict` into `stage_dir` (all ranks of `comm` together) and return this rank's files.
 
     DCP's default planner (or `planner`) de-duplicates replicated tensors (DDP) and spreads
     them over the ranks, so each tensor is written once. Rank r writes `threads` files
     `__r_*.distcp` in parallel; the coordinator also writes `.metadata`. With `sha256`
-    (a checkpoint key is set) the records carry each file's SHA-256 too.
+    (a checkpoint key is set) the records carry each file's SHA-256 too. `tee` (see
+    `streaming.ShardStreams.open`) streams each file to the object store as it is written.
     """
     # The stage directory is always fresh (random name), so nothing can be overwritten.
     writer = FileSystemWriter(stage_dir, thread_count=threads, sync_files=True)
-    writer.fs = fs = ChecksummingFileSystem(sha256=sha256)
+    writer.fs = fs = ChecksummingFileSystem(sha256=sha256, tee=tee)
     with comm.dcp_args() as dist_args, without_zip_crc32():
         dcp.save(state_dict, storage_writer=writer, planner=planner, **dist_args)
     mine = sorted(p for p in stage_dir.iterdir() if p.name.startswith(shard_prefix(comm.rank)))

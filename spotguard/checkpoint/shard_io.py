@@ -5,7 +5,9 @@ the CRC32C of each file (and its SHA-256, with a checkpoint key) is computed fro
 as DCP hands them over (no second read); torch.save's own per-record zip CRC32 is switched off while we save (the
 manifest's CRC32C already covers every byte; torch.load does not check the zip's); and on
 Linux the disk starts writing each file while it is still being filled (sync_file_range)
-instead of only at the closing fsync, so serializing and writing overlap.
+instead of only at the closing fsync, so serializing and writing overlap. With a `tee`
+(`streaming.ShardStreams.open`), each file's bytes also go to the object store part by part
+as they are written.
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ import hashlib
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import google_crc32c
 import numpy
@@ -26,6 +28,9 @@ import torch.serialization
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from spotguard.checkpoint.manifest import FileRecord, checksum_file
+
+if TYPE_CHECKING:
+    from spotguard.checkpoint.streaming import StreamedFile
 
 # The checksum runs holding the GIL (see _ChecksummingStream.write); slices this small keep
 # each hold to ~0.1 ms, so a training thread running beside a background save is not stalled.
@@ -36,19 +41,29 @@ _WRITEBACK_STEP = 32 << 20  # start writeback of every this many bytes written
 class ChecksummingFileSystem(FileSystem):
     """DCP's local file system, checksumming each file it writes as the bytes go by (SHA-256 too with `sha256`)."""
 
-    def __init__(self, *, sha256: bool = False) -> None:
+    def __init__(self, *, sha256: bool = False, tee: Callable[[Path], StreamedFile | None] | None = None) -> None:
         super().__init__()
         self._records: dict[str, FileRecord] = {}
         self._sha256 = sha256
+        self._tee = tee
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
-        with super().create_stream(path, mode) as raw:
-            if mode != "wb":
-                yield raw
-                return
-            stream = _ChecksummingStream(raw, sha256=self._sha256)
-            yield stream
+        tee = None
+        try:
+            with super().create_stream(path, mode) as raw:
+                if mode != "wb":
+                    yield raw
+                    return
+                tee = self._tee(Path(path)) if self._tee is not None else None
+                stream = _ChecksummingStream(raw, sha256=self._sha256, tee=tee)
+                yield stream
+        except BaseException:
+            if tee is not None:
+                tee.fail("the local write failed")
+            raise
+        if tee is not None:
+            tee.closed(stream.size)
         self._records[os.fspath(path)] = stream.record(Path(path).name)
 
     def record_for(self, path: Path) -> FileRecord:
@@ -76,8 +91,9 @@ class _ChecksummingStream:
     the file's CRC; `record_for` still compares the size with the file on disk.
     """
 
-    def __init__(self, raw: IO[bytes], *, sha256: bool = False) -> None:
+    def __init__(self, raw: IO[bytes], *, sha256: bool = False, tee: StreamedFile | None = None) -> None:
         self._raw = raw
+        self._tee = tee
         self.crc = 0
         # Only with a checkpoint key: a save without one costs nothing more. hashlib releases
         # the GIL while it hashes a large buffer, so this needs no slicing like the CRC.
@@ -97,6 +113,9 @@ class _ChecksummingStream:
         if self.size - self._writeback_from >= _WRITEBACK_STEP:
             start_writeback(self._raw.fileno(), self._writeback_from, self.size - self._writeback_from)
             self._writeback_from = self.size
+        if self._tee is not None and self.size >= self._tee.next_boundary:
+            self._raw.flush()  # the upload threads read the part back from the file
+            self._tee.written(self.size)
         return written
 
     def tell(self) -> int:
