@@ -90,8 +90,9 @@ class Guard:
         store: the torch.distributed Store to broadcast through (default: the default group's).
         agreement_timeout_s: longest wait for all ranks to agree on a step.
         save_on_rebalance: take a background save when AWS recommends a rebalance.
-        write_threads: files each rank writes in parallel when saving; default: this node's
-            cores shared among its ranks, 2 to 8 (2 was fastest on a 2-core VM with 2 ranks).
+        write_threads: files each rank writes in parallel when saving (and reads when resuming);
+            default: this node's cores shared among its ranks, 2 to 16 (2 was fastest on a 2-core VM
+            with 2 ranks).
         thread_count: parallel uploads / downloads / verifications per rank.
         stream_uploads: with an S3 or Azure checkpoint_dir, upload each shard file while it is written
             (notice -> durable about max(write, upload) instead of their sum); False: after the commit.

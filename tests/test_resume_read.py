@@ -13,6 +13,10 @@ from tests.test_checkpoint import flip_byte, resume_fresh, save_steps
 WRITE_THREADS = 3  # three shard files per step, and .metadata
 
 
+class NotAllowed:
+    """A global no weights-only unpickler allows."""
+
+
 @pytest.fixture(scope="module")
 def two_steps(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
@@ -90,3 +94,55 @@ def test_a_load_of_some_records_still_checks_every_byte_of_the_files_it_reads(tm
     flip_byte(step_dir / name, other.offset + other.length // 2)
     with pytest.raises(CheckpointError, match=f"{name}: crc32c"):
         Checkpointer(str(tmp_path)).resume({needed: torch.zeros(1000)})
+
+
+def local_and_remote(tmp_path):
+    remote, local = tmp_path / "remote", tmp_path / "local"
+    remote.mkdir()
+    held = save_steps(remote, [1], local_dir=str(local))
+    return remote, local, held
+
+
+def test_a_damaged_local_copy_the_store_does_not_hold_stops_resume_instead_of_a_fresh_start(tmp_path):
+    """The emergency's step committed locally but never uploaded, then damaged on disk."""
+    import shutil
+
+    remote, local, _ = local_and_remote(tmp_path)
+    shutil.rmtree(remote / step_dir_name(1))
+    victim = step_files(local, 1)[-1]
+    flip_byte(victim)
+    with pytest.raises(CheckpointError, match=f"{victim.name}: crc32c"):
+        resume_fresh(remote, local_dir=str(local))
+
+
+def test_a_read_error_on_a_local_copy_fetches_the_step_again(tmp_path, monkeypatch, caplog):
+    import errno
+    import os
+
+    remote, local, held = local_and_remote(tmp_path)
+    real_readv, failed = os.readv, []
+
+    def readv(fd, buffers):
+        if not failed:
+            failed.append(fd)
+            raise OSError(errno.EIO, "Input/output error")
+        return real_readv(fd, buffers)
+
+    monkeypatch.setattr(shard_read.os, "readv", readv)
+    step, _, loaded = resume_fresh(remote, local_dir=str(local))
+    assert step == 1 and failed
+    assert_same(loaded, held[0])
+    assert "local copy is damaged" in caplog.text and "Input/output error" in caplog.text
+
+
+def test_a_tensor_record_is_read_with_the_weights_only_unpickler():
+    import io
+    import pickle
+
+    buffer = io.BytesIO()
+    torch.save({"x": NotAllowed()}, buffer)
+    with pytest.raises(pickle.UnpicklingError):
+        shard_read._stored_tensor(memoryview(bytearray(buffer.getvalue())))
+    buffer = io.BytesIO()
+    torch.save(torch.arange(10.0)[2:8], buffer)  # a view: the whole storage is saved, with its offset
+    assert torch.equal(shard_read._stored_tensor(memoryview(bytearray(buffer.getvalue()))), torch.arange(2.0, 8.0))

@@ -796,9 +796,8 @@ class Checkpointer:
             )
             streamed: set[str] = set()
             if streams is not None:  # waited for first, so that no streamed object lands after the uploads below
-                streamed = streams.finish(progress if commit["created"] else None)
-                if not commit["created"]:
-                    streamed = set()  # what streamed was the copy not committed
+                # Not created: the committed copy is an earlier one, and what streamed is aborted.
+                streamed = streams.finish(progress, complete=commit["created"])
             rest = [(p, key) for p, key in items if p.name not in streamed]
             upload(self.remote, rest, threads=self.thread_count, cutoff=cutoff, progress=progress)
         except Exception as exc:

@@ -230,14 +230,17 @@ def _load_newest_once(
                 if comm.is_coordinator:
                     log.info("resumed from %s (world size %d)", step_dir, comm.world_size)
                 return step
+            unloadable.append(failure)  # tensors may be overwritten: no step loading now means an error
             if damaged_on and local_root is not None and not refetched:
                 # A local copy went bad on disk: the store may still hold a good one.
                 if comm.is_node_leader and comm.host in damaged_on:
                     log.warning("local copy is damaged (%s); fetching %s again", failure, step_dir.name)
-                    set_aside(step_dir, step)
+                    try:
+                        set_aside(step_dir, step)
+                    except OSError as exc:  # then it is loaded (and found damaged) once more, and skipped
+                        log.error("could not set %s aside: %s", step_dir, exc)
                 refetched = True
                 continue
-            unloadable.append(failure)
             problems = [failure]
             break
         bad.add(step)
@@ -291,7 +294,7 @@ def _prepare(
     if local_root is None:
         if not comm.is_coordinator:
             return FOLLOW, None
-        why = _verify(Path(remote.url) / step_dir_name(step), step, threads, key, contents=False)
+        why = _verify(Path(remote.url) / step_dir_name(step), step, threads, key, contents=key is not None)
         return (SHARED, None) if why is None else (None, why)
     if not comm.is_node_leader:
         return FOLLOW, None
@@ -299,6 +302,9 @@ def _prepare(
 
 
 def _verify(step_dir: Path, step: int, threads: int, key: bytes | None, *, contents: bool) -> str | None:
+    """Why `step_dir` cannot be loaded, or None. Without `contents` the files are not read (the load
+    checks them as it reads). With a checkpoint key they are, before loading: no byte that its SHA-256
+    has not vouched for then reaches a parser (torch's zip reader, the weights-only unpickler)."""
     try:
         manifest = Manifest.from_bytes((step_dir / MANIFEST_NAME).read_bytes())
     except (OSError, ManifestError) as exc:
@@ -312,10 +318,14 @@ def _verify(step_dir: Path, step: int, threads: int, key: bytes | None, *, conte
 def _ensure_local(
     step: int, remote: ObjectStore, local_root: Path, host: str, threads: int, key: bytes | None, cutoff: Cutoff
 ) -> tuple[str | None, str | None]:
-    """Make `local_root/step-N` a verified copy, downloading it from `remote` when it is missing or damaged."""
+    """Make `local_root/step-N` a copy to load, downloading it from `remote` when it is missing or damaged.
+
+    A download is checked in full; a copy already there only for presence and sizes (the load
+    checks its bytes as it reads them), except with a checkpoint `key` (see `_verify`).
+    """
     final = local_root / step_dir_name(step)
     if is_committed(final):
-        why = _verify(final, step, threads, key, contents=False)
+        why = _verify(final, step, threads, key, contents=key is not None)
         if why is None:
             return LOCAL, None
         log.warning("local copy is damaged (%s); fetching %s again from %s", why, step_dir_name(step), remote.url)

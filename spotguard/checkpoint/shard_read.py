@@ -14,6 +14,7 @@ of it, so that every byte it used was checked.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
@@ -32,6 +33,9 @@ from spotguard.checkpoint.manifest import FileRecord, mismatch
 from spotguard.checkpoint.shard_io import crc32c_extend
 
 _GAP_CHUNK = 8 << 20  # bytes between and after the records are read (and checked) this much at a time
+# A record up to this size is read into a pinned buffer when it goes to a GPU (a fast copy); a larger
+# one into pageable memory, so that a load holds at most threads x this much pinned memory.
+_PINNED_MAX = 256 << 20
 
 
 class Damaged(CheckpointError):
@@ -65,16 +69,15 @@ def read_checked(
     pinned = any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in planner.state_dict.values())
     loader = _Loader(planner, storage_data, pinned=pinned)
     work = [(step_dir / name, records[name], items) for name, items in per_file.items()]
-    if len(work) <= 1 or threads <= 1:
-        for args in work:
-            loader.read_file(*args, sha256=sha256)
-        return
-    with ThreadPoolExecutor(min(threads, len(work)), thread_name_prefix="spotguard-read") as pool:
-        futures = [pool.submit(loader.read_file, *args, sha256=sha256) for args in work]
-        for future in futures:  # every file is finished (or failed) before the first error is raised
-            future.exception()
-        for future in futures:
-            future.result()
+    try:
+        with ThreadPoolExecutor(max(1, min(threads, len(work))), thread_name_prefix="spotguard-read") as pool:
+            futures = [pool.submit(loader.read_file, *args, sha256=sha256) for args in work]
+            for future in futures:  # every file is finished (or failed) before the first error is raised
+                future.exception()
+            for future in futures:
+                future.result()
+    finally:
+        loader.release()
 
 
 class _Loader:
@@ -85,6 +88,10 @@ class _Loader:
         self._storage_data = storage_data
         self._lock = threading.Lock()
         self._buffers = _Buffers(pinned)
+
+    def release(self) -> None:
+        """Give the pinned read buffers' memory back, which torch would keep cached (after the threads ended)."""
+        self._buffers.release()
 
     def read_file(self, path: Path, record: FileRecord, items: list[ReadItem], *, sha256: bool) -> None:
         by_range: dict[tuple[int, int], list[ReadItem]] = {}  # items of one stored record share its bytes
@@ -151,19 +158,27 @@ def _stored_tensor(data: memoryview) -> torch.Tensor:
 
 
 class _Buffers:
-    """One read buffer per thread, grown to the largest record it met, pinned for copies to a GPU."""
+    """One read buffer per thread, grown to the largest record it met; pinned (up to _PINNED_MAX)
+    for copies to a GPU."""
 
     def __init__(self, pinned: bool) -> None:
         self._pinned = pinned
-        self._local = threading.local()
+        self._local = threading.local()  # freed with the reading threads, which end with the load
 
     def get(self, length: int) -> memoryview:
-        buffer = getattr(self._local, "buffer", None)
+        pinned = self._pinned and length <= _PINNED_MAX
+        kind = "pinned" if pinned else "pageable"
+        buffer = getattr(self._local, kind, None)
         if buffer is None or len(buffer) < length:
-            tensor = torch.empty(max(length, _GAP_CHUNK), dtype=torch.uint8, pin_memory=self._pinned)
-            self._local.tensor = tensor  # keeps the memory alive
-            self._local.buffer = buffer = memoryview(tensor.numpy())
+            size = max(length, _GAP_CHUNK)
+            tensor = torch.empty(min(size, _PINNED_MAX) if pinned else size, dtype=torch.uint8, pin_memory=pinned)
+            setattr(self._local, kind, buffer := memoryview(tensor.numpy()))  # the view keeps the memory alive
         return buffer[:length]
+
+    def release(self) -> None:
+        """Once the reading threads have ended (their buffers with them)."""
+        if self._pinned and hasattr(torch._C, "_host_emptyCache"):  # torch keeps freed pinned blocks cached
+            torch._C._host_emptyCache()
 
 
 class _CheckingReader:
@@ -171,9 +186,13 @@ class _CheckingReader:
 
     def __init__(self, path: Path, buffers: _Buffers, *, sha256: bool) -> None:
         # O_NOFOLLOW: a step holds its own files only (resume checked that before; this closes the gap).
-        self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        if hasattr(os, "posix_fadvise"):  # a larger readahead: the disk reads on while a record is copied
+        try:
+            self._fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError as exc:  # unreadable is damaged: a local copy is then fetched again
+            raise Damaged(f"{path}: {exc}") from exc
+        with contextlib.suppress(AttributeError, OSError):  # a larger readahead: the disk reads on during a copy
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        self._path = path
         self._buffers = buffers
         self.position = 0
         self._crc = 0
@@ -184,7 +203,10 @@ class _CheckingReader:
         view = self._buffers.get(length)
         got = 0
         while got < length:
-            n = os.readv(self._fd, [view[got:]])
+            try:
+                n = os.readv(self._fd, [view[got:]])
+            except OSError as exc:  # EIO from a bad sector: the way a local copy usually goes bad
+                raise Damaged(f"{self._path}: {exc}") from exc
             if n == 0:
                 break
             got += n

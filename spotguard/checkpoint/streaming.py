@@ -5,7 +5,10 @@ rank writes becomes an upload in parts. The checksumming stream (`shard_io`) flu
 boundary and hands over the range just written; `threads` upload threads read each range back with
 pread (from the page cache: the bytes were just written) and send it as a part. So the local write
 never waits for the network: the queue holds (offset, length) ranges, not bytes, and the memory this
-costs is one part per upload thread. A file is completed once it is closed and all its parts are up.
+costs is one part per upload thread. A file's upload is completed (the object appears) only in
+`finish`, after the local commit and only when the committed copy is this save's own: an emergency
+that finds its step already committed aborts its streams, so no object of the copy not committed
+lands beside the committed one's.
 
 Nothing here can hold back or fail the local commit: a stream that fails (or is cut off at the
 save's cutoff) only leaves its file to the after-commit upload, as if it had never streamed. The
@@ -20,6 +23,7 @@ import logging
 import os
 import queue
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 from typing import cast
 
@@ -64,26 +68,35 @@ class ShardStreams:
         with self._lock:
             if self._stopped:
                 return None
-            file = StreamedFile(self, path, f"{self.step_dir}/{path.name}")
+            try:
+                file = StreamedFile(self, path, f"{self.step_dir}/{path.name}")
+            except OSError as exc:  # never the local write's failure: this file goes up after the commit
+                log.warning("not streaming %s: %s", path.name, exc)
+                return None
             self._files.append(file)
         return file
 
-    def finish(self, progress: Progress | None = None) -> set[str]:
-        """Wait for every stream until the cutoff; the names of the files that are up whole.
+    def finish(self, progress: Progress | None = None, *, complete: bool = True) -> set[str]:
+        """Complete every stream whose parts are all up, waiting until the cutoff; the names of the
+        files that are up whole.
 
         `progress` hears of the bytes already up, then of every part as it goes. Streams still
-        running at the cutoff are abandoned.
+        running at the cutoff are abandoned. Without `complete` (the step's committed copy is not
+        this save's), every stream is aborted and nothing is up.
         """
+        if not complete:
+            self.close()
+            return set()
         with self._lock:
             self._progress = progress
             already = self._sent_bytes
         if progress is not None and already:
             progress(already)
-        for file in list(self._files):
-            while not file.done.wait(self.cutoff.check_within(_CHECK_EVERY_S)):
-                if self.cutoff.passed():
-                    self.close()
-                    break
+        files = list(self._files)
+        if self._wait_all(f.settled for f in files):
+            for file in files:
+                file.complete()
+            self._wait_all(f.done for f in files)
         with self._lock:
             self._progress = None
             whole = [f for f in self._files if f.error is None and f.done.is_set()]
@@ -102,6 +115,15 @@ class ShardStreams:
             file.fail("streaming stopped")
         for _ in range(self._threads):
             self._jobs.put(None)
+
+    def _wait_all(self, events: Iterable[threading.Event]) -> bool:
+        """Wait for every event until the cutoff; past it, every stream is abandoned and False returned."""
+        for event in events:
+            while not event.wait(self.cutoff.check_within(_CHECK_EVERY_S)):
+                if self.cutoff.passed():
+                    self.close()
+                    return False
+        return True
 
     def _allowed(self) -> bool:
         """Whether parts may go up: once per save, the step must not be committed in the store already."""
@@ -129,13 +151,15 @@ class ShardStreams:
 
 class StreamedFile:
     """One shard file's multipart upload. The writer calls `written` and `closed`; the upload
-    threads run its jobs: parts (number >= 1), then completion (0) or an abort (-1)."""
+    threads run its jobs: parts (number >= 1), then completion (0, queued by `complete` once the
+    step is committed) or an abort (-1)."""
 
     def __init__(self, streams: ShardStreams, path: Path, key: str) -> None:
         self.streams = streams
         self.path = path
         self.key = key
         self.done = threading.Event()  # complete or failed
+        self.settled = threading.Event()  # every part up, or failed
         self.error: str | None = None
         self.next_boundary = streams.part_size  # the writer flushes and calls `written` once past it
         self._fd: int | None = os.open(path, os.O_RDONLY)
@@ -166,8 +190,12 @@ class StreamedFile:
             self._queue(size - self._queued)
         with self._lock:
             self._total = self._parts
-            ready = self._sent == self._total and self.error is None
-        if ready:
+            if self._sent == self._total and self.error is None:
+                self.settled.set()
+
+    def complete(self) -> None:
+        """Queue the completion of an upload whose parts are all up (the object then appears)."""
+        if self.settled.is_set() and not self.done.is_set():
             self._push(0)
 
     def fail(self, why: str) -> None:
@@ -177,6 +205,7 @@ class StreamedFile:
                 return
             self.error = why
             self.done.set()
+            self.settled.set()
             started = self._upload is not None
             self._close_fd()
         if started:
@@ -227,10 +256,9 @@ class StreamedFile:
         with self._lock:
             self.sent_bytes += length
             self._sent += 1
-            ready = self._sent == self._total and self.error is None
+            if self._sent == self._total and self.error is None:
+                self.settled.set()
         self.streams._moved(length)
-        if ready:
-            self._push(0)
 
     def _queue(self, length: int) -> None:
         self._parts += 1
