@@ -48,7 +48,7 @@ from spotguard.broadcast import EMERGENCY, Broadcast, inbox_connection, listener
 from spotguard.cadence import DEFAULT_MAX_S, DEFAULT_MIN_S, Cadence, Choice
 from spotguard.checkpoint import Checkpointer, CheckpointError, CheckpointUnavailable, SaveReport
 from spotguard.checkpoint.auth import resolve_key
-from spotguard.checkpoint.handoff import Departure
+from spotguard.checkpoint.handoff import Departure, senders_to, sharded_nbytes
 from spotguard.ledger import Ledger, LedgerContents
 from spotguard.report import INTERRUPTED, summarize
 from spotguard.timeline import Timeline, seconds
@@ -172,6 +172,7 @@ class Guard:
         self._ckpt: Checkpointer | None = None
         self._ledger: Ledger | None = None  # global rank 0 writes the goodput ledger
         self._last_step: int | None = None  # the last step the loop reported (for the ledger)
+        self._last_state: Mapping[str, Any] | None = None  # the state the loop last passed to step()
         self._stop_timer = threading.Event()
         self._agreement: StepAgreement | _NotEntered = _NotEntered()
 
@@ -349,6 +350,7 @@ class Guard:
             step = _as_step(step)
         due = self._agreement.reached(step)
         self._last_step = step
+        self._last_state = state  # for the listener thread to size a coming handoff (_expect_handoff)
         if due:
             return self._run_due(step, state, due)
         if self.save_every and step % self.save_every == 0:
@@ -473,6 +475,7 @@ class Guard:
         decision = self._agreement.agree(index, event, timeout, leaving)
         if decision is not None and event["type"] == EMERGENCY:
             self._ckpt.abandon_background_uploads()  # the training thread may be waiting on one
+            self._expect_handoff(decision.leaving)
         if event["type"] == EMERGENCY and decision is None and self._ledger is not None:
             self._ledger.record("notice", **_notice_fields(self.notice), agreed_step=None, committed=False)
         if event.get("reason") == "rebalance":
@@ -488,6 +491,22 @@ class Guard:
                 ranks=self.topology.world_size,
                 **({"leaving": ",".join(map(str, decision.leaving))} if decision.leaving else {}),
             )
+
+    def _expect_handoff(self, leaving: Sequence[int]) -> None:
+        """Listener thread, at the agreement: a survivor that will take a leaving rank's shards sets
+        memory aside for them while the training step in flight still runs (sharded state only: a
+        replicated one hands nothing over). Sized from this rank's own shards: FSDP-style layouts
+        shard every tensor alike on every rank."""
+        rank, world = self.topology.rank, self.topology.world_size
+        state = self._last_state
+        if not leaving or rank in leaving or len(leaving) >= world or state is None:
+            return
+        try:
+            nbytes = sharded_nbytes(state) * len(senders_to(leaving, rank, world))
+        except Exception:  # noqa: BLE001 - only a head start: the handoff allocates as it goes without it
+            log.debug("could not size the coming handoff", exc_info=True)
+            return
+        self._ckpt.expect_handoff(nbytes)
 
     def _record_exit(self, code: int) -> None:
         """Write $SPOTGUARD_EXIT_FILE (node leader): why this node's job is about to exit."""

@@ -6,8 +6,11 @@ for the deadline when the answer is already known."""
 from __future__ import annotations
 
 import json
+import os
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 
@@ -19,6 +22,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from spotguard.checkpoint.handoff import Departure, HandoffError, Receiver, send_shards
 from spotguard.checkpoint.transfer import Cutoff
+from tests.ckpt_workers import ROOT
 
 STEP = 7
 
@@ -220,3 +224,49 @@ def test_a_shard_that_is_a_strided_view_is_sent_as_its_own_elements(departure):
     send_shards(departure, 1, 0, STEP, [shard("v", every_other)], cutoff())
     got = survivor.join()
     assert torch.equal(got[0][1], every_other)
+
+
+def test_a_receive_pool_hands_out_aligned_tensors_until_it_is_used_up():
+    from spotguard.checkpoint.handoff import ReceivePool
+
+    pool = ReceivePool(1000)
+    deadline = time.monotonic() + 30
+    while pool.take(torch.Size([0]), torch.uint8) is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # touching happens on a thread of its own
+    a = pool.take(torch.Size([3]), torch.uint8)
+    b = pool.take(torch.Size([10, 5]), torch.float32)  # 200 bytes, at the next 64-byte boundary
+    assert a.shape == (3,) and b.shape == (10, 5) and b.dtype == torch.float32
+    assert b.data_ptr() - a.data_ptr() == 64 and pool.used == 264
+    assert pool.take(torch.Size([200]), torch.float64) is None  # 1600 bytes: more than is left
+    b.fill_(1.5)
+    assert torch.equal(b, torch.full((10, 5), 1.5))
+
+
+def test_a_receive_pool_nobody_takes_from_gives_its_memory_back():
+    from spotguard.checkpoint.handoff import ReceivePool
+
+    pool = ReceivePool(1 << 20, unused_s=0.2)
+    time.sleep(1.0)
+    assert pool.take(torch.Size([4]), torch.uint8) is None
+
+
+def test_sharded_nbytes_counts_the_local_shards_of_sharded_tensors_only():
+    env = {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", SHARDED_NBYTES], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["0", "800"]
+
+
+SHARDED_NBYTES = """
+import torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from spotguard.checkpoint.handoff import sharded_nbytes
+dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+mesh = init_device_mesh("cpu", (1,))
+model = torch.nn.Linear(10, 10)
+print(sharded_nbytes({"model": model, "w": DTensor.from_local(torch.zeros(10, 10), mesh, [Replicate()])}))
+sharded = DTensor.from_local(torch.zeros(10, 10), mesh, [Shard(0)])
+opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+print(sharded_nbytes({"model": model, "opt": opt, "nested": {"w": sharded, "v": sharded}}))
+"""

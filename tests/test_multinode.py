@@ -93,6 +93,8 @@ def test_survivors_commit_without_the_reclaimed_node_and_resume_bit_identical(sh
     # Only the survivor's staging dir ever held the step: the reclaimed VM's disk is not needed.
     assert not list((tmp_path / "node1").glob("step-*"))
     assert ("handed" if sharding == "fsdp" else "save step") in nodes[1].output()
+    if sharding == "fsdp":  # the survivor set memory aside at the agreement, sized from its own shards
+        assert re.search(r"the handoff took [\d.]+ MB of the (?!0\.0 )[\d.]+ MB set aside", nodes[0].output())
 
     fresh = tmp_path / "fresh"
     resumed = run_nodes(2, ckpt, fresh, BASE + SHARDING[sharding], fresh / "resumed.json")

@@ -47,7 +47,7 @@ from spotguard.checkpoint.auth import KEY_ENV, CheckpointKey, resolve_key, sign
 from spotguard.checkpoint.comm import FAILURES, Comm, describe
 from spotguard.checkpoint.commit import commit_dir
 from spotguard.checkpoint.errors import CheckpointError
-from spotguard.checkpoint.handoff import Departure, Receiver, send_shards
+from spotguard.checkpoint.handoff import Departure, ReceivePool, Receiver, send_shards
 from spotguard.checkpoint.layout import MANIFEST_NAME, manifest_key, sibling_name, step_dir_name
 from spotguard.checkpoint.manifest import REASONS, FileRecord, Manifest, versions
 from spotguard.checkpoint.ownership import SurvivorPlanner, expects_handoff, flat, unique_shards
@@ -167,6 +167,7 @@ class Checkpointer:
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spotguard-ckpt")
         self._pending: _InFlight | None = None
         self._stager = Stager()  # background saves copy into its buffers, reused from save to save
+        self._receive_pool: ReceivePool | None = None  # set by expect_handoff, used by the next survivor save
         self.last_report: SaveReport | None = None  # of the last save that committed, background ones too
         self._uploads_abandoned = False  # an emergency is coming: background saves commit locally only
         # This run's id (every rank the same: one start of the job), in each manifest it commits.
@@ -269,6 +270,12 @@ class Checkpointer:
             self.on_outcome(step, reason, report, None if error is None else str(error) or type(error).__name__)
         except Exception:  # noqa: BLE001 - a listener's failure never fails a save
             log.exception("the save outcome listener failed")
+
+    def expect_handoff(self, nbytes: int) -> None:
+        """About `nbytes` of a leaving rank's shards will be handed to this rank in the coming
+        emergency: touch that much memory for them now, on a thread of its own (any thread may call
+        this; see `handoff.ReceivePool`)."""
+        self._receive_pool = ReceivePool(nbytes) if nbytes > 0 else None
 
     def abandon_background_uploads(self) -> None:
         """An emergency has been agreed (called from any thread, on every rank alike): the background
@@ -527,8 +534,12 @@ class Checkpointer:
         flat_state = flat(state_dict)
         assigned = departure.senders_to(rank, world)
         senders = [r for r in assigned if expects_handoff(flat_state, r, survivors)]
+        pool, self._receive_pool = self._receive_pool, None  # this emergency's, used once
         try:
-            received = Receiver(departure, rank, senders, step).collect(cutoff) if senders else []
+            received = Receiver(departure, rank, senders, step, pool).collect(cutoff) if senders else []
+            if pool is not None and senders:
+                mb = (pool.used / 1e6, pool.nbytes / 1e6)
+                log.info("the handoff took %.1f MB of the %.1f MB set aside at the agreement", *mb)
             surprising = departure.declared_handoffs([r for r in assigned if r not in senders], DECLARE_GRACE_S)
         except Exception as exc:  # noqa: BLE001 - reported through the all_gather, so ranks stay in step
             return [], f"rank {rank}: {exc}"

@@ -24,13 +24,14 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor, Shard
 
 from spotguard.checkpoint.shard_io import crc32c_extend
 from spotguard.checkpoint.transfer import Cutoff
@@ -69,12 +70,10 @@ class Departure:
         return [r for r in range(world_size) if r not in self.leaving]
 
     def receiver_of(self, rank: int, world_size: int) -> int:
-        """The survivor that takes leaving `rank`'s shards: spread evenly over the survivors."""
-        survivors = self.survivors(world_size)
-        return survivors[sorted(self.leaving).index(rank) % len(survivors)]
+        return receiver_of(self.leaving, rank, world_size)
 
     def senders_to(self, survivor: int, world_size: int) -> list[int]:
-        return [r for r in sorted(self.leaving) if self.receiver_of(r, world_size) == survivor]
+        return senders_to(self.leaving, survivor, world_size)
 
     def declare(self, rank: int, handing: bool) -> None:
         """Leaving `rank` says whether it hands anything over (see `declared_handoffs`)."""
@@ -223,14 +222,101 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 # -- the receiving side -------------------------------------------------------------------
 
 
+def receiver_of(leaving: Collection[int], rank: int, world_size: int) -> int:
+    """The survivor that takes leaving `rank`'s shards: spread evenly over the survivors."""
+    survivors = [r for r in range(world_size) if r not in leaving]
+    return survivors[sorted(leaving).index(rank) % len(survivors)]
+
+
+def senders_to(leaving: Collection[int], survivor: int, world_size: int) -> list[int]:
+    """The leaving ranks whose shards `survivor` takes."""
+    return [r for r in sorted(leaving) if receiver_of(leaving, r, world_size) == survivor]
+
+
+def sharded_nbytes(state: Mapping[str, Any]) -> int:
+    """Bytes of this rank's shards of sharded tensors (DTensors with a Shard placement) in a user
+    state: about what a leaving rank of the same layout hands over. Reads only tensor metadata, so
+    any thread may call it while training runs."""
+    total = 0
+    for tensor in _tensors(state):
+        if isinstance(tensor, DTensor) and any(isinstance(p, Shard) for p in tensor.placements):
+            local = tensor._local_tensor
+            total += local.numel() * local.element_size()
+    return total
+
+
+def _tensors(tree: Any) -> Iterator[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, torch.nn.Module):
+        yield from tree.parameters()
+        yield from tree.buffers()
+    elif isinstance(tree, torch.optim.Optimizer):
+        for per_param in list(tree.state.values()):
+            yield from _tensors(per_param)
+    elif isinstance(tree, Mapping):
+        for value in list(tree.values()):
+            yield from _tensors(value)
+
+
+class ReceivePool:
+    """Memory for the shards a survivor is about to receive, touched before they arrive.
+
+    Bytes received into fresh memory wait for the kernel to zero each page first (0.33 s per GB on
+    the 2-core CI VM: a third of the handoff). A survivor learns at the agreement, while the training
+    step in flight still runs, that shards will come; it touches this much memory then, on a thread
+    of its own, and the handoff receives into it. Until the pool is ready, or once it is used up,
+    the receiver allocates as before. A pool nothing takes from within `unused_s` (a handoff that
+    began before it was ready) gives its memory back.
+    """
+
+    def __init__(self, nbytes: int, unused_s: float = 120.0) -> None:
+        self.nbytes = nbytes
+        self.used = 0
+        self._memory: torch.Tensor | None = None
+        self._lock = threading.Lock()
+        self._claimed = threading.Event()
+        self._unused_s = unused_s
+        threading.Thread(target=self._touch, name="spotguard-receive-pool", daemon=True).start()
+
+    def _touch(self) -> None:
+        try:
+            memory = torch.zeros(self.nbytes, dtype=torch.uint8)  # every page written once
+        except RuntimeError as exc:  # out of memory: the handoff allocates as it goes
+            log.warning("could not set %.1f MB aside for the handoff: %s", self.nbytes / 1e6, exc)
+            return
+        with self._lock:
+            self._memory = memory
+        if not self._claimed.wait(self._unused_s):
+            with self._lock:
+                if not self._claimed.is_set():
+                    self._memory = None
+
+    def take(self, sizes: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
+        """A tensor carved out of the pool, or None (not ready, or not enough left)."""
+        nbytes = sizes.numel() * torch.empty((), dtype=dtype).element_size()
+        with self._lock:
+            if self._memory is None:
+                return None
+            self._claimed.set()
+            start = -(-self.used // 64) * 64  # aligned for any dtype
+            if start + nbytes > self.nbytes:
+                return None
+            self.used = start + nbytes
+            return self._memory[start : start + nbytes].view(dtype).view(sizes)
+
+
 class Receiver:
     """Takes the handoffs of `senders` on survivor `rank`: open it, then `collect()`."""
 
-    def __init__(self, departure: Departure, rank: int, senders: list[int], step: int) -> None:
+    def __init__(
+        self, departure: Departure, rank: int, senders: list[int], step: int, pool: ReceivePool | None = None
+    ) -> None:
         self.departure = departure
         self.rank = rank
         self.senders = senders
         self.step = step
+        self.pool = pool
         self._token = secrets.token_hex(16)
         self._listener = socket.create_server((advertised_host(), 0))
         host, port = self._listener.getsockname()[:2]
@@ -305,7 +391,7 @@ class Receiver:
                 if hello.get("step") != self.step:
                     raise HandoffError(f"it sent step {hello.get('step')}, not {self.step}")
                 started = time.monotonic()
-                shards = [_allocate(entry) for entry in _recv_json(conn, cutoff)["shards"]]
+                shards = [_allocate(entry, self.pool) for entry in _recv_json(conn, cutoff)["shards"]]
                 crcs = [_recv_into(conn, _bytes_of(tensor), cutoff) for _, tensor in shards]
                 sent = _recv_json(conn, cutoff).get("crc32c")
                 if sent != crcs:
@@ -329,12 +415,14 @@ class Receiver:
         return sender, shards
 
 
-def _allocate(entry: dict[str, Any]) -> tuple[WriteItem, torch.Tensor]:
+def _allocate(entry: dict[str, Any], pool: ReceivePool | None) -> tuple[WriteItem, torch.Tensor]:
     dtype = getattr(torch, str(entry["dtype"]), None)
     if not isinstance(dtype, torch.dtype):
         raise HandoffError(f"unknown dtype {entry['dtype']!r}")
     offsets, sizes = torch.Size(entry["offsets"]), torch.Size(entry["sizes"])
-    tensor = torch.empty(sizes, dtype=dtype)
+    tensor = pool.take(sizes, dtype) if pool is not None else None
+    if tensor is None:
+        tensor = torch.empty(sizes, dtype=dtype)
     if tensor.numel() * tensor.element_size() != entry["bytes"]:
         raise HandoffError(f"{entry['fqn']}: {entry['bytes']} bytes do not make a {dtype} tensor of {list(sizes)}")
     item = WriteItem(
