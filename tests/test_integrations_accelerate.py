@@ -14,3 +14,37 @@ from tests.framework_runs import notice_then_sigterm_then_finish  # noqa: E402
 
 def test_notice_then_sigterm_to_one_rank_each_stop_every_rank_and_the_run_ends_bit_identical(tmp_path, request):
     notice_then_sigterm_then_finish("accelerate_train.py", tmp_path, request.node.nodeid, 0, 23)  # 3 epochs of 8
+
+
+def test_a_resumed_checkpoint_goes_to_accelerates_own_format_and_load_state_reads_it(tmp_path):
+    """Tools that read Accelerate's `save_state` layout get spotguard's newest committed step this way."""
+    import torch
+    from accelerate import Accelerator
+
+    from spotguard.integrations.accelerate import guarded
+
+    def prepared(seed):  # what a new process starts with (an Accelerator remembers what it prepared)
+        accelerator = Accelerator(cpu=True)
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        return (accelerator, *accelerator.prepare(model, optimizer))
+
+    ckpt = str(tmp_path / "ckpt")
+    accelerator, model, optimizer = prepared(0)
+    with guarded(accelerator, ckpt, "none", models=[model], optimizers=[optimizer], save_every=3) as run:
+        for step in range(1, 4):
+            accelerator.backward(model(torch.randn(4, 8)).square().mean())
+            optimizer.step()
+            optimizer.zero_grad()
+            run.step(step)  # a background save of step 3, finished when the block ends
+    saved = [p.detach().clone() for p in model.parameters()]
+
+    accelerator, model, optimizer = prepared(1)
+    with guarded(accelerator, ckpt, "none", models=[model], optimizers=[optimizer]) as run:
+        assert run.resume() == 4
+        accelerator.save_state(str(tmp_path / "accelerate"))
+    accelerator, model, optimizer = prepared(2)
+    accelerator.load_state(str(tmp_path / "accelerate"))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), saved))
+    assert optimizer.state_dict()["state"]  # the momentum came along

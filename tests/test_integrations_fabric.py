@@ -23,3 +23,36 @@ def test_dataloader_not_set_up_by_fabric_is_refused(tmp_path):
 
     with pytest.raises(ValueError, match="fabric.setup_dataloaders"):
         guarded(Fabric(accelerator="cpu", devices=1), str(tmp_path), "none", models=[], dataloader=DataLoader([1]))
+
+
+def test_a_resumed_checkpoint_goes_to_fabrics_own_format_and_fabric_load_reads_it(tmp_path):
+    """Tools that read `fabric.save` checkpoints get spotguard's newest committed step this way."""
+    import torch
+    from lightning.fabric import Fabric
+
+    from spotguard.integrations.fabric import guarded
+
+    fabric = Fabric(accelerator="cpu", devices=1)
+
+    def set_up(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        return fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+
+    model, optimizer = set_up(0)
+    with guarded(fabric, str(tmp_path / "ckpt"), "none", models=[model], optimizers=[optimizer], save_every=3) as run:
+        for step in range(1, 4):
+            fabric.backward(model(torch.randn(4, 8)).square().mean())
+            optimizer.step()
+            optimizer.zero_grad()
+            run.step(step)  # a background save of step 3, finished when the block ends
+    saved = [p.detach().clone() for p in model.parameters()]
+
+    model, optimizer = set_up(1)  # a new process would start like this
+    with guarded(fabric, str(tmp_path / "ckpt"), "none", models=[model], optimizers=[optimizer]) as run:
+        assert run.resume() == 4
+        fabric.save(tmp_path / "fabric.ckpt", {"model": model, "optimizer": optimizer})
+    model, optimizer = set_up(2)
+    fabric.load(tmp_path / "fabric.ckpt", {"model": model, "optimizer": optimizer})
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), saved))
+    assert optimizer.state_dict()["state"]  # the momentum came along
