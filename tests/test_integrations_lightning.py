@@ -16,3 +16,52 @@ from tests.framework_runs import notice_then_sigterm_then_finish  # noqa: E402
 def test_notice_then_sigterm_to_one_rank_each_stop_every_rank_and_the_run_ends_bit_identical(tmp_path, request):
     # global_step 1 to 24: 3 epochs of 8 batches per rank; `python script.py` (Lightning starts rank 1)
     notice_then_sigterm_then_finish("lightning_train.py", tmp_path, request.node.nodeid, 1, 24, (sys.executable,))
+
+
+def test_a_resumed_checkpoint_goes_to_lightnings_own_format_and_ckpt_path_reads_it(tmp_path):
+    """Tools that read Lightning checkpoints get spotguard's newest committed step this way."""
+    import lightning.pytorch as pl
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from spotguard.integrations.lightning import SpotGuardCallback
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    data = DataLoader(TensorDataset(torch.randn(32, 8)), batch_size=4)
+
+    def trainer(max_steps, *callbacks):
+        return pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                          enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks))  # fmt: skip
+
+    ckpt = str(tmp_path / "ckpt")
+    torch.manual_seed(0)
+    model = Tiny()
+    trainer(3, SpotGuardCallback(ckpt, "none", save_every=3)).fit(model, data)  # a background save of step 3
+    saved = [p.detach().clone() for p in model.parameters()]
+
+    torch.manual_seed(1)
+    resumed = trainer(3, SpotGuardCallback(ckpt, "none"))  # resumes step 3: nothing is left to train
+    resumed.fit(Tiny(), data)
+    resumed.save_checkpoint(tmp_path / "lightning.ckpt")
+    loaded = Tiny.load_from_checkpoint(tmp_path / "lightning.ckpt")
+    assert all(torch.equal(p, q) for p, q in zip(loaded.parameters(), saved))
+
+    class FirstWeights(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            self.weights = [p.detach().clone() for p in pl_module.parameters()]
+
+    torch.manual_seed(2)
+    first = FirstWeights()
+    on = trainer(4, first)  # Lightning's own resume: ckpt_path=, from step 3 to 4
+    on.fit(Tiny(), data, ckpt_path=tmp_path / "lightning.ckpt")
+    assert all(torch.equal(p, q) for p, q in zip(first.weights, saved)) and on.global_step == 4
