@@ -84,6 +84,27 @@ def crc32c_extend(crc: int, data: Any) -> int:
     return crc
 
 
+class RunningChecksum:
+    """Size, CRC32C and (with `sha256`) SHA-256 of a file's bytes seen in order, as it is written or read."""
+
+    def __init__(self, *, sha256: bool) -> None:
+        self.size = 0
+        self.crc = 0
+        # Only with a checkpoint key: a save without one costs nothing more. hashlib releases
+        # the GIL while it hashes a large buffer, so this needs no slicing like the CRC.
+        self._sha256 = hashlib.sha256() if sha256 else None
+
+    def update(self, data: Any, nbytes: int) -> None:
+        """`data` (any buffer) came next in the file: `nbytes` bytes."""
+        self.crc = crc32c_extend(self.crc, data)
+        if self._sha256 is not None:
+            self._sha256.update(data)
+        self.size += nbytes
+
+    def record(self, name: str) -> FileRecord:
+        return FileRecord(name, self.size, f"{self.crc:08x}", self._sha256.hexdigest() if self._sha256 else None)
+
+
 class _ChecksummingStream:
     """A write-only file that keeps the size and CRC32C (and SHA-256) of everything written through it.
 
@@ -94,22 +115,19 @@ class _ChecksummingStream:
     def __init__(self, raw: IO[bytes], *, sha256: bool = False, tee: StreamedFile | None = None) -> None:
         self._raw = raw
         self._tee = tee
-        self.crc = 0
-        # Only with a checkpoint key: a save without one costs nothing more. hashlib releases
-        # the GIL while it hashes a large buffer, so this needs no slicing like the CRC.
-        self._sha256 = hashlib.sha256() if sha256 else None
-        self.size = 0
+        self.checksum = RunningChecksum(sha256=sha256)
         self._writeback_from = 0
 
+    @property
+    def size(self) -> int:
+        return self.checksum.size
+
     def record(self, name: str) -> FileRecord:
-        return FileRecord(name, self.size, f"{self.crc:08x}", self._sha256.hexdigest() if self._sha256 else None)
+        return self.checksum.record(name)
 
     def write(self, data: Any) -> int:
         written = self._raw.write(data)
-        self.crc = crc32c_extend(self.crc, data)
-        if self._sha256 is not None:
-            self._sha256.update(data)
-        self.size += written
+        self.checksum.update(data, written)
         if self.size - self._writeback_from >= _WRITEBACK_STEP:
             start_writeback(self._raw.fileno(), self._writeback_from, self.size - self._writeback_from)
             self._writeback_from = self.size

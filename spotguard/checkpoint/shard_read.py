@@ -15,7 +15,6 @@ of it, so that every byte it used was checked.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import io
 import os
 import threading
@@ -30,7 +29,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from spotguard.checkpoint.errors import CheckpointError
 from spotguard.checkpoint.manifest import FileRecord, mismatch
-from spotguard.checkpoint.shard_io import crc32c_extend
+from spotguard.checkpoint.shard_io import RunningChecksum
 
 _GAP_CHUNK = 8 << 20  # bytes between and after the records are read (and checked) this much at a time
 # A record up to this size is read into a pinned buffer when it goes to a GPU (a fast copy); a larger
@@ -194,9 +193,7 @@ class _CheckingReader:
             os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         self._path = path
         self._buffers = buffers
-        self.position = 0
-        self._crc = 0
-        self._sha256 = hashlib.sha256() if sha256 else None
+        self._checksum = RunningChecksum(sha256=sha256)
 
     def take(self, length: int) -> memoryview:
         """The next `length` bytes (fewer at the end of the file), valid until the next call."""
@@ -211,11 +208,12 @@ class _CheckingReader:
                 break
             got += n
         view = view[:got]
-        self._crc = crc32c_extend(self._crc, view)
-        if self._sha256 is not None:
-            self._sha256.update(view)
-        self.position += got
+        self._checksum.update(view, got)
         return view
+
+    @property
+    def position(self) -> int:
+        return self._checksum.size
 
     def skip(self, length: int) -> None:
         while length > 0 and (got := len(self.take(min(length, _GAP_CHUNK)))):
@@ -226,7 +224,7 @@ class _CheckingReader:
             pass
 
     def record(self, name: str) -> FileRecord:
-        return FileRecord(name, self.position, f"{self._crc:08x}", self._sha256.hexdigest() if self._sha256 else None)
+        return self._checksum.record(name)
 
     def close(self) -> None:
         os.close(self._fd)
