@@ -10,6 +10,7 @@ one JSON object per line; the parent can answer on rank 0's stdin.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -107,6 +108,22 @@ def build_state(gb: float) -> tuple[Any, Any, int, int]:
     optimizer.zero_grad(set_to_none=True)
     nbytes = sum(t.numel() * t.element_size() for t in model.parameters()) * 3
     return model, optimizer, layers, nbytes
+
+
+BLOCK = 16 << 20
+
+
+def write_file(path: Path, size: int, block: bytes) -> None:
+    """`size` bytes of `block` (incompressible, e.g. os.urandom: disks do not deduplicate) into `path`,
+    in BLOCK-sized writes whose writeback starts at once (the disk busy from the first block on), then
+    fsync: the disk's write limit, as a save's files would meet it."""
+    from spotguard.checkpoint.shard_io import start_writeback
+
+    with open(path, "wb", buffering=0) as f:
+        for offset in range(0, size, BLOCK):
+            f.write(block[: min(BLOCK, size - offset)])
+            start_writeback(f.fileno(), offset, BLOCK)
+        os.fsync(f.fileno())
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -36,9 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import WIDTH, Ranks, build_state, init_worker, report, table
+from _common import BLOCK, WIDTH, Ranks, build_state, init_worker, report, table, write_file
 
-BLOCK = 16 << 20
 STEP_S = 0.01  # the stand-in for a training step while waiting for the notice (+ a 1-element all-reduce)
 GCP_DEADLINE_S = 30.0
 DISK_1, DISK_2, TORCH_SAVE, DCP, DCP_NO_CRC, SPOTGUARD = (
@@ -154,7 +153,6 @@ def worker(args: argparse.Namespace) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     import spotguard
-    from spotguard.checkpoint.shard_io import start_writeback
 
     rank, world = init_worker()
     work = Path(args.dir)
@@ -164,13 +162,6 @@ def worker(args: argparse.Namespace) -> None:
     if rank == 0:
         report(event="built", bytes=nbytes, layers=layers, build_s=time.perf_counter() - started)
     block = os.urandom(BLOCK)  # incompressible; reused, the disk does not deduplicate
-
-    def write_bytes(path: Path, size: int) -> None:
-        with open(path, "wb", buffering=0) as f:
-            for offset in range(0, size, BLOCK):
-                f.write(block[: min(BLOCK, size - offset)])
-                start_writeback(f.fileno(), offset, BLOCK)  # the disk busy from the first block on
-            os.fsync(f.fileno())
 
     def torch_save(path: Path) -> None:
         if rank == 0:
@@ -218,10 +209,10 @@ def worker(args: argparse.Namespace) -> None:
         t = time.perf_counter()
         if method == DISK_1:
             if rank == 0:
-                write_bytes(path, nbytes)
+                write_file(path, nbytes, block)
         elif method == DISK_2:
             path.mkdir(exist_ok=True)
-            write_bytes(path / f"rank{rank}", nbytes // world)
+            write_file(path / f"rank{rank}", nbytes // world, block)
         elif method == TORCH_SAVE:
             torch_save(path)
         elif method == DCP:

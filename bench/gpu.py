@@ -48,9 +48,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from _common import table  # also puts the checkout on sys.path
-
-BLOCK = 16 << 20
+from _common import BLOCK, table, write_file  # also puts the checkout on sys.path
 
 
 def main() -> int:
@@ -298,21 +296,10 @@ def build(gb: float, width: int, device: torch.device) -> tuple[torch.nn.Module,
 
 def write_bytes(path: Path, nbytes: int, threads: int) -> None:
     """`nbytes` of incompressible data in `threads` files written in parallel, each fsynced."""
-    from spotguard.checkpoint.shard_io import start_writeback
-
     path.mkdir()
     block = os.urandom(BLOCK)
     share = -(-nbytes // threads)
-
-    def one(i: int) -> None:
-        size = max(0, min(share, nbytes - i * share))
-        with open(path / f"part{i}", "wb", buffering=0) as f:
-            for offset in range(0, size, BLOCK):
-                f.write(block[: min(BLOCK, size - offset)])
-                start_writeback(f.fileno(), offset, BLOCK)
-            os.fsync(f.fileno())
-
-    run_threads(one, threads)
+    run_threads(lambda i: write_file(path / f"part{i}", max(0, min(share, nbytes - i * share)), block), threads)
 
 
 def read_bytes(path: Path, threads: int) -> None:
