@@ -159,3 +159,28 @@ def test_the_guard_exits_69_rather_than_start_afresh(storage_servers, monkeypatc
     assert done.returncode == 69, done.stderr[-2000:]
     assert "started at" not in done.stdout
     assert "exiting with code 69" in done.stderr
+
+
+def test_a_resume_whose_deadline_cuts_a_listing_short_still_names_the_step_that_failed(tmp_path, monkeypatch):
+    save_steps(str(tmp_path / "store"), tmp_path / "old-vm", (1, 2))
+    monkeypatch.setattr(resume, "RESUME_TIMEOUT_S", 2.0)
+    with Checkpointer(str(tmp_path / "store"), local_dir=str(tmp_path / "new-vm")) as ckpt:
+        listed = ckpt.remote.list
+        lists = []
+
+        def list_once_then_fail(prefix: str = ""):
+            lists.append(prefix)
+            if len(lists) > 1:
+                raise Unreachable("list: the network is gone")
+            return listed(prefix)
+
+        def no_download(key, local_path, **kwargs):
+            raise Unreachable(f"download {key}: connection reset")
+
+        monkeypatch.setattr(ckpt.remote, "list", list_once_then_fail)
+        monkeypatch.setattr(ckpt.remote, "get_file", no_download)
+        with pytest.raises(CheckpointUnavailable) as failure:
+            ckpt.resume(state())
+    message = str(failure.value)
+    assert "listing checkpoints: list: the network is gone" in message
+    assert "before that, step-0000000002" in message and "connection reset" in message

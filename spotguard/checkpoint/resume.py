@@ -147,6 +147,7 @@ def load_newest(
     bad: set[int] = set()
     unloadable: list[str] = []
     pauses = itertools.chain(_RETRY_PAUSES_S, itertools.repeat(_RETRY_PAUSES_S[-1]))
+    step_failure: _Unavailable | None = None  # the last step the store could not deliver
     with calls_until(until):
         while isinstance(
             outcome := _load_newest_once(
@@ -154,11 +155,16 @@ def load_newest(
             ),
             _Unavailable,
         ):
+            step_failure = outcome if outcome.names_a_step else step_failure
             pause = next(pauses)
             pause = comm.broadcast(pause if comm.is_coordinator and until - time.monotonic() > pause else None)
             if pause is None:
+                # The deadline may cut a listing short: the step that kept failing is still the news.
+                why = outcome.why
+                if step_failure is not None and step_failure is not outcome:
+                    why += f"; before that, {step_failure.why}"
                 raise CheckpointUnavailable(
-                    f"checkpoints in {remote.url} could not be read within {RESUME_TIMEOUT_S:.0f} s ({outcome.why}); "
+                    f"checkpoints in {remote.url} could not be read within {RESUME_TIMEOUT_S:.0f} s ({why}); "
                     "not starting afresh: fix the store or the network, then restart"
                 )
             if comm.is_coordinator:
@@ -180,6 +186,7 @@ def load_newest(
 @dataclasses.dataclass(frozen=True)
 class _Unavailable:
     why: str
+    names_a_step: bool = True
 
 
 def _load_newest_once(
@@ -204,7 +211,7 @@ def _load_newest_once(
         try:
             steps = [s for s in _candidate_steps(remote, local_root, key) if s not in bad]
         except Unreachable as exc:
-            steps = _Unavailable(f"listing checkpoints: {exc}")
+            steps = _Unavailable(f"listing checkpoints: {exc}", names_a_step=False)
         except FAILURES as exc:  # every rank must hear of it, or the others would wait for the list forever
             steps = f"listing checkpoints in {remote.url} failed: {describe(exc)}"
     steps = comm.broadcast(steps)
