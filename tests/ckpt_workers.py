@@ -170,16 +170,30 @@ def ddp_train_save(group, rank: int, ckpt: str, local: str | None, out: str, sav
                     torch.save(snapshot(model, optim), Path(out) / f"step-{step}.pt")
 
 
+class Own:
+    """A rank's own value (as its RNG is), saved under a per-rank key."""
+
+    def __init__(self, value: str) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict[str, str]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, str]) -> None:
+        self.value = state["value"]
+
+
 def ddp_resume(group, rank: int, ckpt: str, local: str | None, out: str) -> None:
-    """Resume a fresh DDP model (different init) and dump what was loaded, per rank."""
-    from spotguard.checkpoint import Checkpointer
+    """Resume a fresh DDP model (different init) and a rank's own value, if saved; dump what was loaded, per rank."""
+    from spotguard.checkpoint import Checkpointer, IfSaved
 
     model, optim = _ddp_setup(seed=123, width=32)
-    state = {"model": model, "optim": optim, "step": -1}
+    own = Own(f"fresh on rank {rank}")
+    state = {"model": model, "optim": optim, "step": -1, f"own_{rank}": IfSaved(own)}
     with Checkpointer(ckpt, local_dir=local, group=group) as ck:
         step = ck.resume(state)
     torch.save(
-        {"step": step, "saved_step": state["step"], "state": snapshot(model, optim)},
+        {"step": step, "saved_step": state["step"], "state": snapshot(model, optim), "own": own.value},
         Path(out) / f"resumed-rank{rank}.pt",
     )
 

@@ -10,8 +10,8 @@ import sys
 
 import torch
 
-from spotguard.checkpoint import Checkpointer, list_checkpoints, verify_checkpoint
-from tests.ckpt_workers import ROOT, assert_same, finish, free_port, make_model, run_ranks, snapshot, train
+from spotguard.checkpoint import Checkpointer, IfSaved, list_checkpoints, verify_checkpoint
+from tests.ckpt_workers import ROOT, Own, assert_same, finish, free_port, make_model, run_ranks, snapshot, train
 
 
 def resume_in_process(ckpt, width=32, depth=3, with_step=True, **kwargs):
@@ -60,13 +60,18 @@ def test_single_process_checkpoint_resumes_on_two_ranks(tmp_path):
     optim = torch.optim.Adam(model.parameters(), lr=1e-2)
     train(model, optim, range(3))
     with Checkpointer(str(ckpt)) as ck:
-        ck.save(3, {"model": model, "optim": optim, "step": 3}, reason="manual")
+        ck.save(
+            3, {"model": model, "optim": optim, "step": 3, "own_0": IfSaved(Own("saved by rank 0"))}, reason="manual"
+        )
 
     run_ranks("ddp_resume", 2, ckpt=str(ckpt), local=None, out=str(out))
     for rank in (0, 1):
         got = torch.load(out / f"resumed-rank{rank}.pt")
         assert got["step"] == 3 and got["saved_step"] == 3
         assert_same(got["state"], snapshot(model, optim))
+    # Rank 1 is new at world size 2: no value of its own was saved, and the step loads all the same.
+    owns = [torch.load(out / f"resumed-rank{rank}.pt")["own"] for rank in (0, 1)]
+    assert owns == ["saved by rank 0", "fresh on rank 1"]
 
 
 def test_emergency_save_during_periodic_save_on_two_ranks(tmp_path):

@@ -5,15 +5,37 @@ committed and the next run resumes at the step after it (data position and per-r
 restored); a later save killed mid-write is ignored, and the run ends bit-identical to a run
 that never stopped."""
 
+import json
+import os
+import signal
+
 import pytest
 
 pytest.importorskip("accelerate")
 
-from tests.framework_runs import notice_then_sigterm_then_finish  # noqa: E402
+from tests.framework_runs import TORCHRUN, Run, notice_then_sigterm_then_finish, steps_by_rank  # noqa: E402
 
 
 def test_notice_then_sigterm_to_one_rank_each_stop_every_rank_and_the_run_ends_bit_identical(tmp_path, request):
     notice_then_sigterm_then_finish("accelerate_train.py", tmp_path, request.node.nodeid, 0, 23)  # 3 epochs of 8
+
+
+def test_a_one_process_checkpoint_resumes_on_two_where_the_new_rank_keeps_its_own_rng(tmp_path):
+    """The new rank finds no RNG of its own in the step (its per-rank key was never written) and keeps its own."""
+    one_process = tuple(arg.replace("--nproc-per-node=2", "--nproc-per-node=1") for arg in TORCHRUN)
+    (tmp_path / "pause").write_text("3")
+    run = Run("accelerate_train.py", tmp_path, launcher=one_process)
+    run.wait_for(lambda out: steps_by_rank(out).get(0, [{}])[-1].get("step") == 3, "rank 0 at step 3")
+    os.kill(steps_by_rank(run.out)[0][-1]["pid"], signal.SIGTERM)
+    run.wait_for(lambda out: "all 1 ranks agreed on step 3 (emergency)" in out, "agreement")
+    (tmp_path / "pause").unlink()
+    code, out = run.finish()
+    assert json.loads((tmp_path / "exit.json").read_text())["exit_code"] == 143, out[-3000:]
+
+    code, out = Run("accelerate_train.py", tmp_path).finish()
+    assert code == 0, out[-3000:]
+    assert "rank 1: step-0000000003 has no 'rng_1' (saved by 1 ranks): left as it is" in out, out[-3000:]
+    assert {r: s[0]["step"] for r, s in steps_by_rank(out).items()} == {0: 4, 1: 4}, out[-3000:]
 
 
 def test_a_resumed_checkpoint_goes_to_accelerates_own_format_and_load_state_reads_it(tmp_path):

@@ -9,7 +9,7 @@ from spotguard.checkpoint.checkpointer import Checkpointer, SaveReport
 from spotguard.checkpoint.errors import CheckpointError, CheckpointUnavailable
 from spotguard.checkpoint.layout import MANIFEST_NAME, parse_step_dir, step_dir_name
 from spotguard.checkpoint.manifest import Manifest, ManifestError
-from spotguard.checkpoint.state import state_digest
+from spotguard.checkpoint.state import IfSaved, state_digest
 
 __all__ = [
     "MANIFEST_NAME",
@@ -17,6 +17,7 @@ __all__ = [
     "CheckpointUnavailable",
     "CheckpointInfo",
     "Checkpointer",
+    "IfSaved",
     "Manifest",
     "ManifestError",
     "SaveReport",

@@ -53,7 +53,7 @@ from spotguard.checkpoint.layout import DCP_METADATA_NAME, MANIFEST_NAME, manife
 from spotguard.checkpoint.manifest import Manifest, ManifestError, checksum_bytes, mismatch
 from spotguard.checkpoint.safe_pickle import WeightsOnlyLoadPlanner, load_metadata
 from spotguard.checkpoint.shard_read import Damaged, read_checked
-from spotguard.checkpoint.state import load_from_dcp, to_dcp
+from spotguard.checkpoint.state import load_from_dcp, optional_keys, to_dcp
 from spotguard.checkpoint.transfer import Cutoff, DeadlineExceeded, download
 
 log = logging.getLogger(__name__)
@@ -395,6 +395,17 @@ def _load(
 
 
 def _dcp_load(reader: VerifiedReader, loaded: dict[str, Any], state: MutableMapping[str, Any], comm: Comm) -> None:
+    saved = reader.metadata.state_dict_metadata  # flat keys: "model.net.weight", "rng_1.packed"
+    for key in optional_keys(state):
+        if not any(name == key or name.startswith(f"{key}.") for name in saved):
+            del loaded[key]
+            log.info(
+                "rank %d: %s has no %r (saved by %d ranks): left as it is",
+                comm.rank,
+                reader.path.name,
+                key,
+                reader.manifest.world_size,
+            )
     with comm.dcp_args() as dist_args:
         dcp.load(loaded, storage_reader=reader, planner=WeightsOnlyLoadPlanner(), **dist_args)
     load_from_dcp(state, loaded)

@@ -26,6 +26,24 @@ def _is_stateful(value: Any) -> bool:
     return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
 
+class IfSaved:
+    """A state entry that a checkpoint may lack: loaded when the step has it, left as it is otherwise.
+
+    For what only one rank owns, under a per-rank key (its RNG): a rank that is new at a larger
+    world size finds none of its own, and the step still loads for everything else.
+    """
+
+    def __init__(self, value: Any) -> None:
+        if not _is_stateful(value):
+            raise TypeError(f"IfSaved takes an object with state_dict and load_state_dict, not {type(value).__name__}")
+        self.value = value
+
+
+def optional_keys(state: Mapping[str, Any]) -> list[str]:
+    """The keys of `state` whose entries are `IfSaved`."""
+    return [key for key, value in state.items() if isinstance(value, IfSaved)]
+
+
 def _model_for(name: str, optim: torch.optim.Optimizer, state: Mapping[str, Any]) -> nn.Module:
     """The module in `state` that owns every parameter `optim` updates."""
     wanted = {id(p) for group in optim.param_groups for p in group["params"]}
@@ -44,6 +62,7 @@ def to_dcp(state: Mapping[str, Any]) -> dict[str, Any]:
         raise TypeError(f"checkpoint state must be a dict, not {type(state).__name__}")
     out: dict[str, Any] = {}
     for key, value in state.items():
+        value = value.value if isinstance(value, IfSaved) else value
         if isinstance(value, nn.Module):
             out[key] = get_model_state_dict(value)
         elif isinstance(value, torch.optim.Optimizer):
@@ -56,8 +75,15 @@ def to_dcp(state: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def load_from_dcp(state: MutableMapping[str, Any], loaded: Mapping[str, Any]) -> None:
-    """Push a state dict that `dcp.load` filled (built by `to_dcp(state)`) back into `state`."""
+    """Push a state dict that `dcp.load` filled (built by `to_dcp(state)`) back into `state`.
+
+    `IfSaved` entries that `loaded` lacks (dropped because the step has none) are left as they are.
+    """
     for key, value in state.items():
+        if isinstance(value, IfSaved):
+            if key not in loaded:
+                continue
+            value = value.value
         if isinstance(value, nn.Module):
             set_model_state_dict(value, loaded[key])
         elif isinstance(value, torch.optim.Optimizer):

@@ -36,6 +36,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 
+from spotguard.checkpoint import IfSaved
 from spotguard.guard import Guard
 from spotguard.integrations.packed import Packed
 
@@ -91,7 +92,7 @@ class SpotGuardTrainerCallback(TrainerCallback):
                 lambda: trainer.lr_scheduler and trainer.lr_scheduler.state_dict(), self._keep("scheduler")
             ),
             "trainer_state": Packed(lambda: _trainer_state_json(trainer), self._keep(TRAINER_STATE_NAME)),
-            f"rng_state_{rank}": Packed(lambda: _rng_file(trainer), self._keep("rng")),
+            f"rng_state_{rank}": IfSaved(Packed(lambda: _rng_file(trainer), self._keep("rng"))),
         }
         if self.guard.resume(self._state) == 0:
             return None
@@ -102,8 +103,9 @@ class SpotGuardTrainerCallback(TrainerCallback):
         checkpoint = scratch / f"{PREFIX_CHECKPOINT_DIR}-{json.loads(trainer_state)['global_step']}"
         checkpoint.mkdir()
         (checkpoint / TRAINER_STATE_NAME).write_text(trainer_state)
-        name, data = self._restored.pop("rng")
-        (checkpoint / name).write_bytes(data)
+        if "rng" in self._restored:  # absent for a rank new at a larger world size: the Trainer says so and goes on
+            name, data = self._restored.pop("rng")
+            (checkpoint / name).write_bytes(data)
         return str(checkpoint)
 
     def _keep(self, key: str) -> Callable[[Any], None]:

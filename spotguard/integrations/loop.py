@@ -11,10 +11,11 @@
 
 What is saved, through spotguard's DCP path (agreed step, atomic manifest-last commit): the
 models, optimizers and schedulers, the data position (epoch, batches of it drawn) and each rank's
-RNG state (under a per-rank key). Resume loads them, and `batches()` goes on from the saved
-position: the framework's `EpochBatches` sets the epoch's shuffle and skips the batches already
-drawn, and each rank's RNG is put back at the point it was saved, so that the data order and the
-random draws (dropout) go on exactly.
+RNG state (under a per-rank key: a rank new at a larger world size finds none and keeps its own).
+Resume loads them, and `batches()` goes on from the saved position: the framework's
+`EpochBatches` sets the epoch's shuffle and skips the batches already drawn, and each rank's RNG
+is put back at the point it was saved, so that the data order and the random draws (dropout) go
+on exactly.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from spotguard.checkpoint import IfSaved
 from spotguard.guard import Guard
 from spotguard.integrations.packed import Packed
 
@@ -47,7 +49,7 @@ class GuardedLoop:
         self._state = {
             **state,
             "data": Packed(lambda: self._position, self._restore_position),
-            f"rng_{rank}": Packed(_rng_state, self._restore_rng),
+            f"rng_{rank}": IfSaved(Packed(_rng_state, self._restore_rng)),  # none for a rank new at this world size
         }
 
     @property
