@@ -1,4 +1,5 @@
-"""A Lightning `Trainer` (DDP on 2 CPU processes) that survives spot interruptions:
+"""A Lightning `Trainer` (DDP on 2 CPU processes; FSDP with --strategy fsdp --accelerator cuda)
+that survives spot interruptions:
 
     python examples/lightning_train.py --checkpoint-dir s3://bucket/run-7
 
@@ -61,6 +62,9 @@ def data() -> DataLoader:
 def main() -> None:
     parser = arguments(__doc__)
     parser.add_argument("--root", default="lightning_logs", help="Lightning's own output (ModelCheckpoint)")
+    parser.add_argument("--accelerator", default="cpu", help="cuda for strategy fsdp (Lightning's FSDP needs GPUs)")
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp"])
     args = parser.parse_args()
     log_spotguard()
 
@@ -70,9 +74,10 @@ def main() -> None:
         args.checkpoint_dir, cloud=args.cloud, metadata_url=os.environ.get("SPOTGUARD_METADATA_URL")
     )
     trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy="ddp",
+        accelerator=args.accelerator,
+        devices=args.devices,
+        strategy=args.strategy,
+        deterministic="warn",  # the interrupted run must end with the uninterrupted one's weights (GPU too)
         max_epochs=args.epochs,
         default_root_dir=args.root,
         callbacks=[
@@ -85,9 +90,10 @@ def main() -> None:
         enable_model_summary=False,
     )
     trainer.fit(model, data())  # after an emergency, exits 143 here (exit_code=None: returns)
+    weights = trainer.strategy.lightning_module_state_dict()  # FSDP: gathered, a collective
     if trainer.is_global_zero and args.out:
         with open(args.out, "w") as f:
-            json.dump({"steps": trainer.global_step, "digest": state_digest(model.state_dict())}, f)
+            json.dump({"steps": trainer.global_step, "digest": state_digest(weights)}, f)
 
 
 if __name__ == "__main__":

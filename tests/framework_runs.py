@@ -36,9 +36,9 @@ TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 class Run:
     """One launch of an example; its output is read on a thread, so a hung run cannot block the test."""
 
-    def __init__(self, script, tmp, cloud="none", env=None, launcher=TORCHRUN):
+    def __init__(self, script, tmp, cloud="none", env=None, launcher=TORCHRUN, args=()):
         cmd = [*launcher, str(ROOT / "examples" / script), "--checkpoint-dir", str(tmp / "ckpt")]
-        cmd += ["--cloud", cloud, "--pause-file", str(tmp / "pause"), "--out", str(tmp / "out.json")]
+        cmd += ["--cloud", cloud, "--pause-file", str(tmp / "pause"), "--out", str(tmp / "out.json"), *args]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "SPOTGUARD_EXIT_FILE": str(tmp / "exit.json"), **(env or {})}
         (tmp / "cwd").mkdir(exist_ok=True)  # the framework's own output goes here
         self.proc = subprocess.Popen(
@@ -97,38 +97,39 @@ def steps_by_rank(out):
     return steps
 
 
-def reference_run(script, tmp, launcher):
+def reference_run(script, tmp, launcher, args=()):
     tmp.mkdir()
-    code, out = Run(script, tmp, launcher=launcher).finish()
+    code, out = Run(script, tmp, launcher=launcher, args=args).finish()
     assert code == 0, out[-3000:]
     return json.loads((tmp / "out.json").read_text())
 
 
-def interrupted(script, tmp, launcher, at, interrupt, resumed_at, cloud="none", env=None):
-    """Run from the newest committed step (`resumed_at` is the first step expected), pause both ranks
-    after step `at`, `interrupt(pids)`, go on once both agreed; the step committed (`at`)."""
+def interrupted(script, tmp, launcher, at, interrupt, resumed_at, cloud="none", env=None, args=(), ranks=2):
+    """Run from the newest committed step (`resumed_at` is the first step expected), pause every rank
+    after step `at`, `interrupt(pids)`, go on once all agreed; the step committed (`at`)."""
     (tmp / "pause").write_text(str(at))
-    run = Run(script, tmp, cloud=cloud, env=env, launcher=launcher)
-    run.wait_for(lambda out: _all_reached(out, at), f"both ranks at step {at}")
+    run = Run(script, tmp, cloud=cloud, env=env, launcher=launcher, args=args)
+    run.wait_for(lambda out: _all_reached(out, at, ranks), f"all {ranks} ranks at step {at}")
     interrupt({r: s[-1]["pid"] for r, s in steps_by_rank(run.out).items()})
     # Each rank logs the round's result; only then may they go on to the step agreed.
-    run.wait_for(lambda out: len(re.findall(r"all 2 ranks agreed on step \d+ \(emergency\)", out)) == 2, "agreement")
+    agreed = re.compile(rf"all {ranks} ranks agreed on step \d+ \(emergency\)")
+    run.wait_for(lambda out: len(agreed.findall(out)) == ranks, "agreement")
     (tmp / "pause").unlink()
     code, out = run.finish()
     # torchrun reports 1 for its workers: the node's exit file says what they exited with.
     assert json.loads((tmp / "exit.json").read_text())["exit_code"] == 143, out[-3000:]
     (tmp / "exit.json").unlink()
     # The ranks paused before reporting step `at` to the Guard: the agreed step is `at` itself.
-    assert out.count(f"all 2 ranks agreed on step {at} (emergency)") == 2, out[-3000:]
+    assert out.count(f"all {ranks} ranks agreed on step {at} (emergency)") == ranks, out[-3000:]
     assert max(c.step for c in list_checkpoints(str(tmp / "ckpt")) if c.committed) == at, out[-3000:]
     firsts_and_lasts = {r: (s[0]["step"], s[-1]["step"]) for r, s in steps_by_rank(out).items()}
-    assert firsts_and_lasts == {0: (resumed_at, at), 1: (resumed_at, at)}, out[-3000:]
+    assert firsts_and_lasts == {r: (resumed_at, at) for r in range(ranks)}, out[-3000:]
     return at
 
 
-def _all_reached(out, step):
+def _all_reached(out, step, ranks):
     steps = steps_by_rank(out)
-    return len(steps) == 2 and all(s[-1]["step"] == step for s in steps.values())
+    return len(steps) == ranks and all(s[-1]["step"] == step for s in steps.values())
 
 
 def notice_then_sigterm_then_finish(script, tmp, seed, first_step, last_step, launcher=TORCHRUN):
@@ -151,6 +152,22 @@ def notice_then_sigterm_then_finish(script, tmp, seed, first_step, last_step, la
     code, out = Run(script, tmp, launcher=launcher).finish()
     assert code == 0, out[-3000:]
     assert {r: s[0]["step"] for r, s in steps_by_rank(out).items()} == {0: second + 1, 1: second + 1}, out[-3000:]
+    assert json.loads((tmp / "out.json").read_text()) == reference
+
+
+def sigterm_then_finish(script, tmp, launcher, args, ranks, first_step, at):
+    """SIGTERM to the last rank after step `at`; the run resumed from it ends equal to a run never interrupted."""
+    reference = reference_run(script, tmp / "reference", launcher, args)
+    tmp = tmp / "interrupted"
+    tmp.mkdir()
+
+    def signal_last_rank(pids):
+        os.kill(pids[ranks - 1], signal.SIGTERM)
+
+    interrupted(script, tmp, launcher, at, signal_last_rank, first_step, args=args, ranks=ranks)
+    code, out = Run(script, tmp, launcher=launcher, args=args).finish()
+    assert code == 0, out[-3000:]
+    assert {r: s[0]["step"] for r, s in steps_by_rank(out).items()} == {r: at + 1 for r in range(ranks)}, out[-3000:]
     assert json.loads((tmp / "out.json").read_text()) == reference
 
 

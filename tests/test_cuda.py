@@ -18,6 +18,7 @@ import torch
 from spotguard.checkpoint import Checkpointer, step_dir_name
 from spotguard.demo import free_port, rank_env
 from tests.ckpt_workers import ROOT
+from tests.framework_runs import sigterm_then_finish
 from tests.test_checkpoint import flip_byte
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -145,3 +146,10 @@ def test_an_emergency_save_after_a_background_save_stages_into_its_buffers(tmp_p
     assert Checkpointer(str(tmp_path)).resume({"model": model2, "optim": optim2}) == 3
     got = on_host(model2, optim2)
     assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_lightning_fsdp_on_a_gpu_stops_at_the_agreed_step_and_resumes_bit_identical(tmp_path):
+    """Lightning runs FSDP on GPUs only (it refuses strategy="fsdp" on CPU): one GPU, world size 1."""
+    pytest.importorskip("lightning")
+    fsdp = ("--strategy", "fsdp", "--accelerator", "cuda", "--devices", "1")
+    sigterm_then_finish("lightning_train.py", tmp_path, (sys.executable,), fsdp, ranks=1, first_step=1, at=5)
