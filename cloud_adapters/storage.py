@@ -84,7 +84,7 @@ class PartUpload(Protocol):
 
 @runtime_checkable
 class PartsStore(Protocol):
-    """A store that can write an object part by part while its bytes are still being produced (S3, Azure).
+    """A store that can write an object part by part while its bytes are still being produced (S3, Azure, GCS).
 
     Every part but the last must hold at least `min_part_size` bytes; an object has at most `max_parts`.
     """

@@ -94,7 +94,7 @@ class Guard:
             default: this node's cores shared among its ranks, 2 to 16 (2 was fastest on a 2-core VM
             with 2 ranks).
         thread_count: parallel uploads / downloads / verifications per rank.
-        stream_uploads: with an S3 or Azure checkpoint_dir, upload each shard file while it is written
+        stream_uploads: with an S3, Azure or GCS checkpoint_dir, upload each shard file while it is written
             (notice -> durable about max(write, upload) instead of their sum); False: after the commit.
         checkpoint_key: a secret (bytes or str) to sign saves with and to require on resume;
             default: SPOTGUARD_CHECKPOINT_KEY when set, else no authentication.

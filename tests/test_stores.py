@@ -295,6 +295,26 @@ def test_s3_deletes_in_batches_of_1000_and_aborts_abandoned_uploads(storage_serv
     assert [u["Key"] for u in left] == ["elsewhere/c"]
 
 
+def test_gcs_parts_sent_out_of_order_compose_into_the_object_in_rounds_and_leave_nothing(
+    storage_servers, monkeypatch, tmp_path
+):
+    backend = backend_for("gcs", storage_servers, monkeypatch, tmp_path)
+    store = backend.store()
+    parts = {n: os.urandom(1000 + n) for n in range(1, 71)}  # 70 parts: three composites of <= 32, then one
+    upload = store.start_parts("step-1/a.distcp")
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda n: upload.put_part(n, parts[n]), sorted(parts, reverse=True)))
+    assert not store.exists("step-1/a.distcp")  # nothing shows before the compose
+    upload.complete()
+    assert store.get_bytes("step-1/a.distcp") == b"".join(parts[n] for n in sorted(parts))
+    assert [o.key for o in store.list()] == ["step-1/a.distcp"]  # parts and composites deleted
+
+    aborted = store.start_parts("step-1/b.distcp")
+    aborted.put_part(1, b"x" * 10)
+    aborted.abort()
+    assert [o.key for o in store.list()] == ["step-1/a.distcp"]
+
+
 # ---- faults -------------------------------------------------------------------------------
 def test_throttling_and_5xx_are_retried_until_success(proxied, tmp_path):
     kind, store, proxy = proxied

@@ -7,14 +7,18 @@ store talks to that emulator anonymously (project from `GOOGLE_CLOUD_PROJECT`).
 Large files go up as resumable uploads in `part_size` chunks, each verified with
 CRC32C. GCS's parallel XML multipart API (transfer_manager.upload_chunks_concurrently)
 is not used: gcp-storage-emulator does not implement it, so it could not be tested;
-parallelism comes from uploading several files at once.
+parallelism comes from uploading several files at once. A file still being written goes
+up part by part (`start_parts`) as objects of its own, composed into the file at the end.
 """
 
 from __future__ import annotations
 
 import contextvars
 import io
+import logging
 import os
+import secrets
+import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -37,7 +41,11 @@ from cloud_adapters.retry import (
 )
 from cloud_adapters.storage import AlreadyExists, NotFound, ObjectInfo, Progress, StoreError
 
+log = logging.getLogger(__name__)
+
 MiB = 1 << 20
+COMPOSE_SOURCES = 32  # the most objects one compose request takes
+MAX_COMPONENTS = 1024  # the most parts a composite object may be made of
 CHUNK_ALIGN = 256 * 1024  # resumable upload chunks must be multiples of 256 KiB
 TIMEOUT = (CONNECT_TIMEOUT_S, READ_TIMEOUT_S)  # per request
 CHECKSUM = "crc32c"
@@ -143,6 +151,21 @@ class GCSStore(RetryingStore):
             # Each in a copy of the caller's context: a `calls_until` around delete() holds in the pool too.
             list(pool.map(lambda key: contextvars.copy_context().run(delete_one, key), keys))
 
+    # ---- GCS specifics --------------------------------------------------------------
+    min_part_size = 1  # parts are objects of their own: any size
+    max_parts = MAX_COMPONENTS
+
+    def start_parts(self, key: str) -> GCSParts:
+        """Write `key` as part objects composed at the end (a PartsStore); nothing shows at `key` before."""
+        return GCSParts(self, key)
+
+    def compose(self, sources: list[str], key: str) -> None:
+        """Make `key` the concatenation of `sources` (at most COMPOSE_SOURCES of them), server-side."""
+        self._call(
+            f"compose {key} in",
+            lambda: self._blob(key).compose([self._blob(s) for s in sources], timeout=TIMEOUT, retry=None),
+        )
+
     # ---- errors ---------------------------------------------------------------------
     def _bucket_exists(self) -> bool:
         try:
@@ -169,6 +192,60 @@ class GCSStore(RetryingStore):
         if isinstance(exc, gexc.PreconditionFailed):
             return AlreadyExists(f"{what}: the key already exists")
         return StoreError(f"{what}: {one_line(exc)}")
+
+
+class GCSParts:
+    """One object written as parts in any order and in parallel (a PartUpload).
+
+    A resumable upload takes its chunks one at a time and in order, so each part is an object of
+    its own beside the target (`KEY.part-<token>-<n>`, in the same step directory, so that
+    retention removes whatever a crash leaves of them with the step), sent with its CRC32C.
+    `complete` composes them into KEY in rounds of COMPOSE_SOURCES (GCS computes the composite's
+    CRC32C, which downloads check) and deletes them; KEY shows nothing before the last compose.
+    """
+
+    def __init__(self, store: GCSStore, key: str) -> None:
+        self._store = store
+        self.key = key
+        self._token = secrets.token_hex(4)  # another attempt's parts never mix in
+        self._numbers: set[int] = set()
+        self._lock = threading.Lock()
+
+    def _part_key(self, number: int | str) -> str:
+        return f"{self.key}.part-{self._token}-{number}"
+
+    def put_part(self, number: int, data: bytes) -> None:
+        self._store.put_bytes(self._part_key(f"{number:04d}"), data)
+        with self._lock:
+            self._numbers.add(number)
+
+    def complete(self) -> None:
+        with self._lock:
+            sources = [self._part_key(f"{n:04d}") for n in sorted(self._numbers)]
+        made = list(sources)
+        try:
+            level = 0
+            while len(sources) > COMPOSE_SOURCES:  # composites of composites: still one object's components
+                level += 1
+                groups = [sources[i : i + COMPOSE_SOURCES] for i in range(0, len(sources), COMPOSE_SOURCES)]
+                sources = [self._part_key(f"c{level}-{i:02d}") for i in range(len(groups))]
+                for group, composite in zip(groups, sources, strict=True):
+                    self._store.compose(group, composite)
+                    made.append(composite)
+            self._store.compose(sources, self.key)
+        finally:
+            self._remove(made)
+
+    def abort(self) -> None:
+        with self._lock:
+            parts = [self._part_key(f"{n:04d}") for n in sorted(self._numbers)]
+        self._remove(parts)
+
+    def _remove(self, keys: list[str]) -> None:
+        try:
+            self._store.delete(keys)
+        except StoreError as exc:  # they are in the step's directory: retention removes them with it
+            log.info("could not delete the parts of %s: %s", self.key, exc)
 
 
 class _CountingFile(io.FileIO):

@@ -117,7 +117,7 @@ class Checkpointer:
     single process. `keep_last` keeps that many newest committed steps. With a
     `checkpoint_key` (default: $SPOTGUARD_CHECKPOINT_KEY), saves are signed and resume
     loads only steps signed with it (`auth`); every node needs the same key. With
-    `stream_uploads` and a store that takes parts (S3, Azure), shard files upload while they are written.
+    `stream_uploads` and a store that takes parts (S3, Azure, GCS), shard files upload while they are written.
     """
 
     def __init__(

@@ -1,6 +1,6 @@
 """Shard files go up to an object store while DCP is still writing them.
 
-With a store that takes an object part by part (`PartsStore`: S3, Azure), each `.distcp` file this
+With a store that takes an object part by part (`PartsStore`: S3, Azure, GCS), each `.distcp` file this
 rank writes becomes an upload in parts. The checksumming stream (`shard_io`) flushes at every part
 boundary and hands over the range just written; `threads` upload threads read each range back with
 pread (from the page cache: the bytes were just written) and send it as a part. So the local write
