@@ -1,25 +1,27 @@
 """Notice -> durable in a bucket: an emergency checkpoint of a ~1 GB state uploaded to S3
-before GCP's 30 s deadline, against the classic save-then-upload pattern, and spotguard's
-streaming upload against its upload after the local commit.
+(or GCS) before GCP's 30 s deadline, against the classic save-then-upload pattern, and
+spotguard's streaming upload against its upload after the local commit.
 
-    python bench/notice_to_durable.py [--gb 1.0] [--repeat 1]
+    python bench/notice_to_durable.py [--gb 1.0] [--repeat 1] [--store s3|gcs]
 
-Two ranks (gloo, subprocesses) hold a replicated DDP state of --gb GB. A moto S3
-server and a GCP metadata emulator run on 127.0.0.1. In the same run:
+Two ranks (gloo, subprocesses) hold a replicated DDP state of --gb GB. A moto S3 server
+(--store gcs: gcp-storage-emulator) and a GCP metadata emulator run on 127.0.0.1. In the
+same run:
 
   classic       rank 0 torch.saves the full state to local disk (fsync), then uploads
-                it with boto3's upload_file (default TransferConfig); rank 1 waits
+                it with the cloud's SDK (boto3's upload_file with its default
+                TransferConfig; google-cloud-storage's upload_from_filename); rank 1 waits
   then --repeat rounds of three Guards (order reversed every other round), each timed from
   a preemption raised on the emulator while the ranks loop to guard.step() returning True:
   local         checkpoint_dir is a local path: the local write and commit only
-  after-commit  s3://..., stream_uploads=False: the files go up after the local commit
-  streaming     s3://..., stream_uploads=True (the default): each shard file goes up
+  after-commit  s3:// or gs://..., stream_uploads=False: the files go up after the local commit
+  streaming     s3:// or gs://..., stream_uploads=True (the default): each shard file goes up
                 part by part while it is written; the manifest still goes last
 
 Prints the times, the ratios, the goal (streaming ~= the after-commit run with its write and
 upload overlapped: its notice -> durable less the shorter of the two), the timeline of the
-last streaming run and its margin to the 30 s deadline. moto runs on the same 2 cores as
-the ranks, so absolute speeds say more about this machine than about S3.
+last streaming run and its margin to the 30 s deadline. The store's server runs on the same
+cores as the ranks, so absolute speeds say more about this machine than about the cloud.
 """
 
 from __future__ import annotations
@@ -41,26 +43,27 @@ PHASES = ("local", "after-commit", "streaming")
 
 
 def run(args: argparse.Namespace) -> None:
-    import boto3
-
     from cloud_adapters.gcp.emulator import GCPMetadataEmulator
-    from tests.servers import start_moto
+    from tests.servers import start_gcs_emulator, start_moto
 
-    server = start_moto()
-    os.environ.update(
+    server = start_gcs_emulator() if args.store == "gcs" else start_moto()
+    os.environ.update(  # inherited by the ranks
         AWS_ENDPOINT_URL=server.url,
         AWS_ACCESS_KEY_ID="bench",
         AWS_SECRET_ACCESS_KEY="bench",
         AWS_DEFAULT_REGION="us-east-1",
         AWS_EC2_METADATA_DISABLED="true",
+        STORAGE_EMULATOR_HOST=server.url,
+        GOOGLE_CLOUD_PROJECT="bench",
     )
+    bucket = Bucket(args.store)
     try:
-        boto3.client("s3").create_bucket(Bucket=BUCKET)
+        bucket.create()
         with tempfile.TemporaryDirectory(prefix="spotguard-bench-") as tmp, GCPMetadataEmulator() as emulator:
             results: dict[str, dict] = {}
             raised = 0.0
             worker_args = ["--metadata-url", emulator.url, "--dir", tmp, "--gb", str(args.gb)]
-            worker_args += ["--repeat", str(args.repeat)]
+            worker_args += ["--repeat", str(args.repeat), "--store", args.store]
             runs: dict[str, list[dict]] = {phase: [] for phase in PHASES}
             with Ranks(__file__, 2, worker_args, Path(tmp)) as ranks:
                 for msg in ranks.messages():
@@ -68,7 +71,7 @@ def run(args: argparse.Namespace) -> None:
                         print(f"state: {msg['bytes'] / 1e9:.2f} GB per rank, replicated on 2 ranks", flush=True)
                     elif msg.get("event") == "ready":  # a fresh Guard is next: no notice pending, an empty bucket
                         emulator.clear()
-                        empty_bucket(boto3.client("s3"))
+                        bucket.empty()
                         ranks.tell("go")
                     elif msg.get("event") == "looping":
                         time.sleep(0.3)
@@ -88,12 +91,43 @@ def run(args: argparse.Namespace) -> None:
     summarize(results, runs)
 
 
-def empty_bucket(client) -> None:
-    """moto keeps every object: each Guard's bytes are dropped before the next one saves."""
-    for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET):
-        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-        if keys:
-            client.delete_objects(Bucket=BUCKET, Delete={"Objects": keys, "Quiet": True})
+class Bucket:
+    """The benchmark's bucket through the cloud's own SDK (the classic upload's, and the emptying between Guards)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        if kind == "gcs":
+            from google.auth.credentials import AnonymousCredentials
+            from google.cloud import storage
+
+            self.client = storage.Client(project="bench", credentials=AnonymousCredentials())
+        else:
+            import boto3
+
+            self.client = boto3.client("s3")
+
+    def create(self) -> None:
+        if self.kind == "gcs":
+            self.client.create_bucket(BUCKET)
+        else:
+            self.client.create_bucket(Bucket=BUCKET)
+
+    def upload(self, path: Path, key: str) -> None:
+        if self.kind == "gcs":
+            self.client.bucket(BUCKET).blob(key).upload_from_filename(str(path))
+        else:
+            self.client.upload_file(str(path), BUCKET, key)
+
+    def empty(self) -> None:
+        """The servers keep every object: each Guard's bytes are dropped before the next one saves."""
+        if self.kind == "gcs":
+            for blob in self.client.list_blobs(BUCKET):
+                blob.delete()
+            return
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET):
+            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+            if keys:
+                self.client.delete_objects(Bucket=BUCKET, Delete={"Objects": keys, "Quiet": True})
 
 
 def summarize(results: dict[str, dict], runs: dict[str, list[dict]]) -> None:
@@ -107,7 +141,7 @@ def summarize(results: dict[str, dict], runs: dict[str, list[dict]]) -> None:
             ["method", "GB", "seconds", "vs classic"],
             [
                 [
-                    "rank-0 torch.save + boto3 upload_file",
+                    "rank-0 torch.save + the SDK's upload of the file",
                     f"{classic['bytes'] / 1e9:.2f}",
                     f"{classic['seconds']:.2f}",
                     "1.00x",
@@ -167,7 +201,6 @@ def streaming_table(runs: dict[str, list[dict]]) -> str:
 
 
 def worker(args: argparse.Namespace) -> None:
-    import boto3
     import torch
     import torch.distributed as dist
 
@@ -185,7 +218,7 @@ def worker(args: argparse.Namespace) -> None:
             torch.save({"model": model.module.state_dict(), "optim": optimizer.state_dict()}, f)
             f.flush()
             os.fsync(f.fileno())
-        boto3.client("s3").upload_file(str(path), BUCKET, "classic/state.pt")
+        Bucket(args.store).upload(path, "classic/state.pt")
         report(method="classic", seconds=time.perf_counter() - started, bytes=path.stat().st_size)
         path.unlink()
     dist.barrier()
@@ -208,7 +241,8 @@ def emergency(args: argparse.Namespace, rank: int, state: dict, phase: str, scra
         sys.stdin.readline()  # the parent has cleared the emulator and emptied the bucket
     dist.barrier()
     tick = torch.zeros(1)
-    where = str(scratch / "ckpt") if phase == "local" else f"s3://{BUCKET}/{scratch.name}"
+    scheme = "gs" if args.store == "gcs" else "s3"
+    where = str(scratch / "ckpt") if phase == "local" else f"{scheme}://{BUCKET}/{scratch.name}"
     with spotguard.Guard(
         where,
         cloud="gcp",
@@ -246,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gb", type=float, default=1.0, help="state size per rank in GB (default 1.0)")
     parser.add_argument("--repeat", type=int, default=1, help="rounds of the three Guards (default 1)")
+    parser.add_argument("--store", choices=["s3", "gcs"], default="s3", help="moto (S3) or gcp-storage-emulator")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--metadata-url", help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)

@@ -154,6 +154,8 @@ class GCSStore(RetryingStore):
     # ---- GCS specifics --------------------------------------------------------------
     min_part_size = 1  # parts are objects of their own: any size
     max_parts = MAX_COMPONENTS
+    # Each part is an object write and a delete, and the compose is unmeasured on real GCS: opt-in.
+    stream_by_default = False
 
     def start_parts(self, key: str) -> GCSParts:
         """Write `key` as part objects composed at the end (a PartsStore); nothing shows at `key` before."""
