@@ -18,13 +18,14 @@ from cloud_adapters.storage import LocalStore
 from spotguard.checkpoint import (
     Checkpointer,
     CheckpointError,
+    IfSaved,
     list_checkpoints,
     step_dir_name,
     verify_checkpoint,
 )
 from spotguard.checkpoint.manifest import FileRecord, checksum_file
 from spotguard.checkpoint.transfer import download
-from tests.ckpt_workers import assert_same, make_model, snapshot, train
+from tests.ckpt_workers import Own, assert_same, make_model, snapshot, train
 
 
 def trained(optim_cls=torch.optim.Adam, steps=3, **optim_kwargs):
@@ -386,3 +387,16 @@ def test_writeback_hint_reaches_the_kernel_and_never_raises(tmp_path):
         assert shard_io._sync_file_range(f.fileno(), 0, 1 << 20, shard_io._SYNC_FILE_RANGE_WRITE) == 0
         shard_io.start_writeback(f.fileno(), 0, 1 << 20)
     shard_io.start_writeback(-1, 0, 1)  # a bad descriptor: ignored, it is only a hint
+
+
+def test_an_if_saved_entry_the_step_lacks_is_left_alone_and_only_a_top_level_one_is_taken(tmp_path):
+    with Checkpointer(str(tmp_path)) as ckpt:
+        ckpt.save(1, {"w": torch.ones(3), "a.b": {"x": torch.ones(1)}}, reason="manual")
+        own = Own("fresh")
+        # "a" is not saved although a saved name starts with "a.": it is left as it is, the rest loads.
+        state = {"w": torch.zeros(3), "a.b": {"x": torch.zeros(1)}, "a": IfSaved(own)}
+        assert ckpt.resume(state) == 1
+        assert torch.equal(state["w"], torch.ones(3)) and torch.equal(state["a.b"]["x"], torch.ones(1))
+        assert own.value == "fresh"
+        with pytest.raises(TypeError, match=r"state\['nested'\] holds an IfSaved below the top level"):
+            ckpt.save(2, {"w": torch.ones(3), "nested": {"rng": [IfSaved(own)]}}, reason="manual")

@@ -16,7 +16,7 @@ import torch
 from spotguard.checkpoint import Checkpointer, streaming
 from tests.conftest import Backend, backend_for
 from tests.servers import Fault, FaultProxy, azurite_connection_string
-from tests.test_stores import PROTOCOLS
+from tests.test_stores import PROTOCOLS, gcs_keys
 
 STEP_DIR = "step-0000000001"
 MiB = 1 << 20
@@ -106,7 +106,8 @@ def test_shards_stream_part_by_part_and_the_bucket_holds_the_local_bytes(s3, pro
     assert_resumes(s3, tmp_path)
     if s3.kind == "gcs":  # each file was composed from its part objects, which are gone
         assert sum("/compose" in q for _, q, _ in proxy.seen) == 2
-        assert all(".part-" not in o.key for o in s3.store().list())
+        files = sorted(("spotguard.json", ".metadata", *(p.name for p in shards)))
+        assert gcs_keys(s3.store()) == [f"{STEP_DIR}/{name}" for name in files]
 
     # Switched off, the same save uploads after the commit only.
     store = s3.store()
@@ -124,6 +125,18 @@ def test_gcs_streams_only_when_asked(s3, proxy, tmp_path):
     report, _ = save(s3, tmp_path / "vm")
     assert report.durable and report.streamed_bytes == 0
     assert not part_puts(s3, proxy.seen) and len(whole_puts(s3, proxy.seen)) == 2
+
+
+@pytest.mark.parametrize("s3", ["gcs"], indirect=True)
+def test_a_refused_gcs_compose_falls_back_to_the_upload_after_the_commit_and_leaves_no_part(s3, proxy, tmp_path):
+    proxy.arm(Fault(403, b'{"error": {"code": 403, "message": "denied"}}', count=None, match=r"__0_1\.distcp/compose"))
+    report, shards = save(s3, tmp_path / "vm", stream_uploads=True)
+    assert proxy.faulted == 1
+    assert report.durable, report.error
+    assert report.streamed_bytes == shards[0].stat().st_size  # the other file streamed
+    assert len(whole_puts(s3, proxy.seen)) == 1
+    assert not any(".part-" in key for key in gcs_keys(s3.store()))
+    assert_bucket_matches(s3, tmp_path / "vm" / STEP_DIR)
 
 
 @pytest.mark.parametrize("s3", ["s3"], indirect=True)

@@ -17,6 +17,7 @@ import contextvars
 import io
 import logging
 import os
+import re
 import secrets
 import threading
 from collections.abc import Callable, Iterable
@@ -45,7 +46,8 @@ log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 COMPOSE_SOURCES = 32  # the most objects one compose request takes
-MAX_COMPONENTS = 1024  # the most parts a composite object may be made of
+MAX_COMPONENTS = 1024  # the most parts a composite object may be made of (in Google's older documentation)
+PART_NAME = re.compile(r"\.part-[0-9a-f]{8}-(\d{4}|c\d+-\d{2})$")  # GCSParts' part and composite objects
 CHUNK_ALIGN = 256 * 1024  # resumable upload chunks must be multiples of 256 KiB
 TIMEOUT = (CONNECT_TIMEOUT_S, READ_TIMEOUT_S)  # per request
 CHECKSUM = "crc32c"
@@ -162,11 +164,23 @@ class GCSStore(RetryingStore):
         return GCSParts(self, key)
 
     def compose(self, sources: list[str], key: str) -> None:
-        """Make `key` the concatenation of `sources` (at most COMPOSE_SOURCES of them), server-side."""
+        """Make `key` the concatenation of `sources` (at most COMPOSE_SOURCES of them), server-side,
+        deleting the sources for good (no soft-deleted copy billed)."""
         self._call(
             f"compose {key} in",
-            lambda: self._blob(key).compose([self._blob(s) for s in sources], timeout=TIMEOUT, retry=None),
+            lambda: self._blob(key).compose(
+                [self._blob(s) for s in sources], delete_source_objects=True, timeout=TIMEOUT, retry=None
+            ),
         )
+
+    def abort_multipart_uploads(self, prefix: str = "", *, select: Callable[[str], bool] | None = None) -> int:
+        """Delete the part objects of unfinished part uploads under `prefix` (a crash leaves them);
+        returns how many. Only keys `select` (given the key relative to the store) accepts are touched."""
+        parts = [o.key for o in self.list(prefix) if PART_NAME.search(o.key) and (select is None or select(o.key))]
+        if parts:
+            self.delete(parts)
+            log.info("deleted %d part objects of unfinished uploads under %s/%s", len(parts), self.url, prefix)
+        return len(parts)
 
     # ---- errors ---------------------------------------------------------------------
     def _bucket_exists(self) -> bool:
@@ -200,54 +214,65 @@ class GCSParts:
     """One object written as parts in any order and in parallel (a PartUpload).
 
     A resumable upload takes its chunks one at a time and in order, so each part is an object of
-    its own beside the target (`KEY.part-<token>-<n>`, in the same step directory, so that
-    retention removes whatever a crash leaves of them with the step), sent with its CRC32C.
-    `complete` composes them into KEY in rounds of COMPOSE_SOURCES (GCS computes the composite's
-    CRC32C, which downloads check) and deletes them; KEY shows nothing before the last compose.
+    its own beside the target (`KEY.part-<token>-<n>`), sent with its CRC32C. `complete` composes
+    them into KEY, in rounds of COMPOSE_SOURCES (the composes of a round in parallel) when there
+    are more; each compose hard-deletes its sources (none kept by soft delete), and GCS computes
+    the composite's CRC32C, which downloads check. KEY shows nothing before the last compose.
+    Whatever is left of the parts (an abort, a failure, a server that keeps composed sources) is
+    deleted on a thread of its own, off the save's critical path; what a crash leaves is removed
+    by `abort_multipart_uploads`.
     """
 
     def __init__(self, store: GCSStore, key: str) -> None:
         self._store = store
         self.key = key
-        self._token = secrets.token_hex(4)  # another attempt's parts never mix in
+        self._prefix = f"{key}.part-{secrets.token_hex(4)}-"  # another attempt's parts never mix in
         self._numbers: set[int] = set()
+        self._aborted = False
         self._lock = threading.Lock()
 
-    def _part_key(self, number: int | str) -> str:
-        return f"{self.key}.part-{self._token}-{number}"
-
     def put_part(self, number: int, data: bytes) -> None:
-        self._store.put_bytes(self._part_key(f"{number:04d}"), data)
+        self._store.put_bytes(f"{self._prefix}{number:04d}", data)
         with self._lock:
             self._numbers.add(number)
+            aborted = self._aborted
+        if aborted:  # the abort ran while this part was on its way
+            self._remove_soon()
 
     def complete(self) -> None:
         with self._lock:
-            sources = [self._part_key(f"{n:04d}") for n in sorted(self._numbers)]
-        made = list(sources)
+            sources = [f"{self._prefix}{n:04d}" for n in sorted(self._numbers)]
+        if not sources:
+            self._store.put_bytes(self.key, b"")
+            return
+        level = 0
+        while len(sources) > COMPOSE_SOURCES:  # composites of composites: still one object's components
+            level += 1
+            groups = [sources[i : i + COMPOSE_SOURCES] for i in range(0, len(sources), COMPOSE_SOURCES)]
+            sources = [g[0] if len(g) == 1 else f"{self._prefix}c{level}-{i:02d}" for i, g in enumerate(groups)]
+            jobs = [(g, into) for g, into in zip(groups, sources, strict=True) if len(g) > 1]
+            with ThreadPoolExecutor(min(len(jobs), 8), thread_name_prefix="gcs-compose") as pool:
+                list(pool.map(lambda job: contextvars.copy_context().run(self._store.compose, *job), jobs))
         try:
-            level = 0
-            while len(sources) > COMPOSE_SOURCES:  # composites of composites: still one object's components
-                level += 1
-                groups = [sources[i : i + COMPOSE_SOURCES] for i in range(0, len(sources), COMPOSE_SOURCES)]
-                sources = [self._part_key(f"c{level}-{i:02d}") for i in range(len(groups))]
-                for group, composite in zip(groups, sources, strict=True):
-                    self._store.compose(group, composite)
-                    made.append(composite)
             self._store.compose(sources, self.key)
         finally:
-            self._remove(made)
+            self._remove_soon()
 
     def abort(self) -> None:
         with self._lock:
-            parts = [self._part_key(f"{n:04d}") for n in sorted(self._numbers)]
-        self._remove(parts)
+            self._aborted = True
+        self._remove_soon()
 
-    def _remove(self, keys: list[str]) -> None:
+    def _remove_soon(self) -> None:
+        threading.Thread(target=self._remove, name="gcs-parts-cleanup", daemon=True).start()
+
+    def _remove(self) -> None:
         try:
-            self._store.delete(keys)
-        except StoreError as exc:  # they are in the step's directory: retention removes them with it
-            log.info("could not delete the parts of %s: %s", self.key, exc)
+            left = [info.key for info in self._store.list(self._prefix)]
+            if left:
+                self._store.delete(left)
+        except StoreError as exc:
+            log.warning("could not delete the parts of %s (removed after a later commit): %s", self.key, exc)
 
 
 class _CountingFile(io.FileIO):

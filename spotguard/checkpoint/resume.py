@@ -395,9 +395,9 @@ def _load(
 
 
 def _dcp_load(reader: VerifiedReader, loaded: dict[str, Any], state: MutableMapping[str, Any], comm: Comm) -> None:
-    saved = reader.metadata.state_dict_metadata  # flat keys: "model.net.weight", "rng_1.packed"
+    saved = _saved_keys(reader.metadata)
     for key in optional_keys(state):
-        if not any(name == key or name.startswith(f"{key}.") for name in saved):
+        if key not in saved:
             del loaded[key]
             log.info(
                 "rank %d: %s has no %r (saved by %d ranks): left as it is",
@@ -409,6 +409,14 @@ def _dcp_load(reader: VerifiedReader, loaded: dict[str, Any], state: MutableMapp
     with comm.dcp_args() as dist_args:
         dcp.load(loaded, storage_reader=reader, planner=WeightsOnlyLoadPlanner(), **dist_args)
     load_from_dcp(state, loaded)
+
+
+def _saved_keys(metadata: Any) -> set[str]:
+    """The top-level keys of the state a step was saved from."""
+    paths = metadata.planner_data  # flat name -> its path in the state: "rng_1.packed" -> ("rng_1", "packed")
+    if isinstance(paths, dict) and paths:
+        return {path[0] for path in paths.values()}
+    return set(metadata.state_dict_metadata)  # saved without flattening: the names are the keys
 
 
 def _on_every_rank(comm: Comm, action: Callable[[], T]) -> tuple[T | None, str | None, set[str]]:

@@ -30,7 +30,8 @@ class IfSaved:
     """A state entry that a checkpoint may lack: loaded when the step has it, left as it is otherwise.
 
     For what only one rank owns, under a per-rank key (its RNG): a rank that is new at a larger
-    world size finds none of its own, and the step still loads for everything else.
+    world size finds none of its own, and the step still loads for everything else. Only a
+    top-level entry of the state may be one.
     """
 
     def __init__(self, value: Any) -> None:
@@ -69,9 +70,19 @@ def to_dcp(state: Mapping[str, Any]) -> dict[str, Any]:
             out[key] = get_optimizer_state_dict(_model_for(key, value, state), value)
         elif _is_stateful(value):
             out[key] = value.state_dict()
+        elif _holds_if_saved(value):
+            raise TypeError(f"state[{key!r}] holds an IfSaved below the top level: make it an entry of the state")
         else:
             out[key] = value
     return out
+
+
+def _holds_if_saved(value: Any) -> bool:
+    if isinstance(value, IfSaved):
+        return True
+    if isinstance(value, Mapping):
+        return any(_holds_if_saved(v) for v in value.values())
+    return isinstance(value, (list, tuple)) and any(_holds_if_saved(v) for v in value)
 
 
 def load_from_dcp(state: MutableMapping[str, Any], loaded: Mapping[str, Any]) -> None:

@@ -104,7 +104,9 @@ class SpotGuardTrainerCallback(TrainerCallback):
         checkpoint.mkdir()
         (checkpoint / TRAINER_STATE_NAME).write_text(trainer_state)
         if "rng" in self._restored:  # absent for a rank new at a larger world size: the Trainer says so and goes on
-            name, data = self._restored.pop("rng")
+            _, data = self._restored.pop("rng")  # under the name this Trainer reads, whatever world size saved it
+            args = trainer.args
+            name = "rng_state.pth" if args.world_size == 1 else f"rng_state_{args.process_index}.pth"
             (checkpoint / name).write_bytes(data)
         return str(checkpoint)
 
