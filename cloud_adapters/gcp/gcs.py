@@ -150,8 +150,10 @@ class GCSStore(RetryingStore):
                 pass  # already gone is what we wanted
 
         with ThreadPoolExecutor(self.max_concurrency, thread_name_prefix="gcs-delete") as pool:
-            # Each in a copy of the caller's context: a `calls_until` around delete() holds in the pool too.
-            list(pool.map(lambda key: contextvars.copy_context().run(delete_one, key), keys))
+            # Each in a copy of the caller's context (taken here, not in the pool's thread): a
+            # `calls_until` around delete() holds in the pool too.
+            context = contextvars.copy_context()
+            list(pool.map(lambda key: context.copy().run(delete_one, key), keys))
 
     # ---- GCS specifics --------------------------------------------------------------
     min_part_size = 1  # parts are objects of their own: any size
@@ -245,6 +247,7 @@ class GCSParts:
         if not sources:
             self._store.put_bytes(self.key, b"")
             return
+        context = contextvars.copy_context()  # the caller's store call limits hold in the compose pool
         level = 0
         while len(sources) > COMPOSE_SOURCES:  # composites of composites: still one object's components
             level += 1
@@ -252,7 +255,7 @@ class GCSParts:
             sources = [g[0] if len(g) == 1 else f"{self._prefix}c{level}-{i:02d}" for i, g in enumerate(groups)]
             jobs = [(g, into) for g, into in zip(groups, sources, strict=True) if len(g) > 1]
             with ThreadPoolExecutor(min(len(jobs), 8), thread_name_prefix="gcs-compose") as pool:
-                list(pool.map(lambda job: contextvars.copy_context().run(self._store.compose, *job), jobs))
+                list(pool.map(lambda job: context.copy().run(self._store.compose, *job), jobs))
         try:
             self._store.compose(sources, self.key)
         finally:
