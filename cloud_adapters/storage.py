@@ -86,14 +86,12 @@ class PartUpload(Protocol):
 class PartsStore(Protocol):
     """A store that can write an object part by part while its bytes are still being produced (S3, Azure, GCS).
 
-    Every part but the last must hold at least `min_part_size` bytes; an object has at most `max_parts`.
-    `stream_by_default`: whether writing while the bytes are produced is worth it unasked (False
-    where each part costs extra requests and the gain is not measured).
+    Every part but the last must hold at least `min_part_size` bytes (GCS: a multiple of it); an
+    object has at most `max_parts`.
     """
 
     min_part_size: int
     max_parts: int
-    stream_by_default: bool
 
     def start_parts(self, key: str) -> PartUpload: ...
 

@@ -94,9 +94,8 @@ class Guard:
             default: this node's cores shared among its ranks, 2 to 16 (2 was fastest on a 2-core VM
             with 2 ranks).
         thread_count: parallel uploads / downloads / verifications per rank.
-        stream_uploads: upload each shard file while it is written (notice -> durable about
-            max(write, upload) instead of their sum); default None: with an S3 or Azure checkpoint_dir;
-            True: with GCS too (parts composed, see README); False: after the commit.
+        stream_uploads: with an S3, Azure or GCS checkpoint_dir, upload each shard file while it is written
+            (notice -> durable about max(write, upload) instead of their sum); False: after the commit.
         checkpoint_key: a secret (bytes or str) to sign saves with and to require on resume;
             default: SPOTGUARD_CHECKPOINT_KEY when set, else no authentication.
         min_nodes: under an elastic torchrun (`--nnodes=MIN:MAX`), its MIN: survivors fewer than
@@ -128,7 +127,7 @@ class Guard:
         thread_count: int = 4,
         checkpoint_key: bytes | str | None = None,
         min_nodes: int | None = None,
-        stream_uploads: bool | None = None,
+        stream_uploads: bool = True,
     ) -> None:
         if cloud not in CLOUDS + ("none", "auto"):
             raise ValueError(f"cloud must be one of {CLOUDS + ('none', 'auto')}, not {cloud!r}")

@@ -68,7 +68,6 @@ class S3Store(RetryingStore):
     scheme = "s3"
     min_part_size = 5 * MiB  # S3's smallest part (but the last)
     max_parts = 10_000
-    stream_by_default = True
 
     def __init__(
         self,

@@ -56,7 +56,6 @@ class BlobStore(RetryingStore):
     scheme = "az"
     min_part_size = 1  # a block may have any size (up to 4000 MiB)
     max_parts = 50_000  # committed blocks per blob
-    stream_by_default = True
 
     def __init__(
         self,

@@ -8,22 +8,21 @@ Large files go up as resumable uploads in `part_size` chunks, each verified with
 CRC32C. GCS's parallel XML multipart API (transfer_manager.upload_chunks_concurrently)
 is not used: gcp-storage-emulator does not implement it, so it could not be tested;
 parallelism comes from uploading several files at once. A file still being written goes
-up part by part (`start_parts`) as objects of its own, composed into the file at the end.
+up part by part (`start_parts`) as one resumable upload, its parts the chunks, in order.
 """
 
 from __future__ import annotations
 
+import base64
 import contextvars
 import io
-import logging
 import os
-import re
-import secrets
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import google_crc32c
 import requests
 from google.api_core import exceptions as gexc
 from google.auth.credentials import AnonymousCredentials
@@ -42,12 +41,7 @@ from cloud_adapters.retry import (
 )
 from cloud_adapters.storage import AlreadyExists, NotFound, ObjectInfo, Progress, StoreError
 
-log = logging.getLogger(__name__)
-
 MiB = 1 << 20
-COMPOSE_SOURCES = 32  # the most objects one compose request takes
-MAX_COMPONENTS = 1024  # the most parts a composite object may be made of (in Google's older documentation)
-PART_NAME = re.compile(r"\.part-[0-9a-f]{8}-(\d{4}|c\d+-\d{2})$")  # GCSParts' part and composite objects
 CHUNK_ALIGN = 256 * 1024  # resumable upload chunks must be multiples of 256 KiB
 TIMEOUT = (CONNECT_TIMEOUT_S, READ_TIMEOUT_S)  # per request
 CHECKSUM = "crc32c"
@@ -156,33 +150,12 @@ class GCSStore(RetryingStore):
             list(pool.map(lambda key: context.copy().run(delete_one, key), keys))
 
     # ---- GCS specifics --------------------------------------------------------------
-    min_part_size = 1  # parts are objects of their own: any size
-    max_parts = MAX_COMPONENTS
-    # Each part is an object write and a delete, and the compose is unmeasured on real GCS: opt-in.
-    stream_by_default = False
+    min_part_size = CHUNK_ALIGN  # and every part but the last a multiple of it: a resumable upload's chunks
+    max_parts = 1 << 40  # no limit of the store's own
 
     def start_parts(self, key: str) -> GCSParts:
-        """Write `key` as part objects composed at the end (a PartsStore); nothing shows at `key` before."""
+        """Write `key` as one resumable upload fed part by part (a PartsStore); nothing shows at `key` before."""
         return GCSParts(self, key)
-
-    def compose(self, sources: list[str], key: str) -> None:
-        """Make `key` the concatenation of `sources` (at most COMPOSE_SOURCES of them), server-side,
-        deleting the sources for good (no soft-deleted copy billed)."""
-        self._call(
-            f"compose {key} in",
-            lambda: self._blob(key).compose(
-                [self._blob(s) for s in sources], delete_source_objects=True, timeout=TIMEOUT, retry=None
-            ),
-        )
-
-    def abort_multipart_uploads(self, prefix: str = "", *, select: Callable[[str], bool] | None = None) -> int:
-        """Delete the part objects of unfinished part uploads under `prefix` (a crash leaves them);
-        returns how many. Only keys `select` (given the key relative to the store) accepts are touched."""
-        parts = [o.key for o in self.list(prefix) if PART_NAME.search(o.key) and (select is None or select(o.key))]
-        if parts:
-            self.delete(parts)
-            log.info("deleted %d part objects of unfinished uploads under %s/%s", len(parts), self.url, prefix)
-        return len(parts)
 
     # ---- errors ---------------------------------------------------------------------
     def _bucket_exists(self) -> bool:
@@ -213,69 +186,99 @@ class GCSStore(RetryingStore):
 
 
 class GCSParts:
-    """One object written as parts in any order and in parallel (a PartUpload).
+    """One object written as a resumable upload whose chunks are the parts (a PartUpload).
 
-    A resumable upload takes its chunks one at a time and in order, so each part is an object of
-    its own beside the target (`KEY.part-<token>-<n>`), sent with its CRC32C. `complete` composes
-    them into KEY, in rounds of COMPOSE_SOURCES (the composes of a round in parallel) when there
-    are more; each compose hard-deletes its sources (none kept by soft delete), and GCS computes
-    the composite's CRC32C, which downloads check. KEY shows nothing before the last compose.
-    Whatever is left of the parts (an abort, a failure, a server that keeps composed sources) is
-    deleted on a thread of its own, off the save's critical path; what a crash leaves is removed
-    by `abort_multipart_uploads`.
+    A resumable upload takes its chunks one at a time and in order, so `put_part(n)` waits until
+    part n - 1 is up (the streaming threads queue a file's parts in order: the part waited for is
+    always on its way). Every part but the last must be a multiple of CHUNK_ALIGN; the last one
+    is held and sent by `complete` as the final chunk, so the object appears only then. A retry
+    first asks the server how much it holds and sends the rest. The object's CRC32C, computed as
+    the parts go, must be the one GCS reports at the end. `abort` cancels the session.
     """
 
     def __init__(self, store: GCSStore, key: str) -> None:
         self._store = store
         self.key = key
-        self._prefix = f"{key}.part-{secrets.token_hex(4)}-"  # another attempt's parts never mix in
-        self._numbers: set[int] = set()
-        self._aborted = False
-        self._lock = threading.Lock()
+        self._session: str | None = None
+        self._held = 0  # bytes the server holds
+        self._turn = 1  # the part whose turn it is
+        self._tail = b""  # the last part, sent with the completion
+        self._crc32c = 0
+        self._failed: str | None = None
+        self._turns = threading.Condition()
 
     def put_part(self, number: int, data: bytes) -> None:
-        self._store.put_bytes(f"{self._prefix}{number:04d}", data)
-        with self._lock:
-            self._numbers.add(number)
-            aborted = self._aborted
-        if aborted:  # the abort ran while this part was on its way
-            self._remove_soon()
+        with self._turns:
+            while self._turn != number and self._failed is None:
+                self._turns.wait()
+            if self._failed is not None:
+                raise StoreError(f"upload of {self.key} to {self._store.url} failed earlier: {self._failed}")
+        try:
+            if self._tail:
+                raise StoreError(f"upload of {self.key}: part {number} after a last part")
+            self._crc32c = google_crc32c.extend(self._crc32c, data)
+            if len(data) % CHUNK_ALIGN:
+                self._tail = data  # only the last part may be: it goes with the completion
+            else:
+                self._send(data, final=False)
+        except BaseException as exc:
+            with self._turns:
+                self._failed = f"{type(exc).__name__}: {exc}"
+                self._turns.notify_all()
+            raise
+        with self._turns:
+            self._turn += 1
+            self._turns.notify_all()
 
     def complete(self) -> None:
-        with self._lock:
-            sources = [f"{self._prefix}{n:04d}" for n in sorted(self._numbers)]
-        if not sources:
-            self._store.put_bytes(self.key, b"")
-            return
-        context = contextvars.copy_context()  # the caller's store call limits hold in the compose pool
-        level = 0
-        while len(sources) > COMPOSE_SOURCES:  # composites of composites: still one object's components
-            level += 1
-            groups = [sources[i : i + COMPOSE_SOURCES] for i in range(0, len(sources), COMPOSE_SOURCES)]
-            sources = [g[0] if len(g) == 1 else f"{self._prefix}c{level}-{i:02d}" for i, g in enumerate(groups)]
-            jobs = [(g, into) for g, into in zip(groups, sources, strict=True) if len(g) > 1]
-            with ThreadPoolExecutor(min(len(jobs), 8), thread_name_prefix="gcs-compose") as pool:
-                list(pool.map(lambda job: context.copy().run(self._store.compose, *job), jobs))
-        try:
-            self._store.compose(sources, self.key)
-        finally:
-            self._remove_soon()
+        if self._failed is not None:
+            raise StoreError(f"upload of {self.key} to {self._store.url} failed earlier: {self._failed}")
+        answer = self._send(self._tail, final=True)
+        expected = base64.b64encode(self._crc32c.to_bytes(4, "big")).decode()
+        if answer.get("crc32c") != expected:
+            raise StoreError(f"upload of {self.key}: GCS holds CRC32C {answer.get('crc32c')}, the parts {expected}")
 
     def abort(self) -> None:
-        with self._lock:
-            self._aborted = True
-        self._remove_soon()
+        with self._turns:
+            self._failed = self._failed or "aborted"
+            self._turns.notify_all()
+        if self._session is not None:  # unfinished sessions expire by themselves: this is a courtesy
+            session = self._session
+            self._store._call(f"cancel the upload of {self.key} to", lambda: self._store.client._http.delete(session))
 
-    def _remove_soon(self) -> None:
-        threading.Thread(target=self._remove, name="gcs-parts-cleanup", daemon=True).start()
+    def _send(self, data: bytes, *, final: bool) -> dict:
+        """Send `data` as the next chunk (the final one: the object then exists); GCS's answer."""
+        start, end = self._held, self._held + len(data)
+        total = str(end) if final else "*"
+        retry = False
 
-    def _remove(self) -> None:
-        try:
-            left = [info.key for info in self._store.list(self._prefix)]
-            if left:
-                self._store.delete(left)
-        except StoreError as exc:
-            log.warning("could not delete the parts of %s (removed after a later commit): %s", self.key, exc)
+        def put() -> dict:
+            nonlocal retry
+            http = self._store.client._http
+            if self._session is None:
+                self._session = self._store._blob(self.key).create_resumable_upload_session(timeout=TIMEOUT, retry=None)
+            offset = self._persisted(http) if retry else start
+            retry = True
+            body = data[offset - start :]
+            span = f"{offset}-{end - 1}" if body else "*"
+            answer = http.put(
+                self._session, data=body, headers={"Content-Range": f"bytes {span}/{total}"}, timeout=TIMEOUT
+            )
+            if answer.status_code != (200 if final else 308) and not (final and answer.status_code == 201):
+                raise InvalidResponse(answer, f"chunk {offset}-{end} of {self.key}: HTTP {answer.status_code}")
+            return answer.json() if final else {}
+
+        result = self._store._call(f"upload bytes {start}-{end} of {self.key} to", put)
+        self._held = end
+        return result
+
+    def _persisted(self, http: requests.Session) -> int:
+        """How many bytes the server holds of this upload (asked after a failed chunk)."""
+        answer = http.put(self._session, data=b"", headers={"Content-Range": "bytes */*"}, timeout=TIMEOUT)
+        if answer.status_code != 308:
+            raise InvalidResponse(answer, f"status of the upload of {self.key}: HTTP {answer.status_code}")
+        held = answer.headers.get("Range")  # "bytes=0-N", absent when it holds nothing
+        return int(held.rsplit("-", 1)[1]) + 1 if held else 0
 
 
 class _CountingFile(io.FileIO):

@@ -117,8 +117,7 @@ class Checkpointer:
     single process. `keep_last` keeps that many newest committed steps. With a
     `checkpoint_key` (default: $SPOTGUARD_CHECKPOINT_KEY), saves are signed and resume
     loads only steps signed with it (`auth`); every node needs the same key. With
-    a store that takes parts (S3, Azure, GCS), shard files upload while they are written: by default
-    where the store's `stream_by_default` says it pays, always with `stream_uploads=True`, never with False.
+    `stream_uploads` and a store that takes parts (S3, Azure, GCS), shard files upload while they are written.
     """
 
     def __init__(
@@ -133,7 +132,7 @@ class Checkpointer:
         on_event: SaveEvents | None = None,
         on_outcome: SaveOutcomes | None = None,
         checkpoint_key: CheckpointKey | None = None,
-        stream_uploads: bool | None = None,
+        stream_uploads: bool = True,
     ) -> None:
         for name, value in (("keep_last", keep_last), ("write_threads", write_threads), ("thread_count", thread_count)):
             if value is not None and value < 1:
@@ -378,9 +377,9 @@ class Checkpointer:
     def _streams(self, step: int, cutoff: Cutoff) -> Iterator[ShardStreams | None]:
         """This rank's streaming uploads for a save (None: the files go up after the commit only); stopped after."""
         if (
-            self.local_root is None
+            not self.stream_uploads
+            or self.local_root is None
             or not isinstance(self.remote, PartsStore)
-            or not (self.remote.stream_by_default if self.stream_uploads is None else self.stream_uploads)
             or cutoff.passed()  # a background save whose uploads were abandoned before it began
         ):
             yield None

@@ -8,10 +8,9 @@ newest. Uncommitted leftovers on a filesystem (staging siblings, step directorie
 manifest) are removed once they are older than STALE_AFTER_S, so a save that may still be
 writing one is never disturbed. In an object store, a step without a manifest that is older
 than the newest committed step is an abandoned upload (saves run one at a time, and a resumed
-job saves only newer steps): its objects are deleted, and the parts of our unfinished part
-uploads (S3 multipart uploads, GCS part objects) are removed. Only keys laid out as ours
-(`step-N/file`) are ever touched, and the store calls of each cleanup end within
-RETENTION_TIMEOUT_S: a dead store must not hold a save (or the exit).
+job saves only newer steps): its objects are deleted, and our unfinished multipart uploads are
+aborted. Only keys laid out as ours (`step-N/file`) are ever touched, and the store calls of
+each cleanup end within RETENTION_TIMEOUT_S: a dead store must not hold a save (or the exit).
 """
 
 from __future__ import annotations
@@ -75,7 +74,7 @@ def remove_abandoned(store: ObjectStore, *, timeout_s: float = RETENTION_TIMEOUT
         for step in doomed:
             store.delete([f"{step_dir_name(step)}/{name}" for name in steps[step]])
             log.info("retention: removed the abandoned upload %s/%s", store.url, step_dir_name(step))
-        abort = getattr(store, "abort_multipart_uploads", None)  # S3 and GCS keep (and bill) unfinished parts
+        abort = getattr(store, "abort_multipart_uploads", None)  # S3 keeps (and bills) unfinished parts
         if abort is not None:
             abort(STEP_PREFIX, select=lambda key: step_of_key(key) is not None)
     return doomed
