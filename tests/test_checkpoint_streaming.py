@@ -5,7 +5,6 @@ manifest waits for all."""
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from pathlib import Path
@@ -14,13 +13,13 @@ import boto3
 import pytest
 import torch
 
+from cloud_adapters.gcp import gcs
 from spotguard.checkpoint import Checkpointer, streaming
 from tests.conftest import Backend, backend_for
 from tests.servers import Fault, FaultProxy, azurite_connection_string
 from tests.test_stores import PROTOCOLS
 
 STEP_DIR = "step-0000000001"
-WHOLE_GCS = re.compile(r"bytes 0-\d+/\d+$")
 ACCESS_DENIED = b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
 
 
@@ -34,6 +33,7 @@ def make_state(seed: int = 0) -> dict[str, torch.Tensor]:
 def s3(request, storage_servers, monkeypatch, tmp_path) -> Backend:
     """A store that streams (the S3 one unless parametrized otherwise)."""
     monkeypatch.setattr(streaming, "PART_SIZE", 5 << 20)  # S3's smallest part: several parts per file
+    monkeypatch.setattr(gcs, "DEFAULT_PART_SIZE", 5 << 20)  # GCS streams in its upload chunks
     return backend_for(request.param, storage_servers, monkeypatch, tmp_path)
 
 
@@ -68,17 +68,26 @@ def assert_resumes(s3: Backend, tmp_path: Path) -> None:
         assert torch.equal(restored[name], tensor), name
 
 
+def gcs_sessions(seen: list) -> dict[str, list[str]]:
+    """The Content-Range of every chunk, by resumable upload session (its upload_id)."""
+    sessions: dict[str, list[str]] = {}
+    for m, q, h in seen:
+        if PROTOCOLS["gcs"].is_part(m, q):
+            sessions.setdefault(q.split("upload_id=")[1], []).append(h["Content-Range"])
+    return sessions
+
+
 def part_puts(s3: Backend, seen: list) -> list[str]:
-    if s3.kind == "gcs":  # a streamed chunk: the total still unknown, or not the first (the last one sent)
-        return [q for m, q, h in seen if PROTOCOLS["gcs"].is_part(m, q) and not WHOLE_GCS.match(h["Content-Range"])]
+    if s3.kind == "gcs":  # the chunks of streamed sessions: their total unknown until the last
+        return [r for ranges in gcs_sessions(seen).values() if any(r.endswith("/*") for r in ranges) for r in ranges]
     return [q for m, q, _ in seen if PROTOCOLS[s3.kind].is_part(m, q)]
 
 
 def whole_puts(s3: Backend, seen: list) -> list[str]:
-    """Shard files sent in one piece (S3's complete is a POST, Azure's a PUT of the block list; a GCS
-    file of a 64 MiB chunk or less as a resumable upload's one chunk, its total known)."""
+    """Shard files sent in one piece (S3's complete is a POST, Azure's a PUT of the block list; GCS
+    sessions whose total size is known from their first chunk)."""
     if s3.kind == "gcs":
-        return [q for m, q, h in seen if PROTOCOLS["gcs"].is_part(m, q) and WHOLE_GCS.match(h["Content-Range"])]
+        return [ranges[0] for ranges in gcs_sessions(seen).values() if not any(r.endswith("/*") for r in ranges)]
     is_part = PROTOCOLS[s3.kind].is_part
     return [q for m, q, _ in seen if m == "PUT" and ".distcp" in q and not is_part(m, q) and "blocklist" not in q]
 

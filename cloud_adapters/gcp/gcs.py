@@ -42,6 +42,7 @@ from cloud_adapters.retry import (
 from cloud_adapters.storage import AlreadyExists, NotFound, ObjectInfo, Progress, StoreError
 
 MiB = 1 << 20
+DEFAULT_PART_SIZE = 64 * MiB
 CHUNK_ALIGN = 256 * 1024  # resumable upload chunks must be multiples of 256 KiB
 TIMEOUT = (CONNECT_TIMEOUT_S, READ_TIMEOUT_S)  # per request
 CHECKSUM = "crc32c"
@@ -56,14 +57,18 @@ class GCSStore(RetryingStore):
         self,
         url: str,
         *,
-        part_size: int = 64 * MiB,
+        part_size: int | None = None,
         max_concurrency: int = 8,
         retry_deadline_s: float = DEFAULT_RETRY_DEADLINE_S,
     ) -> None:
         super().__init__(url, retry_deadline_s=retry_deadline_s)
+        part_size = DEFAULT_PART_SIZE if part_size is None else part_size
         if part_size <= 0 or part_size % CHUNK_ALIGN:
             raise ValueError(f"GCS part_size must be a positive multiple of 256 KiB, got {part_size}")
         self.part_size = part_size
+        # A stream's chunks are as large as the upload's after the commit: the emulator rewrites the
+        # whole upload at every chunk, and fewer, larger requests suit a resumable upload anyway.
+        self.min_part_size = part_size
         self.max_concurrency = max_concurrency
         self._emulated = bool(os.environ.get("STORAGE_EMULATOR_HOST"))
         if self._emulated:  # the library reads the variable itself; an emulator needs no credentials
@@ -150,7 +155,6 @@ class GCSStore(RetryingStore):
             list(pool.map(lambda key: context.copy().run(delete_one, key), keys))
 
     # ---- GCS specifics --------------------------------------------------------------
-    min_part_size = CHUNK_ALIGN  # and every part but the last a multiple of it: a resumable upload's chunks
     max_parts = 1 << 40  # no limit of the store's own
 
     def start_parts(self, key: str) -> GCSParts:
