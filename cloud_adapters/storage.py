@@ -72,8 +72,9 @@ class ObjectStore(Protocol):
 
 
 class PartUpload(Protocol):
-    """One object written as numbered parts (from 1, sent in any order and in parallel); readers see
-    nothing until `complete()`, which assembles the parts in number order."""
+    """One object written as numbered parts (from 1; S3 and Azure take them in any order and in
+    parallel, GCS one after another); readers see nothing until `complete()`, which assembles the
+    parts in number order."""
 
     def put_part(self, number: int, data: bytes) -> None: ...
 
@@ -86,8 +87,8 @@ class PartUpload(Protocol):
 class PartsStore(Protocol):
     """A store that can write an object part by part while its bytes are still being produced (S3, Azure, GCS).
 
-    Every part but the last must hold at least `min_part_size` bytes (GCS: a multiple of it); an
-    object has at most `max_parts`.
+    Every part but the last must hold at least `min_part_size` bytes (GCS: a multiple of 256 KiB;
+    its `min_part_size`, its upload chunk, is one); an object has at most `max_parts`.
     """
 
     min_part_size: int

@@ -312,11 +312,32 @@ def test_gcs_parts_from_many_threads_go_up_in_order_as_one_resumable_upload(stor
     aborted.abort()
     with pytest.raises(StoreError, match="aborted"):
         aborted.put_part(2, parts[2])
+    proxy = FaultProxy(backend.server.url)  # a chunk answered 503 once: the retry asks what the session holds
+    try:
+        retried = backend.store(endpoint=proxy.url).start_parts("step-1/retried.distcp")
+        retried.put_part(1, parts[1])
+        proxy.arm(Fault(503, count=1, match=r"upload_id="))
+        retried.put_part(2, parts[2])
+        retried.put_part(3, parts[12])
+        retried.complete()
+        assert proxy.faulted == 1
+        assert [h["Content-Range"] for m, _, h in proxy.seen if m == "PUT"] == [
+            f"bytes 0-{chunk - 1}/*",
+            f"bytes {chunk}-{2 * chunk - 1}/*",  # refused
+            "bytes */*",  # the server holds the first chunk
+            f"bytes {chunk}-{2 * chunk - 1}/*",
+            f"bytes {2 * chunk}-{2 * chunk + 999}/{2 * chunk + 1000}",
+        ]
+    finally:
+        proxy.close()
+        backend.point_at(backend.server.url)
+    assert store.get_bytes("step-1/retried.distcp") == parts[1] + parts[2] + parts[12]
+
     misplaced = store.start_parts("step-1/c.distcp")
     misplaced.put_part(1, b"short")
     with pytest.raises(StoreError, match="after a last part"):
         misplaced.put_part(2, parts[2])
-    assert [o.key for o in store.list()] == ["step-1/a.distcp"]
+    assert [o.key for o in store.list()] == ["step-1/a.distcp", "step-1/retried.distcp"]
 
 
 # ---- faults -------------------------------------------------------------------------------

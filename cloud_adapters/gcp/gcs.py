@@ -261,28 +261,40 @@ class GCSParts:
             http = self._store.client._http
             if self._session is None:
                 self._session = self._store._blob(self.key).create_resumable_upload_session(timeout=TIMEOUT, retry=None)
-            offset = self._persisted(http) if retry else start
+            offset = start
+            if retry:  # the server may hold part of the chunk, or all of it (the answer was lost)
+                answer = http.put(self._session, data=b"", headers={"Content-Range": "bytes */*"}, timeout=TIMEOUT)
+                if final and answer.status_code in (200, 201):
+                    return answer.json()
+                offset = self._held_by(answer, start)
             retry = True
-            body = data[offset - start :]
-            span = f"{offset}-{end - 1}" if body else "*"
-            answer = http.put(
-                self._session, data=body, headers={"Content-Range": f"bytes {span}/{total}"}, timeout=TIMEOUT
-            )
-            if answer.status_code != (200 if final else 308) and not (final and answer.status_code == 201):
-                raise InvalidResponse(answer, f"chunk {offset}-{end} of {self.key}: HTTP {answer.status_code}")
-            return answer.json() if final else {}
+            while True:  # until the server holds the whole chunk: a 308 may say it kept less
+                body = data[offset - start :]
+                span = f"{offset}-{end - 1}" if body else "*"
+                answer = http.put(
+                    self._session, data=body, headers={"Content-Range": f"bytes {span}/{total}"}, timeout=TIMEOUT
+                )
+                if final and answer.status_code in (200, 201):
+                    return answer.json()
+                sent, offset = offset, self._held_by(answer, start)
+                if offset == end and not final:
+                    return {}
+                if offset <= sent and body:
+                    raise StoreError(f"upload of {self.key}: the server kept none of bytes {sent}-{end}")
 
         result = self._store._call(f"upload bytes {start}-{end} of {self.key} to", put)
         self._held = end
         return result
 
-    def _persisted(self, http: requests.Session) -> int:
-        """How many bytes the server holds of this upload (asked after a failed chunk)."""
-        answer = http.put(self._session, data=b"", headers={"Content-Range": "bytes */*"}, timeout=TIMEOUT)
+    def _held_by(self, answer: requests.Response, start: int) -> int:
+        """The bytes a 308 answer says the server holds, at least `start` (what it acknowledged before)."""
         if answer.status_code != 308:
-            raise InvalidResponse(answer, f"status of the upload of {self.key}: HTTP {answer.status_code}")
+            raise InvalidResponse(answer, f"upload of {self.key}: HTTP {answer.status_code}")
         held = answer.headers.get("Range")  # "bytes=0-N", absent when it holds nothing
-        return int(held.rsplit("-", 1)[1]) + 1 if held else 0
+        offset = int(held.rsplit("-", 1)[1]) + 1 if held else 0
+        if offset < start:
+            raise StoreError(f"upload of {self.key}: the server holds {offset} bytes, after acknowledging {start}")
+        return offset
 
 
 class _CountingFile(io.FileIO):
