@@ -1,4 +1,4 @@
-"""A Lightning Fabric loop (DDP on CPU processes) that survives spot interruptions:
+"""A Lightning Fabric loop (DDP on CPU processes; FSDP2 with --strategy fsdp2) that survives spot interruptions:
 
     torchrun --nproc-per-node 2 examples/fabric_train.py --checkpoint-dir s3://bucket/run-7
 
@@ -13,33 +13,51 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from example_cli import arguments, log_spotguard, wait_while_paused  # examples/example_cli.py
 from lightning.fabric import Fabric
+from lightning.fabric.strategies import ModelParallelStrategy
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
 from spotguard.checkpoint import state_digest
 from spotguard.integrations.fabric import guarded
 
 
+def shard(model: torch.nn.Sequential, mesh: DeviceMesh) -> torch.nn.Sequential:
+    """FSDP2: each rank keeps its shard of each layer."""
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh["data_parallel"])
+    return fully_shard(model, mesh=mesh["data_parallel"])
+
+
 def main() -> None:
     parser = arguments(__doc__)
+    parser.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp2"])
     args = parser.parse_args()
     log_spotguard()
 
-    fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp")  # under torchrun: its 2 processes
+    strategy: Any = args.strategy
+    if strategy == "fsdp2":  # Lightning's FSDP2 (`fully_shard`): every device shards, none splits layers
+        strategy = ModelParallelStrategy(shard, data_parallel_size=2, tensor_parallel_size=1)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)  # under torchrun: its 2 processes
     fabric.launch()
     fabric.seed_everything(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(64, 1)
     )  # fmt: skip
+    model = fabric.setup_module(model)  # FSDP2 shards here: the optimizer is made from the shards
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 5, gamma=0.9)
+    optimizer = fabric.setup_optimizers(optimizer)
     x = torch.randn(64, 16, generator=torch.Generator().manual_seed(0))
     loader = DataLoader(TensorDataset(x, x.pow(2).mean(dim=1, keepdim=True)), batch_size=4, shuffle=True)
-    model, optimizer = fabric.setup(model, optimizer)
     loader = fabric.setup_dataloaders(loader)  # a DistributedSampler, its epoch set by Fabric
 
     with guarded(
@@ -59,9 +77,12 @@ def main() -> None:
                 break
             step += 1
     # after an emergency, leaving the block exits 143 (75 when nothing was committed)
+    # Sharded strategies: gathered onto rank 0, a collective on every rank.
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if fabric.is_global_zero and args.out:
         with open(args.out, "w") as f:
-            json.dump({"steps": step, "digest": state_digest(model.state_dict())}, f)
+            json.dump({"steps": step, "digest": state_digest(weights)}, f)
+    torch.distributed.destroy_process_group()  # gloo's still-running threads can abort the interpreter's exit
 
 
 if __name__ == "__main__":

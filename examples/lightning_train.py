@@ -1,5 +1,5 @@
-"""A Lightning `Trainer` (DDP on 2 CPU processes; FSDP with --strategy fsdp --accelerator cuda)
-that survives spot interruptions:
+"""A Lightning `Trainer` (DDP on 2 CPU processes; FSDP2 with --strategy fsdp2, on CPU too; FSDP with
+--strategy fsdp --accelerator cuda) that survives spot interruptions:
 
     python examples/lightning_train.py --checkpoint-dir s3://bucket/run-7
 
@@ -20,6 +20,9 @@ import torch
 import torch.nn.functional as F
 from example_cli import arguments, log_spotguard, wait_while_paused  # examples/example_cli.py
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
 from spotguard.checkpoint import state_digest
@@ -30,6 +33,14 @@ class Regressor(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+
+    def configure_model(self) -> None:
+        if isinstance(self.trainer.strategy, ModelParallelStrategy):  # FSDP2: each rank keeps its shard of each layer
+            mesh = self.device_mesh["data_parallel"]
+            for layer in self.net:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer, mesh=mesh)
+            fully_shard(self.net, mesh=mesh)
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -62,21 +73,24 @@ def data() -> DataLoader:
 def main() -> None:
     parser = arguments(__doc__)
     parser.add_argument("--root", default="lightning_logs", help="Lightning's own output (ModelCheckpoint)")
-    parser.add_argument("--accelerator", default="cpu", help="cuda for strategy fsdp (Lightning's FSDP needs GPUs)")
+    parser.add_argument("--accelerator", default="cpu", help="cuda for strategy fsdp (Lightning's FSDP1 needs GPUs)")
     parser.add_argument("--devices", type=int, default=2)
-    parser.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp"])
+    parser.add_argument("--strategy", default="ddp", choices=["ddp", "fsdp", "fsdp2"])
     args = parser.parse_args()
     log_spotguard()
 
     pl.seed_everything(0)
     model = Regressor()
+    strategy: Any = args.strategy
+    if strategy == "fsdp2":  # Lightning's FSDP2 (`fully_shard`): every device shards, none splits layers
+        strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1)
     spotguard = SpotGuardCallback(
         args.checkpoint_dir, cloud=args.cloud, metadata_url=os.environ.get("SPOTGUARD_METADATA_URL")
     )
     trainer = pl.Trainer(
         accelerator=args.accelerator,
         devices=args.devices,
-        strategy=args.strategy,
+        strategy=strategy,
         deterministic="warn",  # the interrupted run must end with the uninterrupted one's weights (GPU too)
         max_epochs=args.epochs,
         default_root_dir=args.root,
@@ -90,10 +104,15 @@ def main() -> None:
         enable_model_summary=False,
     )
     trainer.fit(model, data())  # after an emergency, exits 143 here (exit_code=None: returns)
-    weights = trainer.strategy.lightning_module_state_dict()  # FSDP: gathered, a collective
+    # Sharded strategies: gathered onto rank 0, a collective on every rank.
+    gathered = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(trainer.strategy.model, options=gathered)
     if trainer.is_global_zero and args.out:
         with open(args.out, "w") as f:
             json.dump({"steps": trainer.global_step, "digest": state_digest(weights)}, f)
+    # Lightning leaves the process group alive; gloo's still-running threads can abort the interpreter's exit.
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

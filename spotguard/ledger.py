@@ -6,9 +6,11 @@ last step trained) and `exit`. Where it goes:
 
   a filesystem checkpoint_dir   <checkpoint_dir>/spotguard-ledger.jsonl, every segment appending
                                 to the one file (O_APPEND, one write per line);
-  an object store               <prefix>/spotguard-ledger/<segment>.jsonl, one object per segment,
-                                rewritten whole as it grows (no object is shared between writers,
-                                so there is no read-modify-write race).
+  an object store               <prefix>/spotguard-ledger/<segment>.jsonl, then <segment>.2.jsonl...:
+                                a segment's objects, each rewritten whole as it grows until it
+                                holds OBJECT_LINES lines (so a long segment does not upload its
+                                whole history at every heartbeat); no object is shared between writers,
+                                so there is no read-modify-write race.
 
 Records are queued by the caller and written by a thread of the ledger's own: the training thread
 never waits on storage, and a failure to write is logged, never raised. A writer killed mid-line
@@ -35,6 +37,7 @@ log = logging.getLogger(__name__)
 LEDGER_NAME = "spotguard-ledger.jsonl"
 LEDGER_PREFIX = "spotguard-ledger/"
 HEARTBEAT_S = 60.0  # how often a `progress` record notes the last step trained (bounds what a hard kill hides)
+OBJECT_LINES = 500  # a bucket ledger object's most lines (~75 kB: about 8 h of heartbeats), then the next one
 _STOP = object()
 
 
@@ -64,13 +67,16 @@ class Ledger:
         progress: Callable[[], int | None] = lambda: None,
         *,
         heartbeat_s: float = HEARTBEAT_S,
+        object_lines: int = OBJECT_LINES,
     ) -> None:
         self.store = store
         self.segment = new_segment_id()
         self._progress = progress
         self._heartbeat_s = heartbeat_s
         self._queue: queue.Queue = queue.Queue()
-        self._lines: list[str] = []  # this segment's object (object stores are rewritten whole)
+        self._lines: list[str] = []  # the segment's current object (object stores are rewritten whole)
+        self._object = 1  # its number within the segment
+        self._object_lines = object_lines
         self._seq = 0
         self._lock = threading.Lock()
         self._history: list[dict[str, Any]] | None = None
@@ -146,7 +152,11 @@ class Ledger:
                 self.store.append_bytes(LEDGER_NAME, "".join(lines).encode())
             else:
                 self._lines += lines
-                self.store.put_bytes(f"{LEDGER_PREFIX}{self.segment}.jsonl", "".join(self._lines).encode())
+                part = "" if self._object == 1 else f".{self._object}"
+                self.store.put_bytes(f"{LEDGER_PREFIX}{self.segment}{part}.jsonl", "".join(self._lines).encode())
+                if len(self._lines) >= self._object_lines:  # stored: the next lines start the next object
+                    self._object += 1
+                    self._lines = []
         except Exception as exc:  # noqa: BLE001 - never fatal; said once, then quietly retried with the next record
             (log.debug if self._failed else log.warning)(
                 "could not write the goodput ledger in %s: %s", self.store.url, exc

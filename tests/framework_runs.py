@@ -171,6 +171,17 @@ def sigterm_then_finish(script, tmp, launcher, args, ranks, first_step, at):
     assert json.loads((tmp / "out.json").read_text()) == reference
 
 
+def saved_shards(ckpt, fqn):
+    """Each saved chunk of `fqn` in the newest committed step: (its sizes, the file that holds it), by offset."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    newest = max((c for c in list_checkpoints(str(ckpt)) if c.committed), key=lambda c: c.step)
+    metadata = FileSystemReader(newest.location).read_metadata()
+    files = {tuple(k.offset): v.relative_path for k, v in metadata.storage_data.items() if k.fqn == fqn}
+    chunks = sorted(metadata.state_dict_metadata[fqn].chunks, key=lambda c: tuple(c.offsets))
+    return [(tuple(c.sizes), files[tuple(c.offsets)]) for c in chunks]
+
+
 def place_a_killed_save(ckpt, step):
     """A later step as a save SIGKILLed mid-write leaves it: shards there, one cut short, no manifest."""
     killed = ckpt / step_dir_name(step + 1)

@@ -154,6 +154,24 @@ def test_ledger_objects_in_a_bucket_one_per_segment(tmp_path, storage_servers, m
     assert [x["steps_lost"] for x in summary["interruption_details"]] == [3, 23]
 
 
+def test_a_long_segment_goes_on_in_a_new_bucket_object_instead_of_rewriting_its_whole_history(
+    tmp_path, storage_servers, monkeypatch
+):
+    store = backend_for("s3", storage_servers, monkeypatch, tmp_path).store()
+    ledger = Ledger(store, heartbeat_s=3600, object_lines=3)
+    for n in range(1, 8):
+        ledger.record("save", step=n)
+        deadline = time.monotonic() + 30  # bounds a hang only
+        while len(read_ledger(store).records) < n:  # one record per write
+            assert time.monotonic() < deadline, f"record {n} not written"
+            time.sleep(0.02)
+    ledger.close()
+    lines = {o.key.removeprefix(LEDGER_PREFIX): store.get_bytes(o.key).count(b"\n") for o in store.list(LEDGER_PREFIX)}
+    segment = ledger.segment
+    assert lines == {f"{segment}.jsonl": 3, f"{segment}.2.jsonl": 3, f"{segment}.3.jsonl": 1}
+    assert [r["step"] for r in read_ledger(store).records] == list(range(1, 8))
+
+
 def test_the_auto_cadence_is_young_daly_within_bounds(caplog):
     assert young_daly(2.0, 3600.0) == pytest.approx(120.0)
     changes = []

@@ -8,11 +8,24 @@ import pytest
 
 pytest.importorskip("lightning")
 
-from tests.framework_runs import notice_then_sigterm_then_finish  # noqa: E402
+from tests.framework_runs import (  # noqa: E402
+    TORCHRUN,
+    notice_then_sigterm_then_finish,
+    saved_shards,
+    sigterm_then_finish,
+)
 
 
 def test_notice_then_sigterm_to_one_rank_each_stop_every_rank_and_the_run_ends_bit_identical(tmp_path, request):
     notice_then_sigterm_then_finish("fabric_train.py", tmp_path, request.node.nodeid, 0, 23)  # 3 epochs of 8
+
+
+def test_fsdp2_on_cpu_saves_each_ranks_shard_and_resumes_bit_identical(tmp_path):
+    """Fabric's FSDP2 (`ModelParallelStrategy`, `fully_shard`) runs on CPU: a sharded strategy stays sharded."""
+    sigterm_then_finish("fabric_train.py", tmp_path, TORCHRUN, ("--strategy", "fsdp2"), ranks=2, first_step=0, at=13)
+    # The 64x16 first layer: rank 0's rows 0-31 and rank 1's rows 32-63, each in its own rank's file.
+    shards = saved_shards(tmp_path / "interrupted" / "ckpt", "model0.0.weight")
+    assert [sizes for sizes, _ in shards] == [(32, 16), (32, 16)] and shards[0][1] != shards[1][1], shards
 
 
 def test_dataloader_not_set_up_by_fabric_is_refused(tmp_path):

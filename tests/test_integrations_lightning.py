@@ -10,7 +10,11 @@ import pytest
 
 pytest.importorskip("lightning")
 
-from tests.framework_runs import notice_then_sigterm_then_finish  # noqa: E402
+from tests.framework_runs import (  # noqa: E402
+    notice_then_sigterm_then_finish,
+    saved_shards,
+    sigterm_then_finish,
+)
 
 
 def test_notice_then_sigterm_to_one_rank_each_stop_every_rank_and_the_run_ends_bit_identical(tmp_path, request):
@@ -65,3 +69,12 @@ def test_a_resumed_checkpoint_goes_to_lightnings_own_format_and_ckpt_path_reads_
     on = trainer(4, first)  # Lightning's own resume: ckpt_path=, from step 3 to 4
     on.fit(Tiny(), data, ckpt_path=tmp_path / "lightning.ckpt")
     assert all(torch.equal(p, q) for p, q in zip(first.weights, saved)) and on.global_step == 4
+
+
+def test_fsdp2_on_cpu_saves_each_ranks_shard_and_resumes_bit_identical(tmp_path):
+    """Lightning's FSDP2 (`ModelParallelStrategy`, `fully_shard`) runs on CPU: a sharded strategy stays sharded."""
+    fsdp2 = ("--strategy", "fsdp2")
+    sigterm_then_finish("lightning_train.py", tmp_path, (sys.executable,), fsdp2, ranks=2, first_step=1, at=11)
+    # The 64x16 first layer: rank 0's rows 0-31 and rank 1's rows 32-63, each in its own rank's file.
+    shards = saved_shards(tmp_path / "interrupted" / "ckpt", "model.net.0.weight")
+    assert [sizes for sizes, _ in shards] == [(32, 16), (32, 16)] and shards[0][1] != shards[1][1], shards
