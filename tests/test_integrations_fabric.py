@@ -38,6 +38,18 @@ def test_dataloader_not_set_up_by_fabric_is_refused(tmp_path):
         guarded(Fabric(accelerator="cpu", devices=1), str(tmp_path), "none", models=[], dataloader=DataLoader([1]))
 
 
+def test_a_lightning_whose_dataloader_keeps_no_iteration_count_is_refused_at_the_call(tmp_path):
+    from lightning.fabric import Fabric
+    from torch.utils.data import DataLoader
+
+    from spotguard.integrations.fabric import guarded
+
+    loader = Fabric(accelerator="cpu", devices=1).setup_dataloaders(DataLoader([1, 2]))
+    del loader._num_iter_calls  # what a Lightning that renamed it would hand over
+    with pytest.raises(RuntimeError, match="_num_iter_calls"):
+        guarded(Fabric(accelerator="cpu", devices=1), str(tmp_path), "none", models=[], dataloader=loader)
+
+
 def test_a_resumed_checkpoint_goes_to_fabrics_own_format_and_fabric_load_reads_it(tmp_path):
     """Tools that read `fabric.save` checkpoints get spotguard's newest committed step this way."""
     import torch

@@ -18,6 +18,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
+import lightning
 import torch
 from lightning.fabric import Fabric
 from lightning.fabric.wrappers import _FabricDataLoader, _FabricModule
@@ -40,6 +41,12 @@ def guarded(
     """A Guard (same `options`) over what `fabric.setup` returned, with the data position and RNG."""
     if dataloader is not None and not isinstance(dataloader, _FabricDataLoader):
         raise ValueError("dataloader must be what fabric.setup_dataloaders(...) returned")
+    if dataloader is not None and not hasattr(dataloader, "_num_iter_calls"):
+        # Without it the resumed epoch's shuffle could not be set: refuse now rather than resume a wrong data order.
+        raise RuntimeError(
+            f"this Lightning ({lightning.__version__}) keeps no `_num_iter_calls` on Fabric's dataloader, which "
+            "spotguard.integrations.fabric sets to resume an epoch's shuffle (tested with Lightning 2.6)"
+        )
     guard = Guard(checkpoint_dir, cloud, **options)
     # The strategy's module (DDP, FSDP) inside Fabric's wrapper, whose state dict keys differ from its parameters'.
     models = [m._forward_module if isinstance(m, _FabricModule) else m for m in models]
