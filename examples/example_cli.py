@@ -1,4 +1,4 @@
-"""What the framework examples share: their common options, their logging, and `--pause-file`.
+"""What the framework examples share: their common options, their logging, `--pause-file`, and FSDP2 sharding.
 
 `--pause-file` stops a run at a chosen step, to interrupt it, then lets it go on. Write a step
 number into the file: every rank waits after finishing that step (or a later one)
@@ -13,6 +13,9 @@ import argparse
 import logging
 import time
 from pathlib import Path
+from typing import Any
+
+import torch
 
 
 def arguments(doc: str) -> argparse.ArgumentParser:
@@ -42,3 +45,15 @@ def wait_while_paused(pause_file: str | None, step: int) -> None:
         if step < at:
             return
         time.sleep(0.05)
+
+
+def shard_with_fsdp2(model: torch.nn.Sequential, mesh: Any) -> torch.nn.Sequential:
+    """FSDP2 (`fully_shard`, torch >= 2.6) over a 1-D `mesh`: each rank keeps its shard of every Linear."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    if isinstance(model, FSDPModule):  # Lightning may call configure_model again (validate, test)
+        return model
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)

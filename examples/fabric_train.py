@@ -17,24 +17,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from example_cli import arguments, log_spotguard, wait_while_paused  # examples/example_cli.py
+from example_cli import arguments, log_spotguard, shard_with_fsdp2, wait_while_paused  # examples/example_cli.py
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import ModelParallelStrategy
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
 from spotguard.checkpoint import state_digest
 from spotguard.integrations.fabric import guarded
-
-
-def shard(model: torch.nn.Sequential, mesh: DeviceMesh) -> torch.nn.Sequential:
-    """FSDP2: each rank keeps its shard of each layer."""
-    for layer in model:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh["data_parallel"])
-    return fully_shard(model, mesh=mesh["data_parallel"])
 
 
 def main() -> None:
@@ -45,6 +35,7 @@ def main() -> None:
 
     strategy: Any = args.strategy
     if strategy == "fsdp2":  # Lightning's FSDP2 (`fully_shard`): every device shards, none splits layers
+        shard = lambda model, mesh: shard_with_fsdp2(model, mesh["data_parallel"])  # noqa: E731
         strategy = ModelParallelStrategy(shard, data_parallel_size=2, tensor_parallel_size=1)
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)  # under torchrun: its 2 processes
     fabric.launch()

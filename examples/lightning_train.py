@@ -18,11 +18,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from example_cli import arguments, log_spotguard, wait_while_paused  # examples/example_cli.py
+from example_cli import arguments, log_spotguard, shard_with_fsdp2, wait_while_paused  # examples/example_cli.py
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, TensorDataset
 
 from spotguard.checkpoint import state_digest
@@ -35,12 +34,8 @@ class Regressor(pl.LightningModule):
         self.net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
 
     def configure_model(self) -> None:
-        if isinstance(self.trainer.strategy, ModelParallelStrategy):  # FSDP2: each rank keeps its shard of each layer
-            mesh = self.device_mesh["data_parallel"]
-            for layer in self.net:
-                if isinstance(layer, torch.nn.Linear):
-                    fully_shard(layer, mesh=mesh)
-            fully_shard(self.net, mesh=mesh)
+        if isinstance(self.trainer.strategy, ModelParallelStrategy):
+            shard_with_fsdp2(self.net, self.device_mesh["data_parallel"])
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch

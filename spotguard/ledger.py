@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 LEDGER_NAME = "spotguard-ledger.jsonl"
 LEDGER_PREFIX = "spotguard-ledger/"
 HEARTBEAT_S = 60.0  # how often a `progress` record notes the last step trained (bounds what a hard kill hides)
-OBJECT_LINES = 500  # a bucket ledger object's most lines (~75 kB: about 8 h of heartbeats), then the next one
+OBJECT_LINES = 500  # a bucket ledger object's most lines (~60 kB: about 8 h of heartbeats), then the next one
 _STOP = object()
 
 

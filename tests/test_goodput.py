@@ -9,12 +9,13 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
 
 import spotguard
-from cloud_adapters.storage import LocalStore
+from cloud_adapters.storage import LocalStore, StoreError
 from spotguard.cadence import Cadence, young_daly
 from spotguard.cli import main
 from spotguard.ledger import LEDGER_NAME, LEDGER_PREFIX, Ledger, read_ledger
@@ -158,17 +159,26 @@ def test_a_long_segment_goes_on_in_a_new_bucket_object_instead_of_rewriting_its_
     tmp_path, storage_servers, monkeypatch
 ):
     store = backend_for("s3", storage_servers, monkeypatch, tmp_path).store()
+    put_bytes, refused = store.put_bytes, threading.Event()
+
+    def refuse_once(key, data):
+        if data.count(b"\n") == 3 and not refused.is_set():  # the write that would fill the first object
+            refused.set()
+            raise StoreError("refused once")
+        put_bytes(key, data)
+
+    monkeypatch.setattr(store, "put_bytes", refuse_once)
     ledger = Ledger(store, heartbeat_s=3600, object_lines=3)
     for n in range(1, 8):
         ledger.record("save", step=n)
         deadline = time.monotonic() + 30  # bounds a hang only
-        while len(read_ledger(store).records) < n:  # one record per write
+        while not (refused.is_set() if n == 3 else len(read_ledger(store).records) >= n):  # one record per write
             assert time.monotonic() < deadline, f"record {n} not written"
             time.sleep(0.02)
     ledger.close()
     lines = {o.key.removeprefix(LEDGER_PREFIX): store.get_bytes(o.key).count(b"\n") for o in store.list(LEDGER_PREFIX)}
-    segment = ledger.segment
-    assert lines == {f"{segment}.jsonl": 3, f"{segment}.2.jsonl": 3, f"{segment}.3.jsonl": 1}
+    # Record 3's write failed: it went again with record 4, which filled the first object.
+    assert lines == {f"{ledger.segment}.jsonl": 4, f"{ledger.segment}.2.jsonl": 3}
     assert [r["step"] for r in read_ledger(store).records] == list(range(1, 8))
 
 

@@ -32,3 +32,32 @@ def test_misuse_fails_with_a_clear_error(tmp_path):
     args.enable_jit_checkpoint = True
     with pytest.raises(ValueError, match="enable_jit_checkpoint must stay off"):
         train(Trainer(model=model, args=args, callbacks=[callback]))
+
+
+def test_a_resumed_checkpoint_goes_to_the_trainers_own_format_and_from_pretrained_reads_it(tmp_path):
+    """Tools that read Hugging Face models get spotguard's newest committed step this way."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from spotguard.integrations.hf import SpotGuardTrainerCallback, train
+
+    config = GPT2Config(n_layer=1, n_head=1, n_embd=8, vocab_size=16, n_positions=8)
+    tokens = torch.randint(0, 16, (16, 8), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": t, "labels": t} for t in tokens]
+
+    def trainer(seed, **options):
+        torch.manual_seed(seed)
+        args = TrainingArguments(output_dir=str(tmp_path / "out"), use_cpu=True, report_to="none", max_steps=3,
+                                 per_device_train_batch_size=4, save_strategy="no")  # fmt: skip
+        callback = SpotGuardTrainerCallback(str(tmp_path / "ckpt"), cloud="none", **options)
+        return Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=data, callbacks=[callback])
+
+    first = trainer(0, save_every=3)
+    train(first)  # a background save of step 3, finished when train() returns
+    saved = {k: v.clone() for k, v in first.model.state_dict().items()}
+
+    resumed = trainer(1)  # resumes step 3: nothing is left to train
+    train(resumed)
+    resumed.save_model(str(tmp_path / "exported"))
+    loaded = GPT2LMHeadModel.from_pretrained(str(tmp_path / "exported")).state_dict()
+    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)

@@ -121,7 +121,7 @@ def train(trainer: Trainer, **kwargs: Any) -> TrainOutput:
         raise ValueError("the trainer needs one SpotGuardTrainerCallback: Trainer(..., callbacks=[callback])")
     if "resume_from_checkpoint" in kwargs:
         raise ValueError("resume_from_checkpoint is spotguard's to choose: the newest committed checkpoint")
-    if trainer.args.enable_jit_checkpoint:
+    if getattr(trainer.args, "enable_jit_checkpoint", False):  # a newer Trainer's option
         raise ValueError("enable_jit_checkpoint must stay off: the Guard handles SIGTERM, agreed between ranks")
     callback = callbacks[0]
     with callback.guard, _scratch() as scratch, _weights_already_loaded(trainer):
