@@ -28,6 +28,7 @@ from spotguard.integrations.accelerate import guarded
 
 def main() -> None:
     parser = arguments(__doc__)
+    parser.add_argument("--hidden", type=int, default=64, help="hidden width (a larger state takes longer to save)")
     args = parser.parse_args()
     log_spotguard()
 
@@ -35,7 +36,7 @@ def main() -> None:
     accelerator = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
     set_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(64, 1)
+        torch.nn.Linear(16, args.hidden), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(args.hidden, 1)
     )  # fmt: skip
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 5, gamma=0.9)

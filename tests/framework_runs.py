@@ -10,6 +10,7 @@ the file once both have agreed on the step to stop at (the next one they finish:
 nothing depends on how many steps fit in some number of seconds.
 """
 
+import contextlib
 import json
 import os
 import random
@@ -76,10 +77,16 @@ class Run:
             time.sleep(0.05)
 
     def kill(self):
-        try:
+        """SIGKILL every process of the run: each rank it reported, rank 0 (the one that commits)
+        first, then the launcher's process group (torchrun starts each worker in a session of its own)."""
+        ranks = steps_by_rank(self.out)
+        pids = [ranks[r][-1]["pid"] for r in sorted(ranks)]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        return pids
 
     def finish(self):
         """The launcher's exit code and the whole output."""
@@ -107,13 +114,7 @@ def reference_run(script, tmp, launcher, args=()):
 def interrupted(script, tmp, launcher, at, interrupt, resumed_at, cloud="none", env=None, args=(), ranks=2):
     """Run from the newest committed step (`resumed_at` is the first step expected), pause every rank
     after step `at`, `interrupt(pids)`, go on once all agreed; the step committed (`at`)."""
-    (tmp / "pause").write_text(str(at))
-    run = Run(script, tmp, cloud=cloud, env=env, launcher=launcher, args=args)
-    run.wait_for(lambda out: _all_reached(out, at, ranks), f"all {ranks} ranks at step {at}")
-    interrupt({r: s[-1]["pid"] for r, s in steps_by_rank(run.out).items()})
-    # Each rank logs the round's result; only then may they go on to the step agreed.
-    agreed = re.compile(rf"all {ranks} ranks agreed on step \d+ \(emergency\)")
-    run.wait_for(lambda out: len(agreed.findall(out)) == ranks, "agreement")
+    run = _agreed_after(script, tmp, launcher, at, interrupt, cloud, env, args, ranks)
     (tmp / "pause").unlink()
     code, out = run.finish()
     # torchrun reports 1 for its workers: the node's exit file says what they exited with.
@@ -127,29 +128,94 @@ def interrupted(script, tmp, launcher, at, interrupt, resumed_at, cloud="none", 
     return at
 
 
+def killed_mid_save(script, tmp, launcher, at, resumed_at, args=(), ranks=2):
+    """Run from the newest committed step (`resumed_at` is the first step expected); SIGTERM to rank 0
+    after step `at`; once every rank agreed and the save's staging directory holds shard bytes,
+    SIGKILL every process of the run, as a VM taken back mid-write. What the staging directory held
+    then (file name -> size)."""
+
+    def signal_rank_0(pids):
+        os.kill(pids[0], signal.SIGTERM)
+
+    run = _agreed_after(script, tmp, launcher, at, signal_rank_0, "none", None, args, ranks)
+    assert {r: s[0]["step"] for r, s in steps_by_rank(run.out).items()} == dict.fromkeys(range(ranks), resumed_at)
+    (tmp / "pause").unlink()
+    ckpt, deadline = tmp / "ckpt", time.monotonic() + HANG_S
+    while time.monotonic() < deadline:
+        for stage in ckpt.glob(f".{step_dir_name(at)}.tmp-*"):
+            try:
+                files = {e.name: e.stat().st_size for e in os.scandir(stage)}
+            except FileNotFoundError:  # committed (renamed) meanwhile
+                continue
+            if any(size for name, size in files.items() if name.endswith(".distcp")):
+                ranks = run.kill()
+                assert run.finish()[0] == -signal.SIGKILL
+                _wait_gone(ranks)
+                assert not (ckpt / step_dir_name(at)).exists(), f"step {at} was committed after all"
+                return files
+        if (ckpt / step_dir_name(at)).exists():
+            pytest.fail(f"the save of step {at} was committed before it could be killed: save a larger state")
+    run.kill()
+    pytest.fail(f"the save of step {at} wrote nothing within {HANG_S} s\n{run.out[-3000:]}")
+
+
+def _wait_gone(pids):
+    """Until none of `pids` runs (gone, or a zombie: the ranks are the launcher's children, not ours)."""
+    deadline = time.monotonic() + HANG_S
+    while any(_running(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"ranks {pids} still run {HANG_S} s after SIGKILL"
+        time.sleep(0.01)
+
+
+def _running(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _agreed_after(script, tmp, launcher, at, interrupt, cloud, env, args, ranks):
+    """A run paused after step `at` on every rank, interrupted, and agreed on the step to stop at."""
+    (tmp / "pause").write_text(str(at))
+    run = Run(script, tmp, cloud=cloud, env=env, launcher=launcher, args=args)
+    run.wait_for(lambda out: _all_reached(out, at, ranks), f"all {ranks} ranks at step {at}")
+    interrupt({r: s[-1]["pid"] for r, s in steps_by_rank(run.out).items()})
+    # Each rank logs the round's result; only then may they go on to the step agreed.
+    agreed = re.compile(rf"all {ranks} ranks agreed on step \d+ \(emergency\)")
+    run.wait_for(lambda out: len(agreed.findall(out)) == ranks, "agreement")
+    return run
+
+
 def _all_reached(out, step, ranks):
     steps = steps_by_rank(out)
     return len(steps) == ranks and all(s[-1]["step"] == step for s in steps.values())
 
 
-def notice_then_sigterm_then_finish(script, tmp, seed, first_step, last_step, launcher=TORCHRUN):
+def notice_then_sigterm_then_finish(script, tmp, seed, first_step, last_step, launcher=TORCHRUN, args=(), kill=False):
     """An AWS notice at a random step, then (resumed) SIGTERM to rank 1 only at a later one, then a
-    save killed mid-write; the last run resumes past it and ends equal to a run never interrupted."""
-    reference = reference_run(script, tmp / "reference", launcher)
+    save killed mid-write (`kill`: a real SIGKILL in a third run, which `args` must make slow enough
+    to catch; else its leftovers placed by hand); the last run resumes past it and ends equal to a
+    run never interrupted."""
+    reference = reference_run(script, tmp / "reference", launcher, args)
     tmp = tmp / "interrupted"
     tmp.mkdir()
     rng = random.Random(seed)
     with AWSMetadataEmulator() as emu:
         env = {"SPOTGUARD_METADATA_URL": emu.url}
         at = rng.randint(first_step + 1, last_step // 3)
-        first = interrupted(script, tmp, launcher, at, lambda pids: emu.raise_notice(), first_step, "aws", env)
+        notice = lambda pids: emu.raise_notice()  # noqa: E731
+        first = interrupted(script, tmp, launcher, at, notice, first_step, "aws", env, args)
     at = rng.randint(first + 2, 2 * last_step // 3)
-    second = interrupted(script, tmp, launcher, at, lambda pids: os.kill(pids[1], signal.SIGTERM), first + 1)
+    second = interrupted(script, tmp, launcher, at, lambda pids: os.kill(pids[1], signal.SIGTERM), first + 1, args=args)
     committed = [(c.step, c.reason) for c in list_checkpoints(str(tmp / "ckpt")) if c.committed]
     assert committed == [(first, "emergency"), (second, "emergency")]
-    place_a_killed_save(tmp / "ckpt", second)
+    if kill:
+        seen = killed_mid_save(script, tmp, launcher, rng.randint(second + 1, last_step - 1), second + 1, args)
+        assert MANIFEST_NAME not in seen and any(n.endswith(".distcp") for n in seen), seen
+    else:
+        place_a_killed_save(tmp / "ckpt", second)
 
-    code, out = Run(script, tmp, launcher=launcher).finish()
+    code, out = Run(script, tmp, launcher=launcher, args=args).finish()
     assert code == 0, out[-3000:]
     assert {r: s[0]["step"] for r, s in steps_by_rank(out).items()} == {0: second + 1, 1: second + 1}, out[-3000:]
     assert json.loads((tmp / "out.json").read_text()) == reference

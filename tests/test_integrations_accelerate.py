@@ -2,8 +2,8 @@
 `spotguard.integrations.accelerate.guarded`: an AWS notice at a random step, then SIGTERM to one
 rank only at a later one; each time every rank stops at the agreed step, the checkpoint is
 committed and the next run resumes at the step after it (data position and per-rank RNG
-restored); a later save killed mid-write is ignored, and the run ends bit-identical to a run
-that never stopped."""
+restored); a later save SIGKILLed mid-write (every process, for real) is ignored, and the run
+ends bit-identical to a run that never stopped."""
 
 import json
 import os
@@ -17,7 +17,9 @@ from tests.framework_runs import TORCHRUN, Run, notice_then_sigterm_then_finish,
 
 
 def test_notice_then_sigterm_to_one_rank_each_stop_every_rank_and_the_run_ends_bit_identical(tmp_path, request):
-    notice_then_sigterm_then_finish("accelerate_train.py", tmp_path, request.node.nodeid, 0, 23)  # 3 epochs of 8
+    # 3 epochs of 8 steps; a 57 MB state (--hidden): its save (~0.2 s) is long enough for a real SIGKILL to cut.
+    wide = ("--hidden", str(2**18))
+    notice_then_sigterm_then_finish("accelerate_train.py", tmp_path, request.node.nodeid, 0, 23, args=wide, kill=True)
 
 
 def test_a_one_process_checkpoint_resumes_on_two_where_the_new_rank_keeps_its_own_rng(tmp_path):

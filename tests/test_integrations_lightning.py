@@ -2,7 +2,7 @@
 an AWS notice at a random step, then SIGTERM to one rank only at a later one; each time every rank
 stops at the agreed step, the checkpoint is committed and the next run resumes at the step after
 it; a later save killed mid-write is ignored, and the run ends bit-identical to a run that never
-stopped."""
+stopped. On Slurm, its SIGUSR1 warning is the Guard's notice, not Lightning's requeue."""
 
 import sys
 
@@ -78,3 +78,56 @@ def test_fsdp2_on_cpu_saves_each_ranks_shard_and_resumes_bit_identical(tmp_path)
     # The 64x16 first layer: rank 0's rows 0-31 and rank 1's rows 32-63, each in its own rank's file.
     shards = saved_shards(tmp_path / "interrupted" / "ckpt", "model.net.0.weight")
     assert [sizes for sizes, _ in shards] == [(32, 16), (32, 16)] and shards[0][1] != shards[1][1], shards
+
+
+def test_on_slurm_the_guard_owns_sigusr1_and_lightning_neither_handles_nor_requeues(tmp_path, monkeypatch):
+    """Slurm's `--signal=USR1@90` warning: with `signals=("SIGTERM", "SIGUSR1")` it is a notice like any other."""
+    import os
+    import signal
+
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.plugins.environments import SLURMEnvironment
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from cloud_adapters.signals import SignalSource
+    from spotguard.checkpoint import list_checkpoints
+    from spotguard.integrations.lightning import SpotGuardCallback
+
+    for name, value in {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "7", "SLURM_PROCID": "0",
+                        "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}.items():  # fmt: skip
+        monkeypatch.setenv(name, value)
+
+    class Tiny(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = torch.nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).square().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    class SignalAtStep3(pl.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            if trainer.global_step == 3:
+                self.handlers = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)]
+                os.kill(os.getpid(), signal.SIGUSR1)  # as Slurm warns the job step
+
+    before = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)]
+    guard = SpotGuardCallback(str(tmp_path / "ckpt"), "none", signals=("SIGTERM", "SIGUSR1"), exit_code=None)
+    probe = SignalAtStep3()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=10, plugins=[SLURMEnvironment(auto_requeue=True)],
+                         callbacks=[probe, guard], logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    assert isinstance(trainer._accelerator_connector.cluster_environment, SLURMEnvironment)
+    trainer.fit(Tiny(), DataLoader(TensorDataset(torch.randn(64, 8)), batch_size=4))
+
+    # Lightning's handlers would have requeued the job (`scontrol requeue`) and saved nothing agreed.
+    assert all(isinstance(getattr(h, "__self__", None), SignalSource) for h in probe.handlers), probe.handlers
+    # It stopped at the step agreed (the notice reaches the loop through the store, a few steps later).
+    assert guard.emergency_saved and 3 <= trainer.global_step < 10
+    committed = [(c.step, c.reason) for c in list_checkpoints(str(tmp_path / "ckpt")) if c.committed]
+    assert committed == [(trainer.global_step, "emergency")]
+    assert [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)] == before
