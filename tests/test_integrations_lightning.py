@@ -4,17 +4,47 @@ stops at the agreed step, the checkpoint is committed and the next run resumes a
 it; a later save killed mid-write is ignored, and the run ends bit-identical to a run that never
 stopped. On Slurm, its SIGUSR1 warning is the Guard's notice, not Lightning's requeue."""
 
+import os
+import signal
 import sys
 
 import pytest
 
 pytest.importorskip("lightning")
 
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.plugins.environments import SLURMEnvironment  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from cloud_adapters.signals import SignalSource  # noqa: E402
+from spotguard.checkpoint import list_checkpoints  # noqa: E402
+from spotguard.integrations.lightning import SpotGuardCallback  # noqa: E402
 from tests.framework_runs import (  # noqa: E402
     notice_then_sigterm_then_finish,
     saved_shards,
     sigterm_then_finish,
 )
+
+
+class Tiny(pl.LightningModule):
+    """For the tests that train in this process: one linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch[0]).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def quiet_trainer(max_steps, callbacks, **kwargs):
+    """One CPU process; no logger, progress bar, summary or Lightning checkpoints."""
+    return pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, **kwargs)  # fmt: skip
 
 
 def test_notice_then_sigterm_to_one_rank_each_stop_every_rank_and_the_run_ends_bit_identical(tmp_path, request):
@@ -24,37 +54,15 @@ def test_notice_then_sigterm_to_one_rank_each_stop_every_rank_and_the_run_ends_b
 
 def test_a_resumed_checkpoint_goes_to_lightnings_own_format_and_ckpt_path_reads_it(tmp_path):
     """Tools that read Lightning checkpoints get spotguard's newest committed step this way."""
-    import lightning.pytorch as pl
-    import torch
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from spotguard.integrations.lightning import SpotGuardCallback
-
-    class Tiny(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = torch.nn.Linear(8, 1)
-
-        def training_step(self, batch, batch_idx):
-            return self.net(batch[0]).square().mean()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-
     data = DataLoader(TensorDataset(torch.randn(32, 8)), batch_size=4)
-
-    def trainer(max_steps, *callbacks):
-        return pl.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
-                          enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks))  # fmt: skip
-
     ckpt = str(tmp_path / "ckpt")
     torch.manual_seed(0)
     model = Tiny()
-    trainer(3, SpotGuardCallback(ckpt, "none", save_every=3)).fit(model, data)  # a background save of step 3
+    quiet_trainer(3, [SpotGuardCallback(ckpt, "none", save_every=3)]).fit(model, data)  # a background save of step 3
     saved = [p.detach().clone() for p in model.parameters()]
 
     torch.manual_seed(1)
-    resumed = trainer(3, SpotGuardCallback(ckpt, "none"))  # resumes step 3: nothing is left to train
+    resumed = quiet_trainer(3, [SpotGuardCallback(ckpt, "none")])  # resumes step 3: nothing is left to train
     resumed.fit(Tiny(), data)
     resumed.save_checkpoint(tmp_path / "lightning.ckpt")
     loaded = Tiny.load_from_checkpoint(tmp_path / "lightning.ckpt")
@@ -66,7 +74,7 @@ def test_a_resumed_checkpoint_goes_to_lightnings_own_format_and_ckpt_path_reads_
 
     torch.manual_seed(2)
     first = FirstWeights()
-    on = trainer(4, first)  # Lightning's own resume: ckpt_path=, from step 3 to 4
+    on = quiet_trainer(4, [first])  # Lightning's own resume: ckpt_path=, from step 3 to 4
     on.fit(Tiny(), data, ckpt_path=tmp_path / "lightning.ckpt")
     assert all(torch.equal(p, q) for p, q in zip(first.weights, saved)) and on.global_step == 4
 
@@ -82,32 +90,9 @@ def test_fsdp2_on_cpu_saves_each_ranks_shard_and_resumes_bit_identical(tmp_path)
 
 def test_on_slurm_the_guard_owns_sigusr1_and_lightning_neither_handles_nor_requeues(tmp_path, monkeypatch):
     """Slurm's `--signal=USR1@90` warning: with `signals=("SIGTERM", "SIGUSR1")` it is a notice like any other."""
-    import os
-    import signal
-
-    import lightning.pytorch as pl
-    import torch
-    from lightning.pytorch.plugins.environments import SLURMEnvironment
-    from torch.utils.data import DataLoader, TensorDataset
-
-    from cloud_adapters.signals import SignalSource
-    from spotguard.checkpoint import list_checkpoints
-    from spotguard.integrations.lightning import SpotGuardCallback
-
     for name, value in {"SLURM_NTASKS": "1", "SLURM_JOB_NAME": "train", "SLURM_JOB_ID": "7", "SLURM_PROCID": "0",
                         "SLURM_LOCALID": "0", "SLURM_NODEID": "0"}.items():  # fmt: skip
         monkeypatch.setenv(name, value)
-
-    class Tiny(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.net = torch.nn.Linear(8, 1)
-
-        def training_step(self, batch, batch_idx):
-            return self.net(batch[0]).square().mean()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
 
     class SignalAtStep3(pl.Callback):
         def on_train_batch_end(self, trainer, *args):
@@ -118,9 +103,7 @@ def test_on_slurm_the_guard_owns_sigusr1_and_lightning_neither_handles_nor_reque
     before = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)]
     guard = SpotGuardCallback(str(tmp_path / "ckpt"), "none", signals=("SIGTERM", "SIGUSR1"), exit_code=None)
     probe = SignalAtStep3()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=10, plugins=[SLURMEnvironment(auto_requeue=True)],
-                         callbacks=[probe, guard], logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer = quiet_trainer(10, [probe, guard], plugins=[SLURMEnvironment(auto_requeue=True)])
     assert isinstance(trainer._accelerator_connector.cluster_environment, SLURMEnvironment)
     trainer.fit(Tiny(), DataLoader(TensorDataset(torch.randn(64, 8)), batch_size=4))
 
