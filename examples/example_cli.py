@@ -13,9 +13,12 @@ import argparse
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def arguments(doc: str) -> argparse.ArgumentParser:
@@ -47,7 +50,7 @@ def wait_while_paused(pause_file: str | None, step: int) -> None:
         time.sleep(0.05)
 
 
-def shard_with_fsdp2(model: torch.nn.Sequential, mesh: Any) -> torch.nn.Sequential:
+def shard_with_fsdp2(model: torch.nn.Sequential, mesh: DeviceMesh) -> torch.nn.Sequential:
     """FSDP2 (`fully_shard`, torch >= 2.6) over a 1-D `mesh`: each rank keeps its shard of every Linear."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 

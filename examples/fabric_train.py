@@ -21,10 +21,16 @@ from example_cli import arguments, log_spotguard, shard_with_fsdp2, wait_while_p
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import ModelParallelStrategy
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader, TensorDataset
 
 from spotguard.checkpoint import state_digest
 from spotguard.integrations.fabric import guarded
+
+
+def shard(model: torch.nn.Sequential, mesh: DeviceMesh) -> torch.nn.Sequential:
+    """ModelParallelStrategy's parallelize function: FSDP2 over the mesh's data-parallel dimension."""
+    return shard_with_fsdp2(model, mesh["data_parallel"])
 
 
 def main() -> None:
@@ -35,7 +41,6 @@ def main() -> None:
 
     strategy: Any = args.strategy
     if strategy == "fsdp2":  # Lightning's FSDP2 (`fully_shard`): every device shards, none splits layers
-        shard = lambda model, mesh: shard_with_fsdp2(model, mesh["data_parallel"])  # noqa: E731
         strategy = ModelParallelStrategy(shard, data_parallel_size=2, tensor_parallel_size=1)
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)  # under torchrun: its 2 processes
     fabric.launch()

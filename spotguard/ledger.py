@@ -8,9 +8,10 @@ last step trained) and `exit`. Where it goes:
                                 to the one file (O_APPEND, one write per line);
   an object store               <prefix>/spotguard-ledger/<segment>.jsonl, then <segment>.2.jsonl...:
                                 a segment's objects, each rewritten whole as it grows until it
-                                holds OBJECT_LINES lines (so a long segment does not upload its
-                                whole history at every heartbeat); no object is shared between writers,
-                                so there is no read-modify-write race.
+                                holds OBJECT_LINES lines or a few more (a batch of lines, or lines
+                                kept from a refused write, is never split), so a long segment does
+                                not upload its whole history at every heartbeat; no object is
+                                shared between writers, so there is no read-modify-write race.
 
 Records are queued by the caller and written by a thread of the ledger's own: the training thread
 never waits on storage, and a failure to write is logged, never raised. A writer killed mid-line
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 LEDGER_NAME = "spotguard-ledger.jsonl"
 LEDGER_PREFIX = "spotguard-ledger/"
 HEARTBEAT_S = 60.0  # how often a `progress` record notes the last step trained (bounds what a hard kill hides)
-OBJECT_LINES = 500  # a bucket ledger object's most lines (~60 kB: about 8 h of heartbeats), then the next one
+OBJECT_LINES = 500  # a bucket ledger object holding this many lines (~60 kB: ~8 h of heartbeats) is left for the next
 _STOP = object()
 
 

@@ -15,6 +15,7 @@ import json
 import os
 import random
 import re
+import select
 import shutil
 import signal
 import subprocess
@@ -76,17 +77,15 @@ class Run:
                 pytest.fail(f"{what}: not seen before the run ended or {HANG_S} s passed\n{self.out[-3000:]}")
             time.sleep(0.05)
 
-    def kill(self):
-        """SIGKILL every process of the run: each rank it reported, rank 0 (the one that commits)
-        first, then the launcher's process group (torchrun starts each worker in a session of its own)."""
-        ranks = steps_by_rank(self.out)
-        pids = [ranks[r][-1]["pid"] for r in sorted(ranks)]
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+    def kill(self, ranks=True):
+        """SIGKILL the launcher's process group and (`ranks`) each rank it reported while the run's
+        output is open, i.e. while they can still run: torchrun starts each worker in a session of its own."""
+        if ranks and not self._eof.is_set():
+            for s in steps_by_rank(self.out).values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(s[-1]["pid"], signal.SIGKILL)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        return pids
 
     def finish(self):
         """The launcher's exit code and the whole output."""
@@ -131,47 +130,49 @@ def interrupted(script, tmp, launcher, at, interrupt, resumed_at, cloud="none", 
 def killed_mid_save(script, tmp, launcher, at, resumed_at, args=(), ranks=2):
     """Run from the newest committed step (`resumed_at` is the first step expected); SIGTERM to rank 0
     after step `at`; once every rank agreed and the save's staging directory holds shard bytes,
-    SIGKILL every process of the run, as a VM taken back mid-write. What the staging directory held
-    then (file name -> size)."""
+    SIGKILL each rank (rank 0, which commits, first) and the launcher, as a VM taken back mid-write.
+    What the staging directory holds once the ranks are gone (file name -> size)."""
+    pidfds = []  # a pid read from the output may be reused once its process is gone; a pidfd is not
 
     def signal_rank_0(pids):
+        pidfds.extend(os.pidfd_open(pids[r]) for r in sorted(pids))
         os.kill(pids[0], signal.SIGTERM)
 
-    run = _agreed_after(script, tmp, launcher, at, signal_rank_0, "none", None, args, ranks)
-    assert {r: s[0]["step"] for r, s in steps_by_rank(run.out).items()} == dict.fromkeys(range(ranks), resumed_at)
-    (tmp / "pause").unlink()
-    ckpt, deadline = tmp / "ckpt", time.monotonic() + HANG_S
-    while time.monotonic() < deadline:
-        for stage in ckpt.glob(f".{step_dir_name(at)}.tmp-*"):
-            try:
-                files = {e.name: e.stat().st_size for e in os.scandir(stage)}
-            except FileNotFoundError:  # committed (renamed) meanwhile
-                continue
-            if any(size for name, size in files.items() if name.endswith(".distcp")):
-                ranks = run.kill()
-                assert run.finish()[0] == -signal.SIGKILL
-                _wait_gone(ranks)
-                assert not (ckpt / step_dir_name(at)).exists(), f"step {at} was committed after all"
-                return files
-        if (ckpt / step_dir_name(at)).exists():
-            pytest.fail(f"the save of step {at} was committed before it could be killed: save a larger state")
-    run.kill()
-    pytest.fail(f"the save of step {at} wrote nothing within {HANG_S} s\n{run.out[-3000:]}")
-
-
-def _wait_gone(pids):
-    """Until none of `pids` runs (gone, or a zombie: the ranks are the launcher's children, not ours)."""
-    deadline = time.monotonic() + HANG_S
-    while any(_running(pid) for pid in pids):
-        assert time.monotonic() < deadline, f"ranks {pids} still run {HANG_S} s after SIGKILL"
-        time.sleep(0.01)
-
-
-def _running(pid):
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+        run = _agreed_after(script, tmp, launcher, at, signal_rank_0, "none", None, args, ranks)
+        assert {r: s[0]["step"] for r, s in steps_by_rank(run.out).items()} == dict.fromkeys(range(ranks), resumed_at)
+        (tmp / "pause").unlink()
+        stage = _wait_for_shard_bytes(run, tmp / "ckpt", at)
+        for fd in pidfds:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        run.kill(ranks=False)
+        run.finish()
+        for fd in pidfds:  # readable once that rank has exited
+            assert select.select([fd], [], [], HANG_S)[0], f"a rank still runs {HANG_S} s after SIGKILL"
+    finally:
+        for fd in pidfds:
+            os.close(fd)
+    assert not (tmp / "ckpt" / step_dir_name(at)).exists(), f"step {at} was committed after all"
+    return {e.name: e.stat().st_size for e in os.scandir(stage)}
+
+
+def _wait_for_shard_bytes(run, ckpt, step):
+    """The staging directory of `step`'s save once it holds shard bytes."""
+    deadline = time.monotonic() + HANG_S
+    while True:
+        for stage in ckpt.glob(f".{step_dir_name(step)}.tmp-*"):
+            try:
+                if any(e.stat().st_size for e in os.scandir(stage) if e.name.endswith(".distcp")):
+                    return stage
+            except FileNotFoundError:  # committed (renamed) meanwhile
+                pass
+        if (ckpt / step_dir_name(step)).exists():
+            run.kill()
+            pytest.fail(f"the save of step {step} was committed before it could be killed: save a larger state")
+        if run._eof.is_set() or time.monotonic() > deadline:
+            run.kill()
+            pytest.fail(f"the save of step {step} wrote nothing before the run ended or {HANG_S} s\n{run.out[-3000:]}")
+        time.sleep(0.001)
 
 
 def _agreed_after(script, tmp, launcher, at, interrupt, cloud, env, args, ranks):
@@ -210,10 +211,9 @@ def notice_then_sigterm_then_finish(script, tmp, seed, first_step, last_step, la
     committed = [(c.step, c.reason) for c in list_checkpoints(str(tmp / "ckpt")) if c.committed]
     assert committed == [(first, "emergency"), (second, "emergency")]
     if kill:
-        seen = killed_mid_save(script, tmp, launcher, rng.randint(second + 1, last_step - 1), second + 1, args)
-        assert MANIFEST_NAME not in seen and any(n.endswith(".distcp") for n in seen), seen
-    else:
-        place_a_killed_save(tmp / "ckpt", second)
+        left = killed_mid_save(script, tmp, launcher, rng.randint(second + 1, last_step - 1), second + 1, args)
+        assert MANIFEST_NAME not in left and any(n.endswith(".distcp") for n in left), left
+    place_a_killed_save(tmp / "ckpt", second)  # a local kill leaves a hidden staging dir; a bucket, this
 
     code, out = Run(script, tmp, launcher=launcher, args=args).finish()
     assert code == 0, out[-3000:]
@@ -249,7 +249,8 @@ def saved_shards(ckpt, fqn):
 
 
 def place_a_killed_save(ckpt, step):
-    """A later step as a save SIGKILLed mid-write leaves it: shards there, one cut short, no manifest."""
+    """A later step as a save SIGKILLed mid-upload leaves it in a bucket (or a retention killed half-way,
+    which deletes the manifest first): shards under the step's name, one cut short, no manifest."""
     killed = ckpt / step_dir_name(step + 1)
     shutil.copytree(ckpt / step_dir_name(step), killed)
     (killed / MANIFEST_NAME).unlink()

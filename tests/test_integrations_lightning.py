@@ -100,12 +100,20 @@ def test_on_slurm_the_guard_owns_sigusr1_and_lightning_neither_handles_nor_reque
                 self.handlers = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)]
                 os.kill(os.getpid(), signal.SIGUSR1)  # as Slurm warns the job step
 
-    before = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)]
+    def sentinel(*_):  # were nothing else to handle SIGUSR1, its default action would end this test's process
+        pass
+
+    before = [signal.getsignal(signal.SIGTERM), sentinel]
+    previous = signal.signal(signal.SIGUSR1, sentinel)
     guard = SpotGuardCallback(str(tmp_path / "ckpt"), "none", signals=("SIGTERM", "SIGUSR1"), exit_code=None)
     probe = SignalAtStep3()
     trainer = quiet_trainer(10, [probe, guard], plugins=[SLURMEnvironment(auto_requeue=True)])
     assert isinstance(trainer._accelerator_connector.cluster_environment, SLURMEnvironment)
-    trainer.fit(Tiny(), DataLoader(TensorDataset(torch.randn(64, 8)), batch_size=4))
+    try:
+        trainer.fit(Tiny(), DataLoader(TensorDataset(torch.randn(64, 8)), batch_size=4))
+    finally:
+        after = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)]
+        signal.signal(signal.SIGUSR1, previous)
 
     # Lightning's handlers would have requeued the job (`scontrol requeue`) and saved nothing agreed.
     assert all(isinstance(getattr(h, "__self__", None), SignalSource) for h in probe.handlers), probe.handlers
@@ -113,4 +121,4 @@ def test_on_slurm_the_guard_owns_sigusr1_and_lightning_neither_handles_nor_reque
     assert guard.emergency_saved and 3 <= trainer.global_step < 10
     committed = [(c.step, c.reason) for c in list_checkpoints(str(tmp_path / "ckpt")) if c.committed]
     assert committed == [(trainer.global_step, "emergency")]
-    assert [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)] == before
+    assert after == before  # the handlers from before the fit are back
