@@ -345,15 +345,20 @@ class Guard:
         return next_step
 
     def step(self, step: int, state: Mapping[str, Any]) -> bool:
-        """Call after every training step; True once the emergency checkpoint of `step` is committed."""
+        """Call after every training step; True once the emergency checkpoint of `step` is committed.
+
+        A step reported again (a loop that counts optimizer steps, called at every micro-batch of a
+        gradient accumulation) is not saved again.
+        """
         if type(step) is not int or step < 0:  # the fast path is one comparison; anything else is checked
             step = _as_step(step)
+        again = step == self._last_step
         due = self._agreement.reached(step)
         self._last_step = step
         self._last_state = state  # for the listener thread to size a coming handoff (_expect_handoff)
         if due:
             return self._run_due(step, state, due)
-        if self.save_every and step % self.save_every == 0:
+        if self.save_every and step % self.save_every == 0 and not again:
             self._save(step, state, reason="periodic", wait=False)
         return False
 

@@ -143,6 +143,18 @@ def test_background_saves_every_n_steps_with_retention(tmp_path):
     assert manifest.stat().st_mode == shard.stat().st_mode  # one mode for every file: readable by the same users
 
 
+def test_a_step_reported_again_is_not_saved_again(tmp_path, caplog):
+    """Lightning's global_step, reported at every micro-batch of a gradient accumulation of 2."""
+    state = make_state()
+    with spotguard.Guard(tmp_path, cloud="none", save_every=2) as guard:
+        for step in (1, 1, 2, 2, 3, 3, 4, 4):
+            guard.step(step, state)
+    assert committed(tmp_path) == [(2, "periodic"), (4, "periodic")]
+    # Before: each step saved twice, the second copy discarded ("already committed") and counted in the ledger.
+    assert [r["step"] for r in read_ledger(LocalStore(tmp_path)).records if r["event"] == "save"] == [2, 4]
+    assert not any("already committed" in r.getMessage() for r in caplog.records)
+
+
 def test_interval_saves_and_rebalance_saves_are_agreed_then_taken_in_the_background(tmp_path):
     with AWSMetadataEmulator() as emu:
         with spotguard.Guard(
