@@ -49,14 +49,22 @@ class Regressor(pl.LightningModule):
 
 
 class Progress(Callback):
-    """Prints each finished step, then waits while the pause file names it (to interrupt it at a chosen step)."""
+    """Prints each finished optimizer step, then waits while the pause file names it (to interrupt it at a
+    chosen step). Batches that only accumulate gradients finish no step."""
 
     def __init__(self, pause_file: str | None) -> None:
         self.pause_file = pause_file
+        self.step = 0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.step = trainer.global_step  # resumed: the steps up to here are done
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        print(json.dumps({"rank": trainer.global_rank, "pid": os.getpid(), "step": trainer.global_step}), flush=True)
-        wait_while_paused(self.pause_file, trainer.global_step)
+        if trainer.global_step == self.step:
+            return
+        self.step = trainer.global_step
+        print(json.dumps({"rank": trainer.global_rank, "pid": os.getpid(), "step": self.step}), flush=True)
+        wait_while_paused(self.pause_file, self.step)
 
 
 def data() -> DataLoader:
@@ -88,6 +96,7 @@ def main() -> None:
         strategy=strategy,
         deterministic="warn",  # the interrupted run must end with the uninterrupted one's weights (GPU too)
         max_epochs=args.epochs,
+        accumulate_grad_batches=2,  # an optimizer step every 2 batches: a save never splits one
         default_root_dir=args.root,
         callbacks=[
             Progress(args.pause_file),

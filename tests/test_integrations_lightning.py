@@ -48,8 +48,9 @@ def quiet_trainer(max_steps, callbacks, **kwargs):
 
 
 def test_notice_then_sigterm_to_one_rank_each_stop_every_rank_and_the_run_ends_bit_identical(tmp_path, request):
-    # global_step 1 to 24: 3 epochs of 8 batches per rank; `python script.py` (Lightning starts rank 1)
-    notice_then_sigterm_then_finish("lightning_train.py", tmp_path, request.node.nodeid, 1, 24, (sys.executable,))
+    # global_step 1 to 12: 3 epochs of 8 batches per rank, 2 per optimizer step; `python script.py` (Lightning
+    # starts rank 1)
+    notice_then_sigterm_then_finish("lightning_train.py", tmp_path, request.node.nodeid, 1, 12, (sys.executable,))
 
 
 def test_a_resumed_checkpoint_goes_to_lightnings_own_format_and_ckpt_path_reads_it(tmp_path):
