@@ -1,4 +1,4 @@
-"""What the framework examples share: their common options, their logging, `--pause-file`, and FSDP2 sharding.
+"""What the framework examples share: their common options, their logging, `--pause-file`, FSDP2 sharding, the exit.
 
 `--pause-file` stops a run at a chosen step, to interrupt it, then lets it go on. Write a step
 number into the file: every rank waits after finishing that step (or a later one)
@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
@@ -60,3 +62,18 @@ def shard_with_fsdp2(model: torch.nn.Sequential, mesh: DeviceMesh) -> torch.nn.S
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
     return fully_shard(model, mesh=mesh)
+
+
+def end_process() -> NoReturn:
+    """Leave the process group and exit 0 without the interpreter's teardown, once everything is written.
+
+    With gloo that teardown can abort ("terminate called without an active exception": work its threads
+    still hold is destroyed without the interpreter), even after `destroy_process_group()`: seen in about
+    one in twenty FSDP2 runs on CPU, in runs never interrupted too.
+    """
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -17,7 +17,13 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from example_cli import arguments, log_spotguard, shard_with_fsdp2, wait_while_paused  # examples/example_cli.py
+from example_cli import (  # examples/example_cli.py
+    arguments,
+    end_process,
+    log_spotguard,
+    shard_with_fsdp2,
+    wait_while_paused,
+)
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import ModelParallelStrategy
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -78,7 +84,7 @@ def main() -> None:
     if fabric.is_global_zero and args.out:
         with open(args.out, "w") as f:
             json.dump({"steps": step, "digest": state_digest(weights)}, f)
-    torch.distributed.destroy_process_group()  # gloo's still-running threads can abort the interpreter's exit
+    end_process()
 
 
 if __name__ == "__main__":

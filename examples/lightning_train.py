@@ -18,7 +18,13 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from example_cli import arguments, log_spotguard, shard_with_fsdp2, wait_while_paused  # examples/example_cli.py
+from example_cli import (  # examples/example_cli.py
+    arguments,
+    end_process,
+    log_spotguard,
+    shard_with_fsdp2,
+    wait_while_paused,
+)
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -114,9 +120,7 @@ def main() -> None:
     if trainer.is_global_zero and args.out:
         with open(args.out, "w") as f:
             json.dump({"steps": trainer.global_step, "digest": state_digest(weights)}, f)
-    # Lightning leaves the process group alive; gloo's still-running threads can abort the interpreter's exit.
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    end_process()  # Lightning leaves the process group alive
 
 
 if __name__ == "__main__":
