@@ -193,10 +193,10 @@ def _all_reached(out, step, ranks):
 
 
 def notice_then_sigterm_then_finish(script, tmp, seed, first_step, last_step, launcher=TORCHRUN, args=(), kill=False):
-    """An AWS notice at a random step, then (resumed) SIGTERM to rank 1 only at a later one, then a
-    save killed mid-write (`kill`: a real SIGKILL in a third run, which `args` must make slow enough
-    to catch; else its leftovers placed by hand); the last run resumes past it and ends equal to a
-    run never interrupted."""
+    """An AWS notice at a random step, then (resumed) SIGTERM to rank 1 only at a later one; with
+    `kill`, a save SIGKILLed mid-write in a third run (`args` must make it slow enough to catch);
+    then the leftovers of a killed upload placed by hand. The last run resumes past them and ends
+    equal to a run never interrupted."""
     reference = reference_run(script, tmp / "reference", launcher, args)
     tmp = tmp / "interrupted"
     tmp.mkdir()
