@@ -1,20 +1,27 @@
 """Every rank decides to save at the same step, or none does (invariant 1).
 
-The protocol of JAX's preemption sync manager and TF's PreemptionCheckpointHandler,
-run on the listener threads so the training hot path stays a lock and a comparison:
+The protocol of JAX's preemption sync manager and TF's PreemptionCheckpointHandler, run
+on the listener threads so the training hot path stays a lock and a comparison, with a
+constant number of store requests per rank (the last one to arrive does a few more):
 
-1. On an event, each rank freezes its step counter (holds the lock the hot path
-   takes) and publishes the last step it has finished, and its node.
-2. It waits, with a timeout, until every rank has published.
-3. It proposes `max(steps) + 1` if all arrived, else "abort", with `compare_set`
-   on one decision key: the first proposal wins and every rank reads that one.
-   For an interruption the proposal also names the leaving ranks: every rank of a
-   node that has announced an interruption by then (`leaving_nodes`).
+1. On an event, each rank freezes its step counter (holds the lock the hot path takes),
+   appends the last step it has finished and its node to the round's one `steps` key,
+   and counts itself in with `add` on the round's `arrived` key.
+2. The rank whose `add` answers N (the world size) arrived last. It reads `steps` in one
+   request and proposes `max(steps) + 1`; for an interruption the proposal also names the
+   leaving ranks, every rank of a node that has claimed an interruption by then.
+3. Every other rank blocks on the round's decision key until the round's deadline, and then
+   proposes "abort". Proposals are written with `compare_set` on the decision key: the first
+   wins, and every rank reads that one.
 4. It releases the lock. The hot path fires when it reaches the decided step.
 
-Since nobody's counter moves while the steps are gathered, the decided step lies
-ahead of every rank, so every rank reaches it. A dead rank makes the others give up
-cleanly after the timeout (they all read "abort"), never hang.
+Since nobody's counter moves while the steps are gathered, the decided step lies ahead of
+every rank, so every rank reaches it. A dead or frozen rank never arrives, so nobody is
+last: the others all read "abort" at the deadline, never hang.
+
+The rank that decided a round also removes the keys no rank reads any more: that round's
+steps and counter (and its event, `round_keys`), and what earlier rounds left. Every rank
+tracks the same list (they all see the same outcomes), so whichever rank decides knows it.
 """
 
 from __future__ import annotations
@@ -24,15 +31,17 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.distributed as dist
 
+from spotguard.kvstore import Connection
+
 log = logging.getLogger(__name__)
 
 ABORT = "abort"
-DECIDE_GRACE_S = 5.0  # how long past the round's timeout a rank keeps trying to read the decision
+DECIDE_GRACE_S = 5.0  # how long past the round's timeout a rank keeps trying to reach the store to decide
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,27 +53,28 @@ class Decision:
 
 
 class StepAgreement:
+    """The agreement rounds of one rank. `store` is the connection the listener thread blocks on
+    (a plain Store is given a connection of its own)."""
+
     def __init__(
         self,
-        store: dist.Store,
+        store: dist.Store | Connection,
         prefix: str,
         rank: int,
         world_size: int,
         *,
         node: str = "local",
         last_step: int = -1,
-        poll_s: float = 0.002,
     ) -> None:
-        self.store = store
+        self.conn = store if isinstance(store, Connection) else Connection.of(store)
         self.prefix = prefix
         self.rank = rank
         self.world_size = world_size
         self.node = node
-        self.poll_s = poll_s
         self._lock = threading.Lock()
         self._last_step = last_step
         self._pending: list[Decision] = []
-        self._finished_rounds: list[str] = []  # key prefixes of this rank's rounds not yet cleaned up
+        self._stale: list[str] = []  # keys of finished rounds no rank reads once the next round is decided
 
     # ---- hot path (training thread) ---------------------------------------------
     def reached(self, step: int) -> list[Decision]:
@@ -88,44 +98,23 @@ class StepAgreement:
         round_id: int,
         event: dict[str, Any],
         timeout_s: float,
-        leaving_nodes: Callable[[set[str]], set[str]] | None = None,
+        leaving_nodes: Callable[[], set[str]] | None = None,
+        round_keys: Sequence[str] = (),
     ) -> Decision | None:
         """Run one round; returns the decision, or None when the round was aborted.
 
-        `leaving_nodes(nodes)`, for an interruption, tells which of the job's nodes are being reclaimed.
+        `leaving_nodes()`, for an interruption, tells which nodes are being reclaimed (the last
+        rank to arrive asks it). `round_keys`: more keys every rank is done with once the round is
+        decided (its event).
         """
-        decision, done_with = self._round(round_id, event, timeout_s, leaving_nodes)
-        self._remove_keys(done_with)  # after the round: the training thread never waits on this
-        return decision
-
-    def _round(
-        self,
-        round_id: int,
-        event: dict[str, Any],
-        timeout_s: float,
-        leaving_nodes: Callable[[set[str]], set[str]] | None,
-    ) -> tuple[Decision | None, list[str]]:
-        """The round, holding the step counter; also the key prefixes of rounds no rank reads any more."""
         base = f"{self.prefix}agree/{round_id}/"
+        keys = [base + "steps", base + "arrived", *round_keys]
         with self._lock:  # freezes this rank's step counter for the whole round
             started = time.monotonic()
-            deadline = started + timeout_s
-            keys = [f"{base}step/{r}" for r in range(self.world_size)]
-            try:
-                self.store.set(keys[self.rank], json.dumps([self._last_step, self.node]))
-                complete = self._wait_for(keys, deadline)
-                proposal = self._propose(keys, leaving_nodes) if complete else ABORT
-            except Exception as exc:  # noqa: BLE001 - a rank that cannot read the store cannot vouch for a step
-                log.warning("round %d: store error while gathering steps (%s); proposing to abort", round_id, exc)
-                proposal = ABORT
-            decided = self._decide(f"{base}decision", proposal, deadline + DECIDE_GRACE_S)
+            proposal, decided = self._round(base, timeout_s, leaving_nodes)
             elapsed_ms = (time.monotonic() - started) * 1000
             if decided in (ABORT, None):
-                self._finished_rounds.append(base)
-                done_with: list[str] = []
-            else:  # every rank published in this round, so every rank has left the earlier ones
-                done_with, self._finished_rounds = self._finished_rounds, [base]
-            if decided in (ABORT, None):
+                self._stale += [*keys, base + "decision"]
                 log.error(
                     "round %d: %s; no save in this round, resume will use the last committed checkpoint",
                     round_id,
@@ -133,58 +122,72 @@ class StepAgreement:
                     if decided == ABORT
                     else "the store cannot be reached to learn the decision",
                 )
-                return None, done_with
-            decided = json.loads(decided)
-            decision = Decision(round_id, int(decided["step"]), event, tuple(decided["leaving"]))
+                return None
+            removable, self._stale = self._stale + keys, [base + "decision"]
+            parsed = json.loads(decided)
+            decision = Decision(round_id, int(parsed["step"]), event, tuple(parsed["leaving"]))
             self._pending.append(decision)
             self._pending.sort(key=lambda d: d.step)
-            log.info(
-                "round %d: all %d ranks agreed on step %d (%s) in %.1f ms%s",
-                round_id,
-                self.world_size,
-                decision.step,
-                event.get("type"),
-                elapsed_ms,
-                f"; leaving: ranks {list(decision.leaving)}" if decision.leaving else "",
-            )
-            return decision, done_with
+        log.info(
+            "round %d: all %d ranks agreed on step %d (%s) in %.1f ms%s",
+            round_id,
+            self.world_size,
+            decision.step,
+            event.get("type"),
+            elapsed_ms,
+            f"; leaving: ranks {list(decision.leaving)}" if decision.leaving else "",
+        )
+        if decided == proposal:  # this rank decided: every rank has left the earlier rounds and read this one
+            self._remove(removable)
+        return decision
 
-    def _propose(self, keys: list[str], leaving_nodes: Callable[[set[str]], set[str]] | None) -> str:
-        answers = [json.loads(self.store.get(k)) for k in keys]
-        nodes = [node for _, node in answers]
-        gone = leaving_nodes(set(nodes)) if leaving_nodes else set()
-        step = max(last for last, _ in answers) + 1
-        return json.dumps({"step": step, "leaving": [r for r, node in enumerate(nodes) if node in gone]})
+    def _round(
+        self, base: str, timeout_s: float, leaving_nodes: Callable[[], set[str]] | None
+    ) -> tuple[str | None, str | None]:
+        """(this rank's proposal or None, the decision or None when the store cannot tell it)."""
+        deadline = time.monotonic() + timeout_s
+        store = self.conn.store
+        try:
+            store.append(base + "steps", json.dumps([self.rank, self._last_step, self.node]) + "\n")
+            last = int(store.add(base + "arrived", 1)) == self.world_size
+            proposal = self._propose(base + "steps", leaving_nodes) if last else None
+        except Exception as exc:  # noqa: BLE001 - a rank that cannot reach the store cannot vouch for a step
+            log.warning("store error while gathering steps (%s); proposing to abort", exc)
+            proposal = ABORT
+        if proposal is None:
+            try:
+                decided = self.conn.get(base + "decision", deadline - time.monotonic())
+            except Exception as exc:  # noqa: BLE001 - retried below, as a proposal to abort
+                log.warning("store error while waiting for the decision (%s)", exc)
+                decided = None
+            if decided is not None:
+                return None, decided.decode()
+            proposal = ABORT  # the deadline passed: a rank never arrived
+        return proposal, self._decide(base + "decision", proposal, deadline + DECIDE_GRACE_S)
+
+    def _propose(self, steps_key: str, leaving_nodes: Callable[[], set[str]] | None) -> str:
+        answers = [json.loads(line) for line in self.conn.store.get(steps_key).decode().splitlines()]
+        if len({rank for rank, _, _ in answers}) != self.world_size:
+            raise RuntimeError(f"{len(answers)} answers from {self.world_size} ranks do not match")
+        gone = leaving_nodes() if leaving_nodes else set()
+        step = max(last for _, last, _ in answers) + 1
+        return json.dumps({"step": step, "leaving": sorted(r for r, _, node in answers if node in gone)})
 
     def _decide(self, key: str, proposal: str, deadline: float) -> str | None:
         """Propose; the first proposal wins and is returned. Store errors are retried until `deadline`."""
         while True:
             try:
-                return self.store.compare_set(key, "", proposal).decode()
+                return self.conn.store.compare_set(key, "", proposal).decode()
             except Exception as exc:  # noqa: BLE001 - retried below, then reported as unknown
                 if time.monotonic() >= deadline:
                     log.warning("cannot reach the store to decide (%s)", exc)
                     return None
                 time.sleep(0.1)
 
-    def _remove_keys(self, rounds: list[str]) -> None:
-        """Remove this rank's step key of `rounds` (rank 0: also their decisions), rounds that no rank
-        reads any more, so that a long run keeps only the last rounds' keys in the store. The current
-        round's keys stay: a slow rank may still be reading them."""
+    def _remove(self, keys: list[str]) -> None:
+        """Remove keys no rank reads any more, so that a long run keeps only the last round's in the store."""
         try:
-            for base in rounds:
-                self.store.delete_key(f"{base}step/{self.rank}")
-                if self.rank == 0:
-                    self.store.delete_key(f"{base}decision")
+            for key in keys:
+                self.conn.store.delete_key(key)
         except Exception as exc:  # noqa: BLE001 - a leftover key costs a few bytes, not a round
             log.debug("could not clean up earlier rounds' keys: %s", exc)
-
-    def _wait_for(self, keys: list[str], deadline: float) -> bool:
-        # Polls check() rather than blocking in wait(): a timed-out wait() logs socket
-        # errors in torch, and check() is a cheap round trip.
-        while True:
-            if self.store.check(keys):
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(self.poll_s)

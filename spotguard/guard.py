@@ -44,11 +44,14 @@ from cloud_adapters.storage import write_durably
 from cloud_adapters.stores import check_location
 from spotguard import __version__, elastic, topology
 from spotguard.agreement import Decision, StepAgreement
-from spotguard.broadcast import EMERGENCY, Broadcast, inbox_connection, listener_store
+from spotguard.broadcast import EMERGENCY, Broadcast
 from spotguard.cadence import DEFAULT_MAX_S, DEFAULT_MIN_S, Cadence, Choice
 from spotguard.checkpoint import Checkpointer, CheckpointError, CheckpointUnavailable, SaveReport
 from spotguard.checkpoint.auth import resolve_key
-from spotguard.checkpoint.handoff import Departure, senders_to, sharded_nbytes
+from spotguard.checkpoint.comm import new_gloo_group
+from spotguard.checkpoint.departure import Departure, senders_to
+from spotguard.checkpoint.handoff import sharded_nbytes
+from spotguard.kvstore import Connection
 from spotguard.ledger import Ledger, LedgerContents
 from spotguard.report import INTERRUPTED, summarize
 from spotguard.timeline import Timeline, seconds
@@ -88,6 +91,12 @@ class Guard:
             None to return normally (then `emergency_saved` tells).
         lost_exit_code: process exit code after an emergency whose checkpoint was not committed.
         store: the torch.distributed Store to broadcast through (default: the default group's).
+        rank, world_size: this process's place in the job, stated as `init_process_group(store=,
+            rank=, world_size=)` takes it (give `store` too); default: the default process group's.
+            With them the Guard coordinates through `store` alone and needs a process group only
+            when it saves, so several Guards may live in one process (a scale test).
+        local_rank, node: with `rank`, this process's rank on its node and a name for the node
+            (default: LOCAL_RANK, else `rank`; the host name and GROUP_RANK).
         agreement_timeout_s: longest wait for all ranks to agree on a step.
         save_on_rebalance: take a background save when AWS recommends a rebalance.
         write_threads: files each rank writes in parallel when saving (and reads when resuming);
@@ -121,6 +130,10 @@ class Guard:
         exit_code: int | None = DEFAULT_EXIT_CODE,
         lost_exit_code: int = DEFAULT_LOST_EXIT_CODE,
         store: dist.Store | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        local_rank: int | None = None,
+        node: str | None = None,
         agreement_timeout_s: float = 30.0,
         save_on_rebalance: bool = True,
         write_threads: int | None = None,
@@ -161,6 +174,7 @@ class Guard:
         self._checkpoint_key = resolve_key(checkpoint_key)  # checked now; kept out of reprs and logs
         self.min_nodes = elastic.min_nodes(min_nodes)
         self._store = store
+        self._stated = _stated_topology(store, rank, world_size, local_rank, node)
 
         self.notice: Notice | None = None  # the interruption being handled, once one arrives
         self.interrupted = False  # step() returned True for an emergency
@@ -178,8 +192,11 @@ class Guard:
 
     # ---- lifecycle -------------------------------------------------------------
     def __enter__(self) -> Guard:
-        self.topology = topology.current()
+        if self._entered:
+            raise RuntimeError("this Guard is entered already: enter a Guard once at a time")
+        self.topology = topology.explicit(*self._stated) if self._stated else topology.current()
         self._group = self._ckpt = self._broadcast = self._watcher = self._ledger = None
+        self._meeting: Connection | None = None
         self._entered_at = time.monotonic()
         try:
             self._start()
@@ -190,8 +207,44 @@ class Guard:
         return self
 
     def _start(self) -> None:
-        if self.topology.distributed:
-            self._group = dist.new_group(backend="gloo", timeout=timedelta(minutes=10))
+        has_group = dist.is_available() and dist.is_initialized()
+        if self.topology.distributed and has_group:
+            self._group = new_gloo_group(timeout=timedelta(minutes=10))
+        if has_group or not self.topology.distributed:
+            self._checkpointer()  # now, so that a checkpoint_dir that cannot work fails here
+        # The default group's store (a private accessor, present since torch 1.x) is the one every rank shares.
+        self._store_in_use = store = self._store or (
+            dist.distributed_c10d._get_default_store() if self.topology.distributed else dist.HashStore()
+        )
+        self._prefix = prefix = topology.run_prefix(store, self._group, self.topology)
+        listen = Connection.of(store)  # the listener blocks on it; the agreement runs on the listener thread too
+        self._broadcast = Broadcast(store, prefix, self._on_event, rank=self.topology.rank, connection=listen)
+        self._agreement = StepAgreement(
+            listen, prefix, self.topology.rank, self.topology.world_size, node=self.topology.node
+        )
+        self._broadcast.start()
+        self._watcher = Watcher([], self._on_notice, interval_s=self.poll_interval)
+        self._add_sources(self._watcher.sources)
+        self._watcher.start()
+        if self._cadence is not None:
+            self._cadence_history_read = False
+            self._cadence.on_change = self._on_cadence  # rank 0's timer is the one that asks
+        if self.save_interval_s and self.topology.is_coordinator:
+            threading.Thread(target=self._interval_timer, name="spotguard-interval", daemon=True).start()
+
+    def _checkpointer(self) -> Checkpointer:
+        """The Checkpointer (and rank 0's ledger), made at the first need: with a stated topology and no
+        process group yet, that is the first resume or save."""
+        if self._ckpt is not None:
+            return self._ckpt
+        if self.topology.distributed and not (dist.is_available() and dist.is_initialized()):
+            raise CheckpointError(
+                f"saving or resuming at world_size={self.topology.world_size} needs torch.distributed "
+                "initialised (init_process_group) first"
+            )
+        if self.topology.distributed and self._group is None:
+            topology.explicit(self.topology.rank, self.topology.world_size)  # the group must be the stated one
+            self._group = new_gloo_group(timeout=timedelta(minutes=10))
         self._ckpt = Checkpointer(
             self.checkpoint_dir,
             local_dir=self.local_dir,
@@ -214,36 +267,7 @@ class Guard:
                 save_every=self.save_every,
                 version=__version__,
             )
-        # The default group's store (a private accessor, present since torch 1.x) is the one every rank shares.
-        store = self._store or (
-            dist.distributed_c10d._get_default_store() if self.topology.distributed else dist.HashStore()
-        )
-        # Where leaving ranks and survivors meet in an emergency: a connection of its own, as the
-        # listener has, never shared with the threads that publish and tick on `store`.
-        self._meeting_store = listener_store(store)
-        self._prefix = prefix = topology.run_prefix(store, self._group)
-        listen_store = listener_store(store)  # the agreement runs on the listener thread too
-        self._broadcast = Broadcast(
-            store,
-            listen_store,
-            prefix,
-            self._on_event,
-            inbox=inbox_connection(store),
-            rank=self.topology.rank,
-            world_size=self.topology.world_size,
-        )
-        self._agreement = StepAgreement(
-            listen_store, prefix, self.topology.rank, self.topology.world_size, node=self.topology.node
-        )
-        self._broadcast.start()
-        self._watcher = Watcher([], self._on_notice, interval_s=self.poll_interval)
-        self._add_sources(self._watcher.sources)
-        self._watcher.start()
-        if self._cadence is not None:
-            self._cadence_history_read = False
-            self._cadence.on_change = self._on_cadence  # rank 0's timer is the one that asks
-        if self.save_interval_s and self.topology.is_coordinator:
-            threading.Thread(target=self._interval_timer, name="spotguard-interval", daemon=True).start()
+        return self._ckpt
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         self._entered = False
@@ -325,7 +349,7 @@ class Guard:
         self._require_entered("resume")
         started = time.monotonic()
         try:
-            step = self._ckpt.resume(state)
+            step = self._checkpointer().resume(state)
         except CheckpointUnavailable as exc:
             if self.exit_code is None:
                 raise
@@ -362,6 +386,16 @@ class Guard:
             self._save(step, state, reason="periodic", wait=False)
         return False
 
+    def request_checkpoint(self, reason: str = "manual") -> None:
+        """Ask every rank, from this one (any thread), to save at the next step they all agree on, in the
+        background, as an interval save does: unlike `save()`, the other ranks need not call anything."""
+        self._require_entered("request_checkpoint")
+        self._request(reason)
+
+    def _request(self, reason: str) -> None:
+        self.timeline.add("save-requested", reason=reason)
+        self._broadcast.request_checkpoint(reason)
+
     def save(self, step: int, state: Mapping[str, Any]) -> SaveReport | None:
         """Save now, on demand. With several ranks, every rank must call it at the same step."""
         self._require_entered("save")
@@ -380,8 +414,10 @@ class Guard:
         leaving = frozenset(r for d in emergencies for r in d.leaving)
         departure = None
         if leaving and len(leaving) < self.topology.world_size:
+            if self._meeting is None:  # where leaving ranks and survivors meet, on a connection made at first use
+                self._meeting = Connection.of(self._store_in_use, lazy=True)
             prefix = f"{self._prefix}emergency/{emergencies[0].round}/"
-            departure = Departure(leaving, self._meeting_store, prefix)
+            departure = Departure(leaving, self._meeting, prefix, self.topology.world_size)
         self.leaving = self.topology.rank in leaving or departure is None
         self._withdrawal = elastic.withdrawal(
             # this node's own cloud notice, whatever other notices (a joining node's SIGTERM) came with it
@@ -432,7 +468,7 @@ class Guard:
         departure: Departure | None = None,
     ) -> SaveReport | None:
         try:
-            report = self._ckpt.save(
+            report = self._checkpointer().save(
                 step,
                 state,
                 reason=reason,
@@ -464,7 +500,7 @@ class Guard:
         if notice.kind == INTERRUPTION:
             self._broadcast.publish_interruption(notice)
         elif notice.kind == REBALANCE and self.save_on_rebalance:
-            self._broadcast.request_checkpoint("rebalance")
+            self._request("rebalance")
 
     def _on_event(self, index: int, event: dict[str, Any]) -> None:
         """Listener thread: agree with every rank on the step to act at."""
@@ -475,10 +511,10 @@ class Guard:
             left = self.notice.seconds_left()
             if left is not None:  # leave most of the window for the save itself
                 timeout = min(timeout, max(2.0, left / 4))
-            leaving = self._broadcast.interrupted_nodes
+            leaving = self._broadcast.claimed_nodes
             log.warning("node %s is being reclaimed (%s)", self.notice.node, self.notice.source)
-        decision = self._agreement.agree(index, event, timeout, leaving)
-        if decision is not None and event["type"] == EMERGENCY:
+        decision = self._agreement.agree(index, event, timeout, leaving, round_keys=[self._broadcast.log.slot(index)])
+        if decision is not None and event["type"] == EMERGENCY and self._ckpt is not None:
             self._ckpt.abandon_background_uploads()  # the training thread may be waiting on one
             self._expect_handoff(decision.leaving)
         if event["type"] == EMERGENCY and decision is None and self._ledger is not None:
@@ -504,7 +540,7 @@ class Guard:
         shard every tensor alike on every rank."""
         rank, world = self.topology.rank, self.topology.world_size
         state = self._last_state
-        if not leaving or rank in leaving or len(leaving) >= world or state is None:
+        if not leaving or rank in leaving or len(leaving) >= world or state is None or self._ckpt is None:
             return
         try:
             nbytes = sharded_nbytes(state) * len(senders_to(leaving, rank, world))
@@ -583,7 +619,7 @@ class Guard:
     def _interval_timer(self) -> None:
         while not self._stop_timer.wait(self._interval()):
             try:
-                self._broadcast.request_checkpoint("interval")
+                self._request("interval")
             except Exception as exc:  # noqa: BLE001 - a store hiccup skips one interval save, not all of them
                 log.warning("could not request an interval checkpoint: %s", exc)
 
@@ -636,6 +672,21 @@ def _notice_fields(notice: Notice) -> dict[str, Any]:
         "deadline": isoformat_z(notice.deadline) if notice.deadline else None,
         "detected_at": isoformat_z(notice.detected_at),
     }
+
+
+def _stated_topology(
+    store: dist.Store | None, rank: int | None, world_size: int | None, local_rank: int | None, node: str | None
+) -> tuple[int, int, int | None, str | None] | None:
+    """The topology the caller states (checked at enter), or None to read the process group's."""
+    if rank is None and world_size is None:
+        if local_rank is not None or node is not None:
+            raise ValueError("local_rank and node need rank and world_size too")
+        return None
+    if rank is None or world_size is None:
+        raise ValueError("rank and world_size go together")
+    if store is None and world_size > 1:
+        raise ValueError("a stated rank and world_size need the store the ranks share (store=)")
+    return rank, world_size, local_rank, node
 
 
 def _require_positive(**values: float | None) -> None:

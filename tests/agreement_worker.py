@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from cloud_adapters.notice import INTERRUPTION, Notice, deadline_after, utc_now
 from spotguard.agreement import StepAgreement
-from spotguard.broadcast import Broadcast, inbox_connection, listener_store
+from spotguard.broadcast import Broadcast
+from spotguard.kvstore import Connection
 
 MAX_STEPS = 400
 
@@ -30,8 +31,7 @@ def barrier(store, name, world):
 
 def main(rank, world, port, trials, seed, gone_trial):
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=60))
-    listen_store = listener_store(store)
-    inbox = inbox_connection(store)  # one for all trials: each trial's listener is stopped before the next
+    listen = Connection.of(store)  # one for all trials: each trial's listener is stopped before the next
     for trial in range(trials):
         rng = random.Random(seed * 1000 + trial)  # same on every rank: who publishes, when
         publisher = rng.randrange(world)
@@ -44,16 +44,9 @@ def main(rank, world, port, trials, seed, gone_trial):
         if gone:  # this rank "died": it never listens, never answers
             print(json.dumps({"trial": trial, "rank": rank, "step": "gone"}), flush=True)
             continue
-        agreement = StepAgreement(listen_store, prefix, rank, world)
+        agreement = StepAgreement(listen, prefix, rank, world)
         broadcast = Broadcast(
-            store,
-            listen_store,
-            prefix,
-            lambda i, e, a=agreement: a.agree(i, e, timeout_s=1.0),
-            inbox=inbox,
-            rank=rank,
-            world_size=world,
-            poll_s=0.005,
+            store, prefix, lambda i, e, a=agreement: a.agree(i, e, timeout_s=1.0), rank=rank, connection=listen
         )
         broadcast.start()
         if rank == publisher:

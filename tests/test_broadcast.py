@@ -1,8 +1,11 @@
-"""The store broadcast: every rank's listener gets every event, in order; an idle listener
-blocks on its inbox instead of polling; stores without queues fall back to polling."""
+"""The store broadcast: every rank's listener gets every event, in order, with no slot taken and left
+empty; an idle listener makes no store request at all and wakes at once; a rank leaving its Guard
+stops every listener; HashStore and FileStore work as TCPStore does."""
 
 import json
+import logging
 import queue
+import threading
 import time
 from datetime import timedelta
 
@@ -10,7 +13,9 @@ import pytest
 import torch.distributed as dist
 
 from cloud_adapters.notice import INTERRUPTION, Notice, deadline_after, utc_now
-from spotguard.broadcast import Broadcast, inbox_connection, listener_store
+from spotguard.broadcast import Broadcast
+from spotguard.kvstore import Connection
+from tests.counting import Counts, counting_store
 from tests.servers import free_port
 
 WORLD = 2
@@ -24,36 +29,19 @@ def file_store(tmp_path):
     return dist.FileStore(str(tmp_path / "store"), 1)
 
 
-def notice(n=0):
+def notice(n=0, node="vm-1"):
     now = utc_now()
-    return Notice("aws", INTERRUPTION, "terminate", deadline_after(120, now), now, "test", f"n{n}")
+    return Notice("aws", INTERRUPTION, "terminate", deadline_after(120, now), now, "test", f"n{n}", node=node)
 
 
 class Ranks:
-    """One Broadcast per rank, all in this process, each listening on its own store connection."""
+    """One Broadcast per rank, all in this process, each listening on its own connection."""
 
-    def __init__(self, store, prefix="run/", poll_s=0.05, tick_s=5.0):
-        self.got = [queue.Queue() for _ in range(WORLD)]
+    def __init__(self, store, prefix="run/", world=WORLD):
+        self.got = [queue.Queue() for _ in range(world)]
         self.broadcasts = [
-            Broadcast(
-                store,
-                listener_store(store),
-                prefix,
-                lambda i, e, q=self.got[rank]: q.put((i, e)),
-                inbox=inbox_connection(store),
-                rank=rank,
-                world_size=WORLD,
-                poll_s=poll_s,
-                tick_s=tick_s,
-            )
-            for rank in range(WORLD)
+            Broadcast(store, prefix, lambda i, e, q=self.got[rank]: q.put((i, e)), rank=rank) for rank in range(world)
         ]
-        self.count_calls = [0] * WORLD
-        for rank, b in enumerate(self.broadcasts):  # count the listener's reads of the log
-            b._listen_log.count = lambda log=b._listen_log, r=rank: (self._counted(r), type(log).count(log))[1]
-
-    def _counted(self, rank):
-        self.count_calls[rank] += 1
 
     def __enter__(self):
         for b in self.broadcasts:
@@ -76,62 +64,104 @@ def test_every_rank_gets_every_event_in_order_and_one_claim_wins():
         for events in ranks.next_events(2):
             assert [(i, e["type"]) for i, e in events] == [(1, "emergency"), (2, "checkpoint")]
             assert events[0][1]["notice"]["key"].endswith("n1")
+    assert not any(b._thread.is_alive() for b in ranks.broadcasts)  # stop() woke and joined them
 
 
-def test_an_idle_listener_blocks_on_its_inbox_and_wakes_at_once():
-    with Ranks(tcp_store()) as ranks:
-        assert all(b.uses_inbox for b in ranks.broadcasts)
-        time.sleep(1.0)
-        assert ranks.count_calls == [0, 0]  # no polling while nothing happens
+def test_an_idle_listener_makes_no_store_request_and_wakes_at_once():
+    counts = Counts()
+    with Ranks(counting_store(tcp_store(), counts)) as ranks:
+        time.sleep(0.3)
+        waiting = counts.snapshot()
+        assert waiting == {"get": WORLD}  # each listener is blocked in one get on its own connection
+        time.sleep(1.5)
+        assert counts.snapshot() == waiting  # no polling, no ticks while nothing happens
         published = time.monotonic()
         ranks.broadcasts[0].request_checkpoint("manual")
         ranks.next_events(1)
         assert time.monotonic() - published < 5  # a hang bound; delivery is immediate
-        assert all(c >= 1 for c in ranks.count_calls)
-    assert not any(t.is_alive() for b in ranks.broadcasts for t in b._threads)  # stop() woke and joined them
 
 
 def test_an_event_published_before_a_listener_starts_is_delivered():
-    store = tcp_store()
-    ranks = Ranks(store)
+    ranks = Ranks(tcp_store())
     ranks.broadcasts[0].request_checkpoint("early")
     with ranks:
         for events in ranks.next_events(1):
             assert events[0][1]["reason"] == "early"
 
 
-def test_stores_without_queues_are_polled(tmp_path):
-    with Ranks(file_store(tmp_path), poll_s=0.02) as ranks:
-        assert not any(b.uses_inbox for b in ranks.broadcasts)
+@pytest.mark.parametrize("make_store", [file_store, lambda _: dist.HashStore()], ids=["FileStore", "HashStore"])
+def test_stores_without_a_server_work_the_same(make_store, tmp_path):
+    """A FileStore's waits poll its file inside torch (there is no server to block on); a HashStore
+    blocks in-process. Either way the listener blocks in one call and the events arrive in order."""
+    with Ranks(make_store(tmp_path)) as ranks:
         ranks.broadcasts[1].publish_interruption(notice())
-        for events in ranks.next_events(1):
-            assert events[0][1]["type"] == "emergency"
-    assert not any(t.is_alive() for b in ranks.broadcasts for t in b._threads)
+        ranks.broadcasts[0].request_checkpoint("interval")
+        for events in ranks.next_events(2):
+            assert [e["type"] for _, e in events] == ["emergency", "checkpoint"]
+    assert not any(b._thread.is_alive() for b in ranks.broadcasts)
 
 
-def test_an_event_whose_publisher_died_before_ringing_is_found_at_the_next_tick():
+def test_concurrent_publishers_fill_consecutive_slots_and_every_listener_reads_them_in_one_order():
+    """Publishers race for slots with compare_set: each event is written by the request that takes its
+    slot, so there is never a slot taken and left empty (which would stall every listener)."""
     store = tcp_store()
-    with Ranks(store, tick_s=0.2) as ranks:
-        store.add("run/seq", 1)  # what append() does before it rings the inboxes...
-        store.set("run/event/1", json.dumps({"type": "checkpoint", "reason": "orphan"}))  # ...and no ring
+    world, per_publisher = 4, 10
+    with Ranks(store, world=world) as ranks:
+        threads = [
+            threading.Thread(target=lambda b=b: [b.request_checkpoint(f"r{b.rank}-{i}") for i in range(per_publisher)])
+            for b in ranks.broadcasts
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seen = ranks.next_events(world * per_publisher)
+        assert [i for i, _ in seen[0]] == list(range(1, world * per_publisher + 1))
+        orders = [[e["reason"] for _, e in events] for events in seen]
+        assert all(order == orders[0] for order in orders)
+        assert sorted(orders[0]) == sorted(f"r{r}-{i}" for r in range(world) for i in range(per_publisher))
+
+
+def test_a_rank_leaving_stops_every_listener(caplog):
+    """No agreement can complete without a rank that left its Guard; its `left` event also wakes the
+    listeners, which would otherwise block until the store's timeout."""
+    with caplog.at_level(logging.INFO, logger="spotguard.broadcast"):
+        ranks = Ranks(tcp_store()).__enter__()
+        ranks.broadcasts[0].stop()
+        ranks.broadcasts[1]._thread.join(10)
+    assert not ranks.broadcasts[1]._thread.is_alive()
+    assert "rank 0 left its guard" in caplog.text
+    ranks.broadcasts[1].stop()  # nothing left to wake: no second left event
+    store = ranks.broadcasts[0].store
+    assert json.loads(store.get("run/event/1"))["type"] == "left" and not store.check(["run/event/2"])
+
+
+def test_publishing_starts_past_the_slots_already_removed():
+    """The agreement removes the slots every rank has read; a slot taken again behind the listeners
+    would be an event nobody reads. A publisher searches from its own listener's next slot."""
+    store = tcp_store()
+    with Ranks(store) as ranks:
+        ranks.broadcasts[0].request_checkpoint("one")
+        ranks.broadcasts[1].request_checkpoint("two")
+        ranks.next_events(2)
+        store.delete_key("run/event/1")
+        store.delete_key("run/event/2")
+        assert ranks.broadcasts[1].request_checkpoint("three") == 3
         for events in ranks.next_events(1):
-            assert events[0] == (1, {"type": "checkpoint", "reason": "orphan"})
+            assert events[0][0] == 3 and events[0][1]["reason"] == "three"
 
 
-@pytest.mark.parametrize("make_store", [tcp_store, dist.HashStore])
-def test_only_the_inbox_connection_waits_long(make_store):
+@pytest.mark.parametrize("make_store", [tcp_store, dist.HashStore], ids=["TCPStore", "HashStore"])
+def test_only_the_listener_s_own_connection_waits_long(make_store):
     store = make_store()
     store.set_timeout(timedelta(seconds=30))
-    listen, inbox = listener_store(store), inbox_connection(store)
-    assert store.timeout == listen.timeout == timedelta(seconds=30)  # the agreement keeps real timeouts
-    assert inbox.timeout == (timedelta(hours=24) if isinstance(store, dist.TCPStore) else timedelta(seconds=30))
-
-
-def test_a_store_without_queues_gets_no_inbox_and_keeps_working(tmp_path):
-    store = file_store(tmp_path)
-    assert inbox_connection(store) is None
-    store.set("still", "usable")
-    assert store.get("still") == b"usable"
+    connection = Connection.of(store)
+    assert connection.own == isinstance(store, dist.TCPStore)  # a HashStore's clone is itself
+    assert connection.get("absent", timeout_s=0.2) is None
+    assert store.timeout == timedelta(seconds=30)  # the job's store keeps its timeout
+    store.set("present", "yes")
+    assert connection.get("present", timeout_s=5) == b"yes"
+    assert connection.get_now("absent") is None and connection.get_now("present") == b"yes"
 
 
 STORE_SERVER = """
@@ -158,9 +188,7 @@ def test_a_frozen_store_never_holds_the_publisher_for_long():
     try:
         assert server.stdout.readline().strip() == "ready"
         job_store = dist.TCPStore("127.0.0.1", port, 1, False, timeout=timedelta(minutes=30))
-        publisher = Broadcast(
-            job_store, job_store, "run/", lambda *_: None, inbox=None, rank=0, world_size=1, publish_timeout_s=2.0
-        )
+        publisher = Broadcast(job_store, "run/", lambda *_: None, rank=0, publish_timeout_s=2.0)
         os.kill(server.pid, signal.SIGSTOP)
         started = time.monotonic()
         with pytest.raises(TimeoutError, match="did not answer within 2 s"):

@@ -20,8 +20,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from spotguard.checkpoint.handoff import Departure, HandoffError, Receiver, send_shards
+from spotguard.checkpoint.departure import Departure, HandoffError
+from spotguard.checkpoint.handoff import Receiver, send_shards
 from spotguard.checkpoint.transfer import Cutoff
+from spotguard.kvstore import Connection
 from tests.ckpt_workers import ROOT
 
 STEP = 7
@@ -56,7 +58,8 @@ class Survivor:
     """Rank 0 receiving from leaving rank 1 on a background thread."""
 
     def __init__(self, departure: Departure, senders=(1,), wait_s: float = 20.0) -> None:
-        self.receiver = Receiver(departure, 0, list(senders), STEP)
+        self.mailbox = departure.mailbox(0)
+        self.receiver = Receiver(departure, 0, list(senders), STEP, self.mailbox)
         self.result: list | BaseException | None = None
         self.thread = threading.Thread(target=self._collect, args=(wait_s,))
         self.thread.start()
@@ -70,6 +73,7 @@ class Survivor:
     def join(self):
         self.thread.join(30)
         assert not self.thread.is_alive()
+        self.mailbox.close()
         return self.result
 
 
@@ -80,7 +84,7 @@ def address(departure: Departure) -> tuple[str, int, str]:
 
 @pytest.fixture
 def departure():
-    return Departure(frozenset({1}), dist.HashStore(), "run/emergency/1/")
+    return Departure(frozenset({1}), Connection.of(dist.HashStore()), "run/emergency/1/", world_size=2)
 
 
 def test_whole_shards_arrive_bit_for_bit(departure):
@@ -149,7 +153,7 @@ def test_a_corrupted_byte_on_the_way_is_refused(departure, monkeypatch):
 
 def test_a_leaving_rank_that_reports_its_failure_ends_the_survivor_s_wait_at_once(departure):
     survivor = Survivor(departure, wait_s=60)
-    departure.store.set(f"{departure.prefix}handoff/0/failed/1", "MemoryError: copying the shards to CPU")
+    departure.report_failure(1, "MemoryError: copying the shards to CPU")
     started = time.monotonic()
     failure = survivor.join()
     assert isinstance(failure, HandoffError) and "MemoryError" in str(failure)
@@ -164,12 +168,17 @@ def test_a_leaving_rank_stops_waiting_once_the_survivors_gave_up(departure):
     assert time.monotonic() - started < 5
 
 
-def test_declarations_are_waited_for_a_bounded_time(departure):
+def test_declarations_are_waited_for_a_bounded_time():
+    """Leaving ranks 1, 2 and 3 all hand to survivor 0 through its mailbox; rank 3 never says."""
+    departure = Departure(frozenset({1, 2, 3}), Connection.of(dist.HashStore()), "run/emergency/1/", world_size=4)
+    mailbox = departure.mailbox(0)
     departure.declare(1, True)
     departure.declare(2, False)
     started = time.monotonic()
-    assert departure.declared_handoffs([1, 2, 3], grace_s=1.0) == [1]  # rank 3 never says: waited 1 s at most
+    assert mailbox.declarations([1, 2, 3], timeout_s=1.0) == {1: True, 2: False}  # waited 1 s at most for 3
     assert time.monotonic() - started < 3
+    mailbox.close()
+    assert not mailbox._thread.is_alive()
 
 
 def test_a_leaving_rank_gone_before_its_handoff_began_is_given_up_on_long_before_the_deadline(departure, monkeypatch):

@@ -7,6 +7,7 @@ stopped. On Slurm, its SIGUSR1 warning is the Guard's notice, not Lightning's re
 import os
 import signal
 import sys
+import time
 
 import pytest
 
@@ -100,6 +101,10 @@ def test_on_slurm_the_guard_owns_sigusr1_and_lightning_neither_handles_nor_reque
             if trainer.global_step == 3:
                 self.handlers = [signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1)]
                 os.kill(os.getpid(), signal.SIGUSR1)  # as Slurm warns the job step
+                # A real step outlasts the notice's way through the store; this tiny one may not (a loaded host).
+                until = time.monotonic() + 10
+                while not any(e.event == "agreed" for e in guard.guard.timeline.entries) and time.monotonic() < until:
+                    time.sleep(0.01)
 
     def sentinel(*_):  # were nothing else to handle SIGUSR1, its default action would end this test's process
         pass

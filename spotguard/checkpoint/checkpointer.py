@@ -44,10 +44,11 @@ from cloud_adapters.storage import AlreadyExists, LocalStore, ObjectStore, Parts
 from cloud_adapters.stores import open_store
 from spotguard.checkpoint import retention
 from spotguard.checkpoint.auth import KEY_ENV, CheckpointKey, resolve_key, sign
-from spotguard.checkpoint.comm import FAILURES, Comm, describe
+from spotguard.checkpoint.comm import FAILURES, Comm, describe, new_gloo_group
 from spotguard.checkpoint.commit import commit_dir
+from spotguard.checkpoint.departure import Departure
 from spotguard.checkpoint.errors import CheckpointError
-from spotguard.checkpoint.handoff import Departure, ReceivePool, Receiver, send_shards
+from spotguard.checkpoint.handoff import ReceivePool, Receiver, send_shards
 from spotguard.checkpoint.layout import MANIFEST_NAME, manifest_key, sibling_name, step_dir_name
 from spotguard.checkpoint.manifest import REASONS, FileRecord, Manifest, versions
 from spotguard.checkpoint.ownership import SurvivorPlanner, expects_handoff, flat, unique_shards
@@ -240,7 +241,7 @@ class Checkpointer:
         started_at = utc_now()
         if not wait and self._uploads_abandoned:
             cutoff.bring_forward(time.monotonic())
-        if departure is not None and departure.survivors(self.comm.world_size):
+        if departure is not None and departure.survivors():
             if not wait:
                 raise ValueError("a save with a departure is an emergency: it needs wait=True")
             if dist.get_rank() in departure.leaving:
@@ -409,13 +410,13 @@ class Checkpointer:
         Nothing here waits on this rank's disk, and the survivors wait for nothing but the handoff.
         The outcome is the survivors' word, whatever happened to the handoff on this side.
         """
-        rank, world = dist.get_rank(), self.comm.world_size
-        survivors = set(departure.survivors(world))
+        rank = dist.get_rank()
+        survivors = set(departure.survivors())
         t0 = time.monotonic()
         handing = expects_handoff(flat(state_dict), rank, survivors)
         departure.declare(rank, handing)
         if handing:
-            to = departure.receiver_of(rank, world)
+            to = departure.receiver_of(rank)
             try:
                 shards = unique_shards(state_dict, rank, survivors)
                 log.warning(
@@ -441,7 +442,7 @@ class Checkpointer:
         else:
             log.warning("rank %d is leaving: the survivors hold all it has and save step %d without it", rank, step)
         handed_s = time.monotonic() - t0
-        outcome = departure.wait_outcome(cutoff)
+        outcome = departure.wait_outcome(cutoff.left() or NO_DEADLINE_WAIT_S)
         if outcome is None:
             raise CheckpointError(f"the survivors did not confirm a commit of step {step} before the deadline")
         if outcome["error"]:
@@ -480,14 +481,11 @@ class Checkpointer:
         The leaving node's deadline bounds the handoff only: the survivors are staying, so their
         upload is not cut at it (the leaving ranks learn the outcome at the local commit).
         """
-        survivors = departure.survivors(self.comm.world_size)
+        survivors = departure.survivors()
         # Only the survivors create (and wait for each other in) this group: the leaving ranks never block it.
         try:
-            group = dist.new_group(
-                survivors,
-                backend="gloo",
-                timeout=timedelta(seconds=max(30.0, cutoff.left() or 0.0)),
-                use_local_synchronization=True,
+            group = new_gloo_group(
+                survivors, timeout=timedelta(seconds=max(30.0, cutoff.left() or 0.0)), use_local_synchronization=True
             )
         except FAILURES as exc:  # the job's store went away (its host was the node leaving?)
             raise CheckpointError(
@@ -529,20 +527,28 @@ class Checkpointer:
         """(the shards handed to this survivor, or why not). Every rank infers from its own state who
         must hand over what; a leaving rank that declares shards this survivor did not expect (state
         laid out differently on each rank) makes the step fail rather than commit without them."""
-        rank, world = dist.get_rank(), self.comm.world_size
-        survivors = set(departure.survivors(world))
+        rank = dist.get_rank()
+        assigned = departure.senders_to(rank)
+        if not assigned:
+            return [], None
+        survivors = set(departure.survivors())
         flat_state = flat(state_dict)
-        assigned = departure.senders_to(rank, world)
         senders = [r for r in assigned if expects_handoff(flat_state, r, survivors)]
         pool, self._receive_pool = self._receive_pool, None  # this emergency's, used once
+        mailbox = departure.mailbox(rank)
         try:
-            received = Receiver(departure, rank, senders, step, pool).collect(cutoff) if senders else []
+            received = Receiver(departure, rank, senders, step, mailbox, pool).collect(cutoff) if senders else []
             if pool is not None and senders:
                 mb = (pool.used / 1e6, pool.nbytes / 1e6)
                 log.info("the handoff took %.1f MB of the %.1f MB set aside at the agreement", *mb)
-            surprising = departure.declared_handoffs([r for r in assigned if r not in senders], DECLARE_GRACE_S)
+            said = mailbox.declarations([r for r in assigned if r not in senders], DECLARE_GRACE_S)
         except Exception as exc:  # noqa: BLE001 - reported through the all_gather, so ranks stay in step
+            if senders:
+                departure.refuse_handoffs(rank, f"rank {rank}: {exc}")
             return [], f"rank {rank}: {exc}"
+        finally:
+            mailbox.close()
+        surprising = sorted(r for r, handing in said.items() if handing)
         if surprising:
             return [], (
                 f"rank {rank}: leaving ranks {surprising} hold shards no survivor expected (is the state laid out "

@@ -1,20 +1,19 @@
 """Leaving ranks hand the shards that exist nowhere else to a survivor's memory, over TCP.
 
 Each survivor that expects a handoff listens on the address it reaches the job's store
-from, and publishes `host port token` under `<prefix>handoff/<survivor>` in the store.
-A leaving rank connects and sends, in order: a JSON hello (token, rank, step), a JSON
+from, and publishes `host port token` in the store (`departure`). A leaving rank connects
+and sends, in order: a JSON hello (token, rank, step), a JSON
 header (one entry per shard: name, offsets, sizes, dtype, bytes), the bytes of each shard
 in chunks, and a JSON trailer with each shard's CRC32C. The survivor checksums the bytes
 as they arrive and answers `{"ok": true}` or why not; only then is the leaving rank free
 to go. Nothing is pickled, and a connection without the token is dropped.
 
-The survivors' coordinator publishes the outcome of the save under `<prefix>outcome`, so a
-leaving rank can tell the truth about a checkpoint it no longer takes part in.
+The survivors' coordinator publishes the outcome of the save (`Departure.publish_outcome`), so
+a leaving rank can tell the truth about a checkpoint it no longer takes part in.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import ipaddress
 import json
 import logging
@@ -24,15 +23,15 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Shard
 
+from spotguard.checkpoint.departure import Departure, HandoffError, Mailbox
 from spotguard.checkpoint.shard_io import crc32c_extend
 from spotguard.checkpoint.transfer import Cutoff
 
@@ -51,72 +50,7 @@ _MAX_HELLO = 4096
 HOST_ENV = "SPOTGUARD_HANDOFF_HOST"
 
 
-class HandoffError(RuntimeError):
-    """A handoff did not complete: its bytes are not safe with a survivor."""
-
-
 Shards = list[tuple[WriteItem, torch.Tensor]]
-
-
-@dataclasses.dataclass(frozen=True)
-class Departure:
-    """The ranks leaving in an emergency, and where in the job's store the ranks meet."""
-
-    leaving: frozenset[int]  # global ranks of the reclaimed nodes
-    store: dist.Store
-    prefix: str  # unique to this emergency
-
-    def survivors(self, world_size: int) -> list[int]:
-        return [r for r in range(world_size) if r not in self.leaving]
-
-    def receiver_of(self, rank: int, world_size: int) -> int:
-        return receiver_of(self.leaving, rank, world_size)
-
-    def senders_to(self, survivor: int, world_size: int) -> list[int]:
-        return senders_to(self.leaving, survivor, world_size)
-
-    def declare(self, rank: int, handing: bool) -> None:
-        """Leaving `rank` says whether it hands anything over (see `declared_handoffs`)."""
-        try:
-            self.store.set(self._declared_key(rank), "1" if handing else "0")
-        except Exception as exc:  # noqa: BLE001 - the survivors then wait a few seconds for nothing
-            log.warning("could not tell the survivors whether rank %d hands shards over (%s)", rank, exc)
-
-    def declared_handoffs(self, ranks: list[int], grace_s: float) -> list[int]:
-        """Which of leaving `ranks` declared shards to hand over, waiting up to `grace_s` in all for
-        their word (one that is already gone never says)."""
-        keys = {r: self._declared_key(r) for r in ranks}
-        waited_until = time.monotonic() + grace_s
-        while not self.store.check(list(keys.values())) and time.monotonic() < waited_until:
-            time.sleep(0.01)
-        return [r for r, key in keys.items() if self.store.check([key]) and self.store.get(key) == b"1"]
-
-    def declared_nothing(self, rank: int) -> bool:
-        """Leaving `rank` said it holds nothing unique (so it will not hand anything over)."""
-        key = self._declared_key(rank)
-        return self.store.check([key]) and self.store.get(key) == b"0"
-
-    def _declared_key(self, rank: int) -> str:
-        return f"{self.prefix}declared/{rank}"
-
-    def publish_outcome(self, outcome: dict[str, Any]) -> None:
-        try:
-            self.store.set(self.prefix + "outcome", json.dumps(outcome))
-        except Exception as exc:  # noqa: BLE001 - only the leaving ranks' report depends on it
-            log.warning("could not tell the leaving ranks the outcome (%s)", exc)
-
-    def wait_outcome(self, cutoff: Cutoff) -> dict[str, Any] | None:
-        """The survivors' outcome, or None when it does not come before `cutoff`."""
-        key = self.prefix + "outcome"
-        while not cutoff.passed():
-            try:
-                if self.store.check([key]):
-                    return json.loads(self.store.get(key))
-            except Exception as exc:  # noqa: BLE001 - the store host may be the node going away
-                log.warning("cannot read the survivors' outcome from the store (%s)", exc)
-                return None
-            time.sleep(cutoff.check_within(0.05))
-        return None
 
 
 def advertised_host() -> str:
@@ -162,24 +96,14 @@ def send_shards(departure: Departure, rank: int, survivor: int, step: int, shard
     try:
         return _send(departure, rank, survivor, step, shards, cutoff)
     except Exception as exc:
-        try:
-            departure.store.set(f"{departure.prefix}handoff/{survivor}/failed/{rank}", f"{type(exc).__name__}: {exc}")
-        except Exception:  # noqa: BLE001 - the survivor then waits until the deadline instead
-            pass
+        departure.report_failure(rank, f"{type(exc).__name__}: {exc}")
         raise
 
 
 def _send(departure: Departure, rank: int, survivor: int, step: int, shards: Shards, cutoff: Cutoff) -> int:
-    key, outcome = f"{departure.prefix}handoff/{survivor}", departure.prefix + "outcome"
-    while not departure.store.check([key]):
-        if cutoff.passed():
-            raise HandoffError(f"rank {survivor} never published its handoff address")
-        if departure.store.check([outcome]):  # the survivors gave up before taking anything
-            raise HandoffError(f"the survivors gave up: {json.loads(departure.store.get(outcome))['error']}")
-        time.sleep(0.005)
-    host, port, token = departure.store.get(key).decode().split()
+    host, port, token = departure.address_of(survivor, cutoff.left() or IDLE_TIMEOUT_S)
     total = sum(t.numel() * t.element_size() for _, t in shards)
-    with socket.create_connection((host, int(port)), timeout=_timeout(cutoff)) as sock:
+    with socket.create_connection((host, port), timeout=_timeout(cutoff)) as sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         _send_json(sock, {"token": token, "rank": rank, "step": step})
         _send_json(sock, {"shards": [_describe(item, tensor) for item, tensor in shards]})
@@ -220,17 +144,6 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 
 
 # -- the receiving side -------------------------------------------------------------------
-
-
-def receiver_of(leaving: Collection[int], rank: int, world_size: int) -> int:
-    """The survivor that takes leaving `rank`'s shards: spread evenly over the survivors."""
-    survivors = [r for r in range(world_size) if r not in leaving]
-    return survivors[sorted(leaving).index(rank) % len(survivors)]
-
-
-def senders_to(leaving: Collection[int], survivor: int, world_size: int) -> list[int]:
-    """The leaving ranks whose shards `survivor` takes."""
-    return [r for r in sorted(leaving) if receiver_of(leaving, r, world_size) == survivor]
 
 
 def sharded_nbytes(state: Mapping[str, Any]) -> int:
@@ -307,21 +220,29 @@ class ReceivePool:
 
 
 class Receiver:
-    """Takes the handoffs of `senders` on survivor `rank`: open it, then `collect()`."""
+    """Takes the handoffs of `senders` on survivor `rank`: open it, then `collect()`. What the
+    senders say through the store (`mailbox`) ends the wait for one that failed or holds nothing."""
 
     def __init__(
-        self, departure: Departure, rank: int, senders: list[int], step: int, pool: ReceivePool | None = None
+        self,
+        departure: Departure,
+        rank: int,
+        senders: list[int],
+        step: int,
+        mailbox: Mailbox,
+        pool: ReceivePool | None = None,
     ) -> None:
         self.departure = departure
         self.rank = rank
         self.senders = senders
         self.step = step
+        self.mailbox = mailbox
         self.pool = pool
         self._token = secrets.token_hex(16)
         self._listener = socket.create_server((advertised_host(), 0))
         host, port = self._listener.getsockname()[:2]
         try:
-            departure.store.set(f"{departure.prefix}handoff/{rank}", f"{host} {port} {self._token}")
+            departure.publish_address(rank, host, port, self._token)
         except BaseException:
             self._listener.close()
             raise
@@ -363,15 +284,14 @@ class Receiver:
         return [shard for r in self.senders for shard in outcomes[r]]  # type: ignore[union-attr]
 
     def _note_failures(self, results: dict[int, Shards | str], started: set[int], grace_over: bool) -> None:
-        """Senders known to have failed without a word on the connection: they reported it through
-        the store, said they hold nothing to hand over, or never began within START_GRACE_S."""
-        store, base = self.departure.store, f"{self.departure.prefix}handoff/{self.rank}/failed/"
+        """Senders known to have failed without a word on the connection: they said so through the
+        mailbox (a failure, or nothing to hand over), or never began within START_GRACE_S."""
         for sender in self.senders:
             if sender in results:
                 continue
-            if store.check([f"{base}{sender}"]):
-                results[sender] = f"it failed: {store.get(f'{base}{sender}').decode()}"
-            elif self.departure.declared_nothing(sender):
+            if sender in self.mailbox.failed:
+                results[sender] = f"it failed: {self.mailbox.failed[sender]}"
+            elif self.mailbox.handing.get(sender) is False:
                 results[sender] = "it says it holds nothing unique, but this survivor expected its shards"
             elif grace_over and sender not in started:
                 results[sender] = f"it did not begin its handoff within {START_GRACE_S:.0f} s (gone before it?)"
