@@ -9,11 +9,12 @@ import dataclasses
 import os
 import pickle
 import time
-from pathlib import Path
+from pathlib import Path, PosixPath
 
 import google_crc32c
 import pytest
 import torch
+from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, Metadata
 
 from cloud_adapters.storage import LocalStore, StoreError
 from spotguard.checkpoint import Checkpointer, CheckpointError, list_checkpoints, step_dir_name, verify_checkpoint
@@ -138,6 +139,93 @@ def test_metadata_unpickler_names_the_refused_global_in_one_line():
         load_metadata(pickle.dumps({"storage_data": {}}))
     with pytest.raises(RefusedPickle, match="unreadable DCP metadata"):
         load_metadata(b"\x80\x04garbage")
+
+
+SHARED: dict[str, int] = {}
+
+
+def shared() -> dict[str, int]:
+    """A function the tests allow with add_safe_globals: a dict the whole process shares."""
+    return SHARED
+
+
+META = "torch.distributed.checkpoint.metadata"
+
+# Pickles written opcode by opcode that change an object they did not create. BUILD with state
+# (None, {name: value}) sets attributes with setattr, which works on a class; with a plain dict it
+# updates __dict__, which works on a function or an instance.
+STATE_CHANGES = {
+    # The one reproduced: PosixPath.parent replaced process-wide, so a later save commits elsewhere.
+    "BUILD on an allowed class": (lambda: PosixPath, "cpathlib\nPosixPath\n(N}Vparent\nI1\nstb.", []),
+    "BUILD on a DCP metadata class": (lambda: Metadata, f"c{META}\nMetadata\n(N}}Vstorage_meta\nI1\nstb.", []),
+    # _get_layout reads a cache it keeps on itself, for torch.load with weights_only=True too.
+    "BUILD on an allowed function": (
+        lambda: torch.serialization._get_layout,
+        "ctorch.serialization\n_get_layout\n}Vcache\n}Vtorch.strided\nI1\nssb.",
+        [],
+    ),
+    "BUILD on a function the user allowed": (lambda: shared, f"c{__name__}\nshared\n}}Vcalls\nI1\nsb.", [shared]),
+    # Calling the Enum returns one of its members, which the whole process shares.
+    "BUILD on what a call returned": (
+        lambda: _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT,
+        f"c{META}\n_MEM_FORMAT_ENCODING\n(I0\ntR}}V_value_\nI7\nsb.",
+        [],
+    ),
+    "SETITEM on what a call returned": (lambda: SHARED, f"c{__name__}\nshared\n)RVk\nI1\ns.", [shared]),
+}
+
+
+def state_of(obj) -> dict:
+    return dict(obj) if isinstance(obj, dict) else dict(vars(obj))
+
+
+def put_back(obj, saved: dict) -> None:
+    """Undo what a payload changed, so that a failure here does not break the tests after it."""
+    if isinstance(obj, dict):
+        obj.clear()
+        obj.update(saved)
+        return
+    for name in vars(obj).keys() - saved.keys():
+        delattr(obj, name)
+    for name, value in saved.items():
+        if vars(obj).get(name) is not value:
+            setattr(obj, name, value)
+
+
+@pytest.mark.parametrize("target, payload, allowed", STATE_CHANGES.values(), ids=STATE_CHANGES.keys())
+def test_metadata_pickle_changes_nothing_it_did_not_create_even_when_refused(target, payload, allowed):
+    obj = target()
+    saved = state_of(obj)
+    try:
+        with torch.serialization.safe_globals(allowed), pytest.raises(RefusedPickle) as refused:
+            load_metadata(payload.encode())
+        changed = state_of(obj)
+    finally:
+        put_back(obj, saved)
+    assert changed == saved
+    assert "which this pickle did not create" in str(refused.value)
+
+
+NEVER_WRITTEN = {  # opcodes that call or look up something by other ways than the ones checked
+    "INST": b"(Vx\nipathlib\nPosixPath\n.",
+    "OBJ": b"(cpathlib\nPosixPath\nVx\no.",
+    "PERSID": b"P0\n.",
+    "EXT1": b"\x80\x02\x82\x01.",
+}
+
+
+@pytest.mark.parametrize("opcode", NEVER_WRITTEN)
+def test_metadata_unpickler_refuses_opcodes_dcp_never_writes(opcode):
+    with pytest.raises(RefusedPickle, match=f"opcode {opcode} "):
+        load_metadata(NEVER_WRITTEN[opcode])
+
+
+def test_real_metadata_loads_as_pickle_loads_it(tmp_path):
+    save_steps(tmp_path, [1])
+    data = (tmp_path / step_dir_name(1) / ".metadata").read_bytes()
+    loaded, expected = load_metadata(data), pickle.loads(data)
+    assert loaded == expected
+    assert pickle.dumps(loaded) == pickle.dumps(expected)  # the same objects, shared the same way
 
 
 def test_a_value_carrying_a_pickle_payload_is_refused_and_resume_falls_back(tmp_path, caplog):

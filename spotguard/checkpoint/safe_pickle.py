@@ -3,8 +3,9 @@
 DCP's `.metadata` is a pickle, and DCP's default planner loads every non-tensor value of
 a state with `torch.load(weights_only=False)`: either would run whatever code the writer of
 the checkpoint chose. Here `.metadata` goes through an unpickler that admits only the types
-real DCP metadata holds, and non-tensor values through `torch.load(weights_only=True)`. Both
-also admit what the user allowed with `torch.serialization.add_safe_globals`.
+real DCP metadata holds and changes no object but those it creates, and non-tensor values
+through `torch.load(weights_only=True)`. Both also admit what the user allowed with
+`torch.serialization.add_safe_globals`.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from __future__ import annotations
 import io
 import pathlib
 import pickle
+import pickletools
 import re
-from typing import IO, Any
+from collections.abc import Callable
+from typing import IO, Any, NoReturn
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
@@ -47,6 +50,10 @@ def _metadata_globals() -> dict[str, Any]:
 
     Found by recording the globals in checkpoints of plain, DDP and FSDP2 (2 ranks) modules
     with Adam/AdamW/SGD state, an LR scheduler, and tensors and plain values of many kinds.
+    A pickle may call any of them with arguments of its choosing, and no such call changes
+    anything but the object it returns: the dataclasses' and torch.Size's constructors fill a
+    new object, PosixPath's only parses its arguments, dtypes cannot be called, and the two
+    lookups stand in for callables that can change more (see there).
     """
     dcp_types = (
         Metadata,
@@ -56,13 +63,18 @@ def _metadata_globals() -> dict[str, Any]:
         BytesStorageMetadata,
         ChunkStorageMetadata,
         TensorProperties,
-        _MEM_FORMAT_ENCODING,  # how TensorProperties pickles its memory format
         _StorageInfo,
         torch.Size,
     )
     allowed = {_name(t): t for t in dcp_types}
     allowed.update({f"torch.{name}": v for name, v in vars(torch).items() if isinstance(v, torch.dtype)})
-    allowed["torch.serialization._get_layout"] = torch.serialization._get_layout  # how a torch.layout pickles
+    # How TensorProperties pickles its memory format: the Enum called with its value. Called with
+    # more arguments, an Enum defines a new one; the lookup only finds a member.
+    allowed[_name(_MEM_FORMAT_ENCODING)] = {m.value: m for m in _MEM_FORMAT_ENCODING}.__getitem__
+    # How a torch.layout pickles. torch's _get_layout fills a cache kept on the function itself
+    # (which torch.load reads too); the lookup gives the same layouts from a table of its own.
+    layouts = {str(v): v for v in vars(torch).values() if isinstance(v, torch.layout)}
+    allowed["torch.serialization._get_layout"] = layouts.__getitem__
     # StorageMeta.checkpoint_id is the writer's path; Python 3.13 moved PosixPath to pathlib._local.
     allowed["pathlib.PosixPath"] = allowed["pathlib._local.PosixPath"] = pathlib.PosixPath
     return allowed
@@ -72,7 +84,10 @@ _METADATA_GLOBALS = _metadata_globals()
 
 
 def _user_globals() -> dict[str, Any]:
-    """What `torch.serialization.add_safe_globals` allowed (read on every use: it may grow)."""
+    """What `torch.serialization.add_safe_globals` allowed (read on every use: it may grow).
+
+    The user vouches for these: a pickle may call them as `torch.load(weights_only=True)` would.
+    """
     allowed = {}
     for entry in torch.serialization.get_safe_globals():
         obj, name = entry if isinstance(entry, tuple) else (entry, _name(entry))
@@ -80,20 +95,161 @@ def _user_globals() -> dict[str, Any]:
     return allowed
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+_Handler = Callable[["_MetadataUnpickler"], None]
+
+_OPCODE_NAMES = {ord(op.code): op.name for op in pickletools.opcodes}
+
+# Opcodes that push a value, immutable or new, or move values between stack, memo and marks;
+# GLOBAL and STACK_GLOBAL push what find_class gives.
+_INERT = """
+    PROTO FRAME STOP MARK POP POP_MARK DUP MEMOIZE PUT BINPUT LONG_BINPUT GET BINGET LONG_BINGET
+    NONE NEWTRUE NEWFALSE INT BININT BININT1 BININT2 LONG LONG1 LONG4 FLOAT BINFLOAT
+    STRING BINSTRING SHORT_BINSTRING UNICODE BINUNICODE SHORT_BINUNICODE BINUNICODE8
+    BINBYTES SHORT_BINBYTES BINBYTES8 BYTEARRAY8 EMPTY_TUPLE TUPLE TUPLE1 TUPLE2 TUPLE3 FROZENSET
+    GLOBAL STACK_GLOBAL
+""".split()
+# Opcodes that push a new list, dict or set, which later opcodes may fill.
+_CONTAINERS = "EMPTY_LIST LIST EMPTY_DICT DICT EMPTY_SET".split()
+# Refused, as DCP never writes them: INST and OBJ (calls of their own kind), PERSID and BINPERSID,
+# EXT1/2/4 (copyreg's registry), NEXT_BUFFER and READONLY_BUFFER (out-of-band data).
+
+_ABSENT = object()
+
+
+def _code(opcode: str) -> int:
+    return getattr(pickle, opcode)[0]
+
+
+def _creating(load: _Handler) -> _Handler:
+    """`load`, which pushes a container, and that container counts as one this load created."""
+
+    def create(self: _MetadataUnpickler) -> None:
+        load(self)
+        self._created(self.stack[-1])
+
+    return create
+
+
+class _OpcodeTable(dict[int, _Handler]):
+    def __missing__(self, code: int) -> NoReturn:
+        name = _OPCODE_NAMES.get(code, repr(bytes([code])))
+        raise RefusedPickle(f"refused to unpickle: opcode {name} is not one DCP metadata is written with")
+
+
+class _MetadataUnpickler(pickle._Unpickler):
+    """Unpickles with nothing but the allowed globals, and changes no object it did not create.
+
+    Allowing only some globals is not enough. BUILD sets attributes on whatever lies under its
+    state: an allowed class or function itself (BUILD on `pathlib.PosixPath` can replace
+    `PosixPath.parent` in the whole process) or a shared object a call returned (an Enum member);
+    SETITEM(S), APPEND(S) and ADDITEMS change whatever they are given just the same, and all
+    of it stays changed when the load is refused afterwards. The C unpickler cannot be told to
+    check any of that, so this is the pure-Python one with an opcode table of its own: opcodes
+    that change an object accept only one this load created (a container an opcode pushed, or
+    an instance `object.__new__` allocated), opcodes that call accept only what find_class
+    gave, and opcodes DCP never writes are refused.
+    """
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data))
+        # By id, holding each object: no id is reused by a new object while the load runs.
+        self._found: dict[int, tuple[Any, str]] = {}
+        self._made: dict[int, Any] = {}
+
     def find_class(self, module: str, name: str) -> Any:
         # Looked up by name, never imported: importing a module can run code too.
         full = f"{module}.{name}"
         allowed = {**_user_globals(), **_METADATA_GLOBALS}.get(full)
         if allowed is None:
             raise RefusedPickle(f"refused to unpickle global {full} (not a DCP metadata type; {_HINT})")
+        self._found[id(allowed)] = (allowed, full)
         return allowed
+
+    def _created(self, obj: Any) -> None:
+        self._made[id(obj)] = obj
+
+    def _is_found(self, obj: Any) -> bool:
+        found = self._found.get(id(obj))
+        return found is not None and found[0] is obj
+
+    def _describe(self, obj: Any) -> str:
+        return self._found[id(obj)][1] if self._is_found(obj) else f"a {_name(type(obj))}"
+
+    def _may_change(self, obj: Any, opcode: str) -> None:
+        if self._made.get(id(obj), _ABSENT) is not obj:
+            raise RefusedPickle(
+                f"refused to unpickle: {opcode} would change {self._describe(obj)}, which this pickle did not create"
+            )
+
+    def _may_call(self, obj: Any, opcode: str) -> Any:
+        if not self._is_found(obj):
+            raise RefusedPickle(
+                f"refused to unpickle: {opcode} would call {self._describe(obj)}, not an allowed global"
+            )
+        return obj
+
+    def load_build(self) -> None:
+        self._may_change(self.stack[-2], "BUILD")
+        super().load_build()
+
+    def load_append(self) -> None:
+        self._may_change(self.stack[-2], "APPEND")
+        super().load_append()
+
+    def load_setitem(self) -> None:
+        self._may_change(self.stack[-3], "SETITEM")
+        super().load_setitem()
+
+    # These three change the object under their mark.
+    def load_appends(self) -> None:
+        self._may_change(self.metastack[-1][-1], "APPENDS")
+        super().load_appends()
+
+    def load_setitems(self) -> None:
+        self._may_change(self.metastack[-1][-1], "SETITEMS")
+        super().load_setitems()
+
+    def load_additems(self) -> None:
+        self._may_change(self.metastack[-1][-1], "ADDITEMS")
+        super().load_additems()
+
+    def load_reduce(self) -> None:
+        self._may_call(self.stack[-2], "REDUCE")
+        super().load_reduce()  # what it returns may be shared (an Enum member): not created here
+
+    def load_newobj(self) -> None:
+        self._new(self._may_call(self.stack[-2], "NEWOBJ"), super().load_newobj)
+
+    def load_newobj_ex(self) -> None:
+        self._new(self._may_call(self.stack[-3], "NEWOBJ_EX"), super().load_newobj_ex)
+
+    def _new(self, cls: Any, load: Callable[[], None]) -> None:
+        load()
+        # object.__new__ always allocates; any other __new__ may return a shared object (an Enum's does).
+        if isinstance(cls, type) and cls.__new__ is object.__new__:
+            self._created(self.stack[-1])
+
+    dispatch = _OpcodeTable(
+        {_code(op): pickle._Unpickler.dispatch[_code(op)] for op in _INERT}
+        | {_code(op): _creating(pickle._Unpickler.dispatch[_code(op)]) for op in _CONTAINERS}
+        | {
+            pickle.BUILD[0]: load_build,
+            pickle.APPEND[0]: load_append,
+            pickle.SETITEM[0]: load_setitem,
+            pickle.APPENDS[0]: load_appends,
+            pickle.SETITEMS[0]: load_setitems,
+            pickle.ADDITEMS[0]: load_additems,
+            pickle.REDUCE[0]: load_reduce,
+            pickle.NEWOBJ[0]: load_newobj,
+            pickle.NEWOBJ_EX[0]: load_newobj_ex,
+        }
+    )
 
 
 def load_metadata(data: bytes) -> Metadata:
     """DCP's `.metadata` from its bytes, unpickled with nothing but the allowed globals."""
     try:
-        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        metadata = _MetadataUnpickler(data).load()
     except RefusedPickle:
         raise
     except Exception as exc:  # a pickle that only uses allowed globals can still be garbage
