@@ -5,7 +5,9 @@ for the deadline when the answer is already known."""
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 import socket
 import struct
@@ -279,3 +281,139 @@ sharded = DTensor.from_local(torch.zeros(10, 10), mesh, [Shard(0)])
 opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
 print(sharded_nbytes({"model": model, "opt": opt, "nested": {"w": sharded, "v": sharded}}))
 """
+
+
+# -- the listener, bounded before the hello ---------------------------------------------------
+
+
+def frame(obj: object) -> bytes:
+    body = json.dumps(obj).encode()
+    return struct.pack("!Q", len(body)) + body
+
+
+def closed(sock: socket.socket) -> bool:
+    """Whether the survivor has closed this connection (a FIN, or a reset for bytes it never read)."""
+    try:
+        return sock.recv(1, socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def wait_closed(socks: list[socket.socket], within_s: float) -> list[bool]:
+    """Which of `socks` the survivor closed within `within_s` (looked at until all are)."""
+    gone = [False] * len(socks)
+    until = time.monotonic() + within_s
+    while not all(gone) and time.monotonic() < until:
+        gone = [was or closed(s) for was, s in zip(gone, socks)]
+        time.sleep(0.02)
+    return gone
+
+
+def two_leaving() -> Departure:
+    """Leaving ranks 1 and 2 both hand to survivor 0: it still listens after rank 1's handoff."""
+    return Departure(frozenset({1, 2}), Connection.of(dist.HashStore()), "run/emergency/1/", world_size=3)
+
+
+def test_slow_drip_hellos_are_cut_at_the_hello_deadline_and_the_real_senders_get_through(monkeypatch):
+    """A byte every 0.5 s on 100 connections: no single read waits long, the whole hello does."""
+    import spotguard.checkpoint.handoff as handoff
+
+    monkeypatch.setattr(handoff, "HELLO_DEADLINE_S", 1.0)
+    departure = two_leaving()
+    survivor = Survivor(departure, senders=(1, 2))
+    host, port, _ = address(departure)
+    opened = time.monotonic()
+    drips = [socket.create_connection((host, port)) for _ in range(100)]
+    stop = threading.Event()
+
+    def drip() -> None:
+        hello = frame({"token": "x" * 1000})
+        for i in range(len(hello)):
+            for s in drips:
+                try:
+                    s.send(hello[i : i + 1])
+                except OSError:  # closed by the survivor
+                    pass
+            if stop.wait(0.5):
+                return
+
+    dripper = threading.Thread(target=drip)
+    dripper.start()
+    try:
+        sent = shards()
+        send_shards(departure, 1, 0, STEP, sent, cutoff())
+        assert all(wait_closed(drips, within_s=handoff.HELLO_DEADLINE_S + 1.0 - (time.monotonic() - opened)))
+        send_shards(departure, 2, 0, STEP, sent, cutoff())
+    finally:
+        stop.set()
+        dripper.join()
+        for s in drips:
+            s.close()
+    got = survivor.join()
+    assert not isinstance(got, BaseException), got
+    assert len(got) == 2 * len(sent) and torch.equal(got[0][1], sent[0][1])
+
+
+def test_connections_past_the_cap_are_closed_at_once_and_the_real_sender_gets_through(departure, monkeypatch):
+    """Idle connections past PENDING_HELLOS_MIN: the oldest go at once (the deadline is far away),
+    the newest keep their places, and the real sender, later still, takes one."""
+    import spotguard.checkpoint.handoff as handoff
+
+    monkeypatch.setattr(handoff, "HELLO_DEADLINE_S", 60.0)  # only the cap closes anything here
+    survivor = Survivor(departure)
+    host, port, _ = address(departure)
+    cap, extra = handoff.PENDING_HELLOS_MIN, 20
+    idle = [socket.create_connection((host, port)) for _ in range(cap + extra)]
+    try:
+        assert wait_closed(idle, within_s=1.5) == [True] * extra + [False] * cap
+        sent = shards()
+        send_shards(departure, 1, 0, STEP, sent, cutoff())
+        got = survivor.join()
+    finally:
+        for s in idle:
+            s.close()
+    assert not isinstance(got, BaseException), got
+    assert torch.equal(got[0][1], sent[0][1])
+
+
+def test_a_hello_from_an_unexpected_or_already_connected_rank_is_closed():
+    """Even with the token: rank 1 a second time, or rank 5 that nobody expects, is not served."""
+    departure = two_leaving()
+    survivor = Survivor(departure, senders=(1, 2))
+    host, port, token = address(departure)
+    send_shards(departure, 1, 0, STEP, shards(), cutoff())
+    for rank in (1, 5):
+        with socket.create_connection((host, port), timeout=5) as s:
+            s.sendall(frame({"token": token, "rank": rank, "step": STEP}))
+            assert s.recv(1) == b""  # closed without a word
+    send_shards(departure, 2, 0, STEP, shards(), cutoff())
+    got = survivor.join()
+    assert not isinstance(got, BaseException), got
+    assert len(got) == 2 * len(shards())
+
+
+def test_failed_accepts_are_logged_once_each_and_survived(departure, monkeypatch, caplog):
+    """Out of descriptors (EMFILE, ENFILE) or a connection aborted before it was taken: the
+    listener pauses and goes on, and the real sender's handoff then goes through."""
+    failures = iter([errno.EMFILE] * 3 + [errno.ECONNABORTED] * 2 + [errno.ENFILE])
+    real_accept = socket.socket.accept
+
+    def failing_accept(self: socket.socket):
+        err = next(failures, None)
+        if err is not None:
+            raise OSError(err, os.strerror(err))
+        return real_accept(self)
+
+    monkeypatch.setattr(socket.socket, "accept", failing_accept)  # only the survivor accepts here
+    survivor = Survivor(departure)
+    sent = shards()
+    with caplog.at_level(logging.WARNING, logger="spotguard.checkpoint.handoff"):
+        send_shards(departure, 1, 0, STEP, sent, cutoff())
+        got = survivor.join()
+    assert not isinstance(got, BaseException), got
+    assert torch.equal(got[0][1], sent[0][1])
+    assert next(failures, None) is None
+    logged = [r.getMessage() for r in caplog.records if "could not accept" in r.getMessage()]
+    assert len(logged) == 3, logged  # one per kind

@@ -6,7 +6,9 @@ and sends, in order: a JSON hello (token, rank, step), a JSON
 header (one entry per shard: name, offsets, sizes, dtype, bytes), the bytes of each shard
 in chunks, and a JSON trailer with each shard's CRC32C. The survivor checksums the bytes
 as they arrive and answers `{"ok": true}` or why not; only then is the leaving rank free
-to go. Nothing is pickled, and a connection without the token is dropped.
+to go. Nothing is pickled, and a connection without the token is dropped. Until its hello
+proves it one of the expected senders, a connection costs the survivor no thread, a few
+seconds at most and one of a few places; a failed accept() is survived.
 
 The survivors' coordinator publishes the outcome of the save (`Departure.publish_outcome`), so
 a leaving rank can tell the truth about a checkpoint it no longer takes part in.
@@ -14,16 +16,19 @@ a leaving rank can tell the truth about a checkpoint it no longer takes part in.
 
 from __future__ import annotations
 
+import errno
+import hmac
 import ipaddress
 import json
 import logging
 import os
 import secrets
+import selectors
 import socket
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -39,7 +44,32 @@ log = logging.getLogger(__name__)
 
 CHUNK = 4 << 20
 IDLE_TIMEOUT_S = 10.0  # a peer silent this long is gone (a VM that vanished sends no FIN)
-HELLO_TIMEOUT_S = 2.0
+# A leaving rank sends its hello (a hundred bytes) as soon as it connects: this bounds the whole
+# hello, whatever a peer's byte rate, so a stranger dripping bytes cannot keep a place.
+HELLO_DEADLINE_S = 3.0
+# Connections still owing their hello: a leaving rank needs one place for milliseconds, so a few
+# per expected sender leave room for retries and probes; past the cap the oldest is dropped.
+PENDING_HELLOS_MIN = 8
+PENDING_HELLOS_PER_SENDER = 2
+_POLL_S = 0.05  # how often the listener looks at the mailbox and the deadlines
+# accept(2) out of descriptors or kernel memory: the connection stays queued and the listener
+# readable, so pause rather than spin until some are given back.
+_ACCEPT_EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+_ACCEPT_EXHAUSTED_PAUSE_S = 0.05
+# accept(2) errors of the one connection being taken (gone, refused by a filter), not of the listener.
+_ACCEPT_CONNECTION_ERRORS = frozenset(
+    {
+        errno.ECONNABORTED,
+        errno.EPROTO,
+        errno.EPERM,
+        errno.ENETDOWN,
+        errno.ENETUNREACH,
+        errno.EHOSTDOWN,
+        errno.EHOSTUNREACH,
+        errno.ENOPROTOOPT,
+        errno.EOPNOTSUPP,
+    }
+)
 # A live leaving rank reaches the agreed step with the survivors (the step's collectives keep them
 # in lockstep) and connects within milliseconds of a survivor's address appearing; one that has not
 # begun its handoff this long after the survivor started listening is gone (killed before its handoff).
@@ -254,34 +284,44 @@ class Receiver:
         lock = threading.Lock()
         give_up_at = time.monotonic() + START_GRACE_S
 
-        def began(sender: int) -> None:
+        def serve(conn: socket.socket, sender: int, step: Any) -> None:
+            outcome = self._serve(conn, sender, step, cutoff)
             with lock:
-                started.add(sender)
+                results.setdefault(sender, outcome)
 
-        def serve(conn: socket.socket) -> None:
-            sender, outcome = self._serve(conn, cutoff, began)
-            if sender is not None:
-                with lock:
-                    results.setdefault(sender, outcome)
-
+        cap = max(PENDING_HELLOS_MIN, PENDING_HELLOS_PER_SENDER * len(self.senders))
+        doorway = _Doorway(self._listener, cap)
         try:
             while len(results) < len(self.senders) and not cutoff.passed():
-                self._listener.settimeout(min(0.05, _timeout(cutoff)))
-                try:
-                    conn, _ = self._listener.accept()
-                except TimeoutError:
-                    with lock:
-                        self._note_failures(results, started, time.monotonic() > give_up_at)
-                    continue
-                threading.Thread(target=serve, args=(conn,), name="spotguard-handoff", daemon=True).start()
+                for conn, hello in doorway.poll(min(_POLL_S, _timeout(cutoff))):
+                    sender = self._sender_of(hello, started)
+                    if sender is None:
+                        doorway.refuse(conn)
+                        continue
+                    started.add(sender)
+                    args = (conn, sender, hello.get("step"))
+                    threading.Thread(target=serve, args=args, name="spotguard-handoff", daemon=True).start()
+                with lock:  # every round: a flood of connections must not hide a sender's failure
+                    self._note_failures(results, started, time.monotonic() > give_up_at)
         finally:
-            self._listener.close()
+            doorway.close()
         with lock:
             outcomes = {r: results.get(r, "nothing arrived before the deadline") for r in self.senders}
         failed = {r: why for r, why in outcomes.items() if isinstance(why, str)}
         if failed:
             raise HandoffError("; ".join(f"from rank {r}: {why}" for r, why in sorted(failed.items())))
         return [shard for r in self.senders for shard in outcomes[r]]  # type: ignore[union-attr]
+
+    def _sender_of(self, hello: dict[str, Any], started: set[int]) -> int | None:
+        """The expected sender a hello proves itself to be, or None: no token, or one that is not
+        expected or already connected (only the store's readers know the token: a bug, not a stranger)."""
+        token, rank = hello.get("token"), hello.get("rank")
+        if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self._token.encode()):
+            return None
+        if type(rank) is not int or rank not in self.senders or rank in started:
+            log.warning("refused a handoff from rank %r: expected once each from %s", rank, self.senders)
+            return None
+        return rank
 
     def _note_failures(self, results: dict[int, Shards | str], started: set[int], grace_over: bool) -> None:
         """Senders known to have failed without a word on the connection: they said so through the
@@ -296,20 +336,13 @@ class Receiver:
             elif grace_over and sender not in started:
                 results[sender] = f"it did not begin its handoff within {START_GRACE_S:.0f} s (gone before it?)"
 
-    def _serve(
-        self, conn: socket.socket, cutoff: Cutoff, on_start: Callable[[int], None]
-    ) -> tuple[int | None, Shards | str]:
-        sender = None
+    def _serve(self, conn: socket.socket, sender: int, step: Any, cutoff: Cutoff) -> Shards | str:
+        """The rest of an admitted sender's handoff (header, shards, trailer), then the answer to it."""
         with conn:
             try:
-                # Small and quick until the token is checked: strangers cost little and go soon.
-                hello = _recv_json(conn, cutoff, limit=_MAX_HELLO, idle_s=HELLO_TIMEOUT_S)
-                if hello.get("token") != self._token or hello.get("rank") not in self.senders:
-                    return None, "a connection without the right token"
-                sender = int(hello["rank"])
-                on_start(sender)
-                if hello.get("step") != self.step:
-                    raise HandoffError(f"it sent step {hello.get('step')}, not {self.step}")
+                conn.settimeout(_timeout(cutoff))  # the hello was read without blocking
+                if step != self.step:
+                    raise HandoffError(f"it sent step {step}, not {self.step}")
                 started = time.monotonic()
                 shards = [_allocate(entry, self.pool) for entry in _recv_json(conn, cutoff)["shards"]]
                 crcs = [_recv_into(conn, _bytes_of(tensor), cutoff) for _, tensor in shards]
@@ -323,7 +356,7 @@ class Receiver:
                     _send_json(conn, {"ok": False, "error": why})
                 except OSError:
                     pass
-                return sender, why
+                return why
         nbytes = sum(t.numel() * t.element_size() for _, t in shards)
         log.info(
             "received %d shards (%.1f MB) from leaving rank %d in %.2f s",
@@ -332,7 +365,126 @@ class Receiver:
             sender,
             time.monotonic() - started,
         )
-        return sender, shards
+        return shards
+
+
+class _Hello:
+    """A connection whose hello is still on its way, read as its bytes arrive, never blocking."""
+
+    def __init__(self, conn: socket.socket, deadline: float) -> None:
+        conn.setblocking(False)
+        self.conn = conn
+        self.fd = conn.fileno()  # its key while it waits (a closed socket's fileno() is -1)
+        self.deadline = deadline
+        self._buf = bytearray()
+        self._size = _FRAME.size  # the length prefix, then the whole frame
+
+    def read(self) -> dict[str, Any] | None:
+        """The hello once it is all in, None until then; raises on a closed connection or a
+        malformed or oversized hello."""
+        while len(self._buf) < self._size:
+            try:
+                data = self.conn.recv(self._size - len(self._buf))  # never past the hello
+            except BlockingIOError:
+                return None
+            if not data:
+                raise HandoffError("the connection closed before its hello")
+            self._buf += data
+            if len(self._buf) == _FRAME.size:
+                (length,) = _FRAME.unpack(self._buf)
+                if length > _MAX_HELLO:
+                    raise HandoffError(f"a {length}-byte hello is too large")
+                self._size += length
+        return _json_object(self._buf[_FRAME.size :])
+
+
+class _Doorway:
+    """The listener and the connections still owing their hello, on one thread: at most `cap` wait,
+    each HELLO_DEADLINE_S in all. Past the cap the oldest goes: whoever took the places first cannot
+    lock out a sender that comes later (its hello arrives with its connection). A failed accept()
+    (out of descriptors, a connection aborted before it was taken) is logged once per kind and survived.
+    """
+
+    def __init__(self, listener: socket.socket, cap: int) -> None:
+        listener.setblocking(False)
+        self._listener = listener
+        self._cap = cap
+        self._waiting: dict[int, _Hello] = {}  # by descriptor, oldest first: the deadlines come in this order
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(listener, selectors.EVENT_READ)
+        self._accept_errors: set[int | None] = set()  # the kinds already logged
+        self._dropped = 0
+
+    def poll(self, timeout_s: float) -> list[tuple[socket.socket, dict[str, Any]]]:
+        """The connections whose hello came in within `timeout_s`, with it (yet to be checked)."""
+        arrived = []
+        for key, _ in self._selector.select(timeout_s):
+            waiting = self._accept() if key.fileobj is self._listener else self._waiting.get(key.fd)
+            if waiting is not None and (hello := self._read(waiting)) is not None:
+                arrived.append((waiting.conn, hello))
+        self._expire()
+        return arrived
+
+    def refuse(self, conn: socket.socket) -> None:
+        """Close a connection whose hello was complete but not good."""
+        conn.close()
+        self._dropped += 1
+
+    def close(self) -> None:
+        for waiting in list(self._waiting.values()):
+            self._drop(waiting)
+        self._selector.close()
+        self._listener.close()
+        if self._dropped:
+            log.warning("the handoff listener dropped %d connections without a good hello", self._dropped)
+
+    def _accept(self) -> _Hello | None:
+        try:
+            conn, _ = self._listener.accept()
+        except BlockingIOError:  # the connection went (reset) before it was taken
+            return None
+        except OSError as exc:
+            if exc.errno not in _ACCEPT_EXHAUSTED | _ACCEPT_CONNECTION_ERRORS:
+                raise  # the listener itself is broken
+            self._survive(exc)
+            return None
+        if len(self._waiting) >= self._cap:
+            self._drop(next(iter(self._waiting.values())))
+        waiting = _Hello(conn, time.monotonic() + HELLO_DEADLINE_S)
+        self._waiting[waiting.fd] = waiting
+        self._selector.register(conn, selectors.EVENT_READ)
+        return waiting  # read at once: a sender's hello usually came with its connection
+
+    def _survive(self, exc: OSError) -> None:
+        if exc.errno not in self._accept_errors:
+            self._accept_errors.add(exc.errno)
+            log.warning("the handoff listener could not accept a connection (%s); it goes on listening", exc)
+        if exc.errno in _ACCEPT_EXHAUSTED:
+            time.sleep(_ACCEPT_EXHAUSTED_PAUSE_S)
+
+    def _read(self, waiting: _Hello) -> dict[str, Any] | None:
+        try:
+            hello = waiting.read()
+        except Exception as exc:  # noqa: BLE001 - whatever a stranger sends, the listener goes on
+            log.debug("dropped a handoff connection: %s", exc)
+            self._drop(waiting)
+            return None
+        if hello is not None:
+            self._release(waiting)
+        return hello
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        while self._waiting and (oldest := next(iter(self._waiting.values()))).deadline <= now:
+            self._drop(oldest)
+
+    def _drop(self, waiting: _Hello) -> None:
+        self._release(waiting)
+        self.refuse(waiting.conn)
+
+    def _release(self, waiting: _Hello) -> None:
+        self._selector.unregister(waiting.conn)
+        del self._waiting[waiting.fd]
 
 
 def _allocate(entry: dict[str, Any], pool: ReceivePool | None) -> tuple[WriteItem, torch.Tensor]:
@@ -360,9 +512,9 @@ def _allocate(entry: dict[str, Any], pool: ReceivePool | None) -> tuple[WriteIte
 # -- framing ---------------------------------------------------------------------------------
 
 
-def _timeout(cutoff: Cutoff, idle_s: float = IDLE_TIMEOUT_S) -> float:
+def _timeout(cutoff: Cutoff) -> float:
     left = cutoff.left()
-    return idle_s if left is None else max(0.01, min(idle_s, left))
+    return IDLE_TIMEOUT_S if left is None else max(0.01, min(IDLE_TIMEOUT_S, left))
 
 
 def _send_json(sock: socket.socket, obj: Any) -> None:
@@ -370,23 +522,25 @@ def _send_json(sock: socket.socket, obj: Any) -> None:
     sock.sendall(_FRAME.pack(len(body)) + body)
 
 
-def _recv_json(
-    sock: socket.socket, cutoff: Cutoff, limit: int = _MAX_FRAME, idle_s: float = IDLE_TIMEOUT_S
-) -> dict[str, Any]:
+def _recv_json(sock: socket.socket, cutoff: Cutoff) -> dict[str, Any]:
     head = bytearray(_FRAME.size)
-    _recv_into(sock, memoryview(head), cutoff, idle_s)
+    _recv_into(sock, memoryview(head), cutoff)
     (length,) = _FRAME.unpack(head)
-    if length > limit:
+    if length > _MAX_FRAME:
         raise HandoffError(f"a {length}-byte frame is too large")
     body = bytearray(length)
-    _recv_into(sock, memoryview(body), cutoff, idle_s)
+    _recv_into(sock, memoryview(body), cutoff)
+    return _json_object(body)
+
+
+def _json_object(body: bytes | bytearray) -> dict[str, Any]:
     value = json.loads(body)
     if not isinstance(value, dict):
         raise HandoffError("malformed frame")
     return value
 
 
-def _recv_into(sock: socket.socket, view: memoryview, cutoff: Cutoff, idle_s: float = IDLE_TIMEOUT_S) -> str:
+def _recv_into(sock: socket.socket, view: memoryview, cutoff: Cutoff) -> str:
     """Fill `view` from `sock` by `cutoff`; returns the CRC32C of what arrived.
 
     The checksum runs once per CHUNK arrived (GB/s, in C), while the sender puts the next one on
@@ -397,7 +551,7 @@ def _recv_into(sock: socket.socket, view: memoryview, cutoff: Cutoff, idle_s: fl
     while got < len(view):
         if cutoff.passed():
             raise HandoffError("the deadline passed during the handoff")
-        sock.settimeout(_timeout(cutoff, idle_s))  # a recv waits at most the idle time, never past the cutoff
+        sock.settimeout(_timeout(cutoff))  # a recv waits at most the idle time, never past the cutoff
         n = sock.recv_into(view[got : got + CHUNK])
         if n == 0:
             raise HandoffError(f"the connection closed after {got} of {len(view)} bytes")
