@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -104,6 +105,15 @@ def fsync_path(path: str | Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_TEMP_RE = re.compile(r"^\.(.+)\.[0-9a-f]{12}\.tmp$")
+
+
+def temp_target(name: str) -> str | None:
+    """The file name a `fill_then_rename` temporary (`.NAME.<hex>.tmp`) stands for; None for any other name."""
+    match = _TEMP_RE.match(name)
+    return match.group(1) if match else None
 
 
 def fill_then_rename(

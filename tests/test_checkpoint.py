@@ -8,6 +8,7 @@ import pickle
 import sys
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -274,6 +275,45 @@ def test_upload_path_commits_locally_then_remotely(tmp_path):
     assert_same(loaded, held[0])
 
 
+def _resume_t(location, **kwargs):
+    state = {"t": torch.zeros(4)}
+    with Checkpointer(str(location), **kwargs) as ck:
+        return ck, ck.resume(state), state["t"]
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["filesystem", "staged-then-uploaded"])
+def test_a_committed_step_that_resume_rejected_is_replaced_by_the_new_save(tmp_path, staged, caplog):
+    """Step 20 damaged: resume falls back to 11; the run reaches 20 again and saves it. Keeping
+    the damaged copy ("already committed") would report a save that every later resume skips."""
+    remote = tmp_path / "ckpt"
+    local = (lambda name: {"local_dir": str(tmp_path / name)}) if staged else (lambda name: {})
+    with Checkpointer(str(remote), **local("a")) as ck:
+        for step in (11, 20):
+            ck.save(step, {"t": torch.full((4,), float(step))}, reason="periodic")
+    flip_byte(shard(remote / "step-0000000020"))
+    ck, step, t = _resume_t(remote, **local("b"))
+    assert step == 11 and torch.equal(t, torch.full((4,), 11.0))
+    with Checkpointer(str(remote), **local("b")) as ck:
+        assert ck.resume({"t": torch.zeros(4)}) == 11
+        report = ck.save(20, {"t": torch.full((4,), 20.5)}, reason="emergency")
+    assert report is not None and report.durable
+    assert "resume would not load it (this run's resume found it bad)" in caplog.text
+    _, step, t = _resume_t(remote, **local("c"))
+    assert step == 20 and torch.equal(t, torch.full((4,), 20.5))
+
+
+def test_a_new_checkpoint_key_replaces_an_unsigned_step_of_the_same_number(tmp_path, caplog):
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.save(5, {"t": torch.ones(4)}, reason="periodic")
+    key = b"k" * 32
+    with Checkpointer(str(tmp_path), checkpoint_key=key) as ck:
+        assert ck.resume({"t": torch.zeros(4)}) is None  # unsigned: not this key's
+        ck.save(5, {"t": torch.full((4,), 2.0)}, reason="periodic")
+    assert "resume would not load it" in caplog.text
+    _, step, t = _resume_t(tmp_path, checkpoint_key=key)
+    assert step == 5 and torch.equal(t, torch.full((4,), 2.0))
+
+
 def test_failed_upload_keeps_the_local_commit_and_it_wins_on_resume(tmp_path):
     remote, local = tmp_path / "remote", tmp_path / "local"
     remote.mkdir()
@@ -302,6 +342,39 @@ def test_keep_last_deletes_only_older_committed_steps_and_stale_leftovers(tmp_pa
     names = sorted(p.name for p in tmp_path.iterdir())
     # A recent staging dir may belong to a save in progress: it stays.
     assert names == [fresh_tmp.name, "step-0000000003", "step-0000000004"]
+
+
+def test_cleanup_leaves_step_directories_that_spotguard_did_not_write(tmp_path):
+    """An 11-digit `step-00000000009` is no name of ours, and a user's `step-N` holding their own
+    files is theirs: both stay; a manifest-less step holding only our files (an interrupted upload) goes."""
+    from spotguard.checkpoint.retention import remove_abandoned
+
+    old = time.time() - 3600
+    leftovers = {
+        "step-00000000009": ["__0_0.distcp"],
+        "step-0000000005": ["notes.txt", "__0_0.distcp"],
+        "step-0000000006": ["__0_0.distcp", ".metadata", ".__1_0.distcp.0123456789ab.tmp"],
+    }
+    for name, files in leftovers.items():
+        for file in files:
+            (tmp_path / name).mkdir(exist_ok=True)
+            (tmp_path / name / file).write_bytes(b"x")
+        os.utime(tmp_path / name, (old, old))
+    (tmp_path / "step-0000000007" / "sub").mkdir(parents=True)  # a directory inside: not ours either
+    os.utime(tmp_path / "step-0000000007", (old, old))
+    save_steps(tmp_path, [10], keep_last=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step-00000000009",
+        "step-0000000005",
+        "step-0000000007",
+        "step-0000000010",
+    ]
+    assert [i.step for i in list_checkpoints(str(tmp_path))] == [5, 10]  # 11 digits: not listed as step 9
+
+    (tmp_path / "step-0000000006").mkdir()
+    (tmp_path / "step-0000000006" / "__0_0.distcp").write_bytes(b"x")
+    assert remove_abandoned(LocalStore(tmp_path)) == [6]  # the object-store cleanup: the same rule
+    assert (tmp_path / "step-0000000005" / "notes.txt").is_file()
 
 
 def test_keep_last_applies_to_local_and_remote(tmp_path):
@@ -400,3 +473,37 @@ def test_an_if_saved_entry_the_step_lacks_is_left_alone_and_only_a_top_level_one
         assert own.value == "fresh"
         with pytest.raises(TypeError, match=r"state\['nested'\] holds an IfSaved below the top level"):
             ckpt.save(2, {"w": torch.ones(3), "nested": {"rng": [IfSaved(own)]}}, reason="manual")
+
+
+def _saved_on_a_clock_ahead(location, step, monkeypatch, days=2):
+    """A step committed by a host whose clock is `days` ahead (its manifest's created_at)."""
+    import spotguard.checkpoint.checkpointer as module
+
+    real = module.utc_now
+    monkeypatch.setattr(module, "utc_now", lambda: real() + timedelta(days=days))
+    with Checkpointer(str(location)) as ck:
+        ck.save(step, {"t": torch.full((4,), float(step))}, reason="periodic")
+    monkeypatch.setattr(module, "utc_now", real)
+
+
+def test_retention_keeps_the_highest_steps_whatever_clock_committed_them(tmp_path, monkeypatch):
+    """A save from a VM whose clock ran 2 days ahead must not make keep_last=1 delete every later
+    save right after reporting it committed."""
+    _saved_on_a_clock_ahead(tmp_path, 10, monkeypatch)
+    with Checkpointer(str(tmp_path), keep_last=1) as ck:
+        assert ck.resume({"t": torch.zeros(4)}) == 10
+        for step in (11, 12):
+            assert ck.save(step, {"t": torch.full((4,), float(step))}, reason="periodic") is not None
+    assert [(i.step, i.committed) for i in list_checkpoints(str(tmp_path))] == [(12, True)]
+
+
+def test_a_step_committed_on_a_clock_ahead_before_this_run_is_not_another_jobs(tmp_path, monkeypatch, caplog):
+    """The step this run resumed from, from a host whose clock was ahead, is an earlier run's: not
+    "two jobs share this checkpoint_dir" (which would refuse every save, the emergency one too)."""
+    _saved_on_a_clock_ahead(tmp_path, 10, monkeypatch)
+    with Checkpointer(str(tmp_path)) as ck:
+        assert ck.resume({"t": torch.zeros(4)}) == 10
+        first = ck.save(11, {"t": torch.ones(4)}, reason="periodic")
+        second = ck.save(12, {"t": torch.ones(4)}, reason="emergency")
+    assert first is not None and second is not None and second.durable
+    assert "two jobs share" not in caplog.text

@@ -72,13 +72,13 @@ def test_resume_waits_out_a_short_outage_and_loads_the_newest_step(storage_serve
     assert torch.equal(restored["w"], state(2)["w"])
 
 
-def test_retention_orders_steps_by_commit_time_not_step_number(tmp_path):
+def test_retention_keeps_the_highest_steps_and_never_the_save_it_follows(tmp_path):
     save_steps(str(tmp_path), tmp_path, (100, 200), keep_last=2)
-    save_steps(str(tmp_path), tmp_path, (1, 2), keep_last=2)  # the job restarted from scratch
-    assert [(c.step, c.committed) for c in list_checkpoints(str(tmp_path))] == [(1, True), (2, True)]
+    save_steps(str(tmp_path), tmp_path, (1, 2), keep_last=2)  # started again at 0 beside them
+    # Resume loads 200: those stay; of the new run's steps only the one just saved is kept.
+    assert [(c.step, c.committed) for c in list_checkpoints(str(tmp_path))] == [(2, True), (100, True), (200, True)]
     save_steps(str(tmp_path), tmp_path, (300,), keep_last=1)
-    save_steps(str(tmp_path), tmp_path, (3,), keep_last=1)  # a resume from an older step
-    assert [c.step for c in list_checkpoints(str(tmp_path))] == [3]
+    assert [c.step for c in list_checkpoints(str(tmp_path))] == [300]
 
 
 def test_retention_with_the_store_frozen_gives_up_in_bounded_time(monkeypatch, tmp_path):

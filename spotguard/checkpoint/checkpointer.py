@@ -39,11 +39,12 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint import SavePlanner
 
+from cloud_adapters import validation as check
 from cloud_adapters.notice import Notice, isoformat_z, parse_iso8601, utc_now
 from cloud_adapters.storage import AlreadyExists, LocalStore, ObjectStore, PartsStore
 from cloud_adapters.stores import open_store
 from spotguard.checkpoint import retention
-from spotguard.checkpoint.auth import KEY_ENV, CheckpointKey, resolve_key, sign
+from spotguard.checkpoint.auth import KEY_ENV, CheckpointKey, resolve_key, sign, signature_problem
 from spotguard.checkpoint.comm import FAILURES, Comm, describe, new_gloo_group
 from spotguard.checkpoint.commit import commit_dir
 from spotguard.checkpoint.departure import Departure
@@ -135,15 +136,13 @@ class Checkpointer:
         checkpoint_key: CheckpointKey | None = None,
         stream_uploads: bool = True,
     ) -> None:
-        for name, value in (("keep_last", keep_last), ("write_threads", write_threads), ("thread_count", thread_count)):
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+        self.keep_last = check.optional(check.count, "keep_last", keep_last)
+        self.write_threads = check.optional(check.count, "write_threads", write_threads) or default_write_threads()
+        self.thread_count = check.count("thread_count", thread_count)
         self.remote: ObjectStore = open_store(checkpoint_dir)
-        self.keep_last = keep_last
-        self.write_threads = write_threads or default_write_threads()
-        self.thread_count = thread_count
         self.stream_uploads = stream_uploads
         self._key = resolve_key(checkpoint_key)
+        self._rejected: set[int] = set()  # steps this run's resume found bad: never kept over a new save
         self.comm = Comm(group)
         remote_root = Path(self.remote.url) if isinstance(self.remote, LocalStore) else None
         if local_dir is None and remote_root is None:
@@ -174,6 +173,7 @@ class Checkpointer:
         # This run's id (every rank the same: one start of the job), in each manifest it commits.
         self.run: str = self.comm.broadcast(new_run_id() if self.comm.is_coordinator else None)
         self._run_watch = RunWatch(utc_now())
+        self._note_earlier_steps()
         self._refusal: str | None = None  # set on rank 0 once another run was seen committing here
         # The store's own retry limit; a save with a deadline lowers it for its duration.
         self._retry_deadline_s: float | None = getattr(self.remote, "retry_deadline_s", None)
@@ -312,8 +312,27 @@ class Checkpointer:
             threads=self.thread_count,
             read_threads=self.write_threads,  # files are read as many at a time as they are written
             key=self._key,
+            bad=self._rejected,
         )
         return step
+
+    def _note_earlier_steps(self) -> None:
+        """Rank 0 (which judges other runs' steps): note what is committed as this run starts, so
+        that those steps never count as another job's, whatever their hosts' clocks said."""
+        if self.comm.is_coordinator:
+            local = [LocalStore(self.local_root)] if self.local_root is not None and self.local_root.is_dir() else []
+            self._run_watch.baseline([self.remote, *local])
+
+    def _unusable(self, existing: Manifest | None) -> str | None:
+        """Why resume would not load the committed copy of a step this run saves again (None: it
+        would, and it is kept). The rule: a step reported saved is one that resume loads."""
+        if existing is None:
+            return "its manifest cannot be read"
+        if existing.step in self._rejected:
+            return "this run's resume found it bad"
+        if self._key is not None and (problem := signature_problem(existing, self._key)):
+            return problem
+        return None
 
     def close(self) -> None:
         """Finish the in-flight save, stop the worker thread, release the store's connections.
@@ -665,7 +684,7 @@ class Checkpointer:
             if reason == "emergency" or cutoff.at is not None:
                 log.debug("no retention within a deadline: the next save cleans up")
             else:
-                self._retain()
+                self._retain(step)
             if comm.is_coordinator:
                 log.info(
                     "checkpoint step %d (%s) %s: %.1f MB in %d files, write %.2fs commit %.2fs upload %.2fs "
@@ -718,7 +737,7 @@ class Checkpointer:
                 run=self.run,
             )
             final, created = commit_dir(
-                stage, sign(manifest, self._key) if self._key is not None else manifest, self._run_watch
+                stage, sign(manifest, self._key) if self._key is not None else manifest, self._run_watch, self._unusable
             )
         except SharedDirectory as exc:
             self._refusal = str(exc)
@@ -742,29 +761,42 @@ class Checkpointer:
         try:
             if not within(lambda: self.remote.exists(manifest_key(step)), cutoff):
                 return False
-            return self._foreign(step, cutoff) or True
+            refusal, why = self._judge_remote(step, cutoff)
+            if refusal is not None or why is None:
+                return refusal or True
+            log.warning(
+                "step %d is committed in %s but resume would not load it (%s); replacing it", step, self.remote.url, why
+            )
+            within(lambda: self.remote.delete([manifest_key(step)]), cutoff)  # uncommitted first: never half of each
+            return False
         except Exception as exc:  # the upload itself will tell whether the store works
             log.warning("could not check %s for an existing step %d: %s", self.remote.url, step, exc)
             return False
 
     def _kept_or_refused(self, step: int, cutoff: Cutoff) -> str | None:
         """`step` was committed in the object store while this run uploaded it: keep that copy when
-        it is this run's (None), else say why not."""
+        it is this run's and loadable (None), else say why not."""
         try:
-            refusal = self._foreign(step, cutoff)
+            refusal, why = self._judge_remote(step, cutoff)
         except Exception as exc:  # noqa: BLE001 - it is committed there, by whom is unknown: not vouched for
             return f"step {step} was committed in {self.remote.url} meanwhile, by a run not known ({exc})"
-        if refusal is None:
+        if refusal is None and why is None:
             log.warning("step %d was committed in %s meanwhile; keeping that copy", step, self.remote.url)
-        return refusal
-
-    def _foreign(self, step: int, cutoff: Cutoff) -> str | None:
-        """Why the committed `step` in the object store is not this run's to keep (None when it is)."""
-        existing = Manifest.from_bytes(within(lambda: self.remote.get_bytes(manifest_key(step)), cutoff))
-        if not self._run_watch.is_concurrent(existing, self.run):
             return None
-        self._refusal = str(refuse(self.remote.url, existing, self.run))
-        return self._refusal
+        return refusal or f"step {step} was committed in {self.remote.url} meanwhile; resume would not load it ({why})"
+
+    def _judge_remote(self, step: int, cutoff: Cutoff) -> tuple[str | None, str | None]:
+        """For the committed `step` in the object store: (why this run must not upload it, why
+        resume would not load the copy there); both None: it is kept."""
+        data = within(lambda: self.remote.get_bytes(manifest_key(step)), cutoff)
+        try:
+            existing: Manifest | None = Manifest.from_bytes(data)
+        except ValueError:  # ManifestError
+            existing = None
+        if existing is not None and self._run_watch.is_concurrent(existing, self.run):
+            self._refusal = str(refuse(self.remote.url, existing, self.run))
+            return self._refusal, None
+        return None, self._unusable(existing)
 
     def _upload(
         self,
@@ -887,8 +919,8 @@ class Checkpointer:
         if self.on_event is not None and comm.is_coordinator:
             self.on_event(event, **detail)
 
-    def _retain(self) -> None:
-        """Retention after a commit; a failure here is logged, never raised. It first looks for steps
+    def _retain(self, saved: int) -> None:
+        """Retention after committing step `saved`; a failure here is logged, never raised. It first looks for steps
         of another run: then nothing is deleted, and the next save is refused."""
         comm = self.comm
         if comm.is_coordinator and self._refusal is None:
@@ -912,7 +944,9 @@ class Checkpointer:
         for store, root in jobs:
             try:
                 if store is not None and self._refusal is None:
-                    retention.keep_last(store, self.keep_last)  # type: ignore[arg-type]
+                    retention.keep_last(  # type: ignore[arg-type]
+                        store, self.keep_last, key=self._key, skip=self._rejected, saved=saved
+                    )
                 if root is not None:
                     retention.remove_leftovers(root)
             except Exception as exc:

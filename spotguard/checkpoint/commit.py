@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from cloud_adapters.storage import fsync_path, write_durably
@@ -24,12 +25,20 @@ def set_aside(step_dir: Path, step: int) -> None:
     os.rename(step_dir, step_dir.parent / sibling_name(step, "stale"))
 
 
-def commit_dir(stage_dir: Path, manifest: Manifest, runs: RunWatch | None = None) -> tuple[Path, bool]:
+def commit_dir(
+    stage_dir: Path,
+    manifest: Manifest,
+    runs: RunWatch | None = None,
+    unusable: Callable[[Manifest | None], str | None] | None = None,
+) -> tuple[Path, bool]:
     """Write the manifest into `stage_dir` and rename it to `step-N` beside it.
 
-    Returns (the step directory, whether this call created it). A step that is already
-    committed is never replaced: the new copy is discarded and the old one kept (SharedDirectory
-    when another run committed it since this one started, as `runs` tells).
+    Returns (the step directory, whether this call created it). A committed step of the same
+    number is kept, and the new copy discarded, when resume would load it; `unusable(existing
+    manifest or None when unreadable)` says why it would not, and then the existing copy is set
+    aside (a hidden leftover, for retention) and the new one committed: a step reported saved
+    must be one that resume loads. SharedDirectory when another run committed it since this
+    one started, as `runs` tells.
     """
     final = stage_dir.parent / step_dir_name(manifest.step)
     if is_committed(final):
@@ -42,9 +51,13 @@ def commit_dir(stage_dir: Path, manifest: Manifest, runs: RunWatch | None = None
         ):
             shutil.rmtree(stage_dir, ignore_errors=True)
             raise refuse(str(final.parent), existing, manifest.run)
-        log.warning("step %d is already committed at %s; keeping it and discarding the new copy", manifest.step, final)
-        shutil.rmtree(stage_dir, ignore_errors=True)
-        return final, False
+        why = unusable(existing) if unusable is not None else None
+        if why is None:
+            log.warning("step %d is already committed at %s; keeping it, not the new copy", manifest.step, final)
+            shutil.rmtree(stage_dir, ignore_errors=True)
+            return final, False
+        log.warning("%s is committed, but resume would not load it (%s): replacing it", final, why)
+        set_aside(final, manifest.step)
     # DCP already fsynced the data files (sync_files=True); write_durably fsyncs the manifest and the directory.
     write_durably(stage_dir / MANIFEST_NAME, manifest.to_bytes())
     if final.exists():
@@ -56,7 +69,7 @@ def commit_dir(stage_dir: Path, manifest: Manifest, runs: RunWatch | None = None
 
 
 def _readable_manifest(step_dir: Path) -> Manifest | None:
-    """The manifest of a committed step, or None when it cannot be read (then it is only kept, as before)."""
+    """The manifest of a committed step, or None when it cannot be read."""
     try:
         return Manifest.from_bytes((step_dir / MANIFEST_NAME).read_bytes())
     except (OSError, ValueError):  # ManifestError is a ValueError

@@ -5,12 +5,16 @@ from __future__ import annotations
 import re
 import secrets
 
+from cloud_adapters.storage import temp_target
+
 MANIFEST_NAME = "spotguard.json"
 DCP_METADATA_NAME = ".metadata"
 
 _STEP_RE = re.compile(r"^step-(\d{10,})$")
 # Staging (`tmp`), download (`dl`) and set-aside (`stale`) siblings of a step directory.
-_LEFTOVER_RE = re.compile(r"^\.step-(\d{10,})\.(tmp|dl|stale)-[0-9a-f]+$")
+_LEFTOVER_RE = re.compile(r"^\.(step-\d{10,})\.(tmp|dl|stale)-[0-9a-f]+$")
+# What a step directory holds: DCP's shards and metadata, and the manifest.
+_FILE_RE = re.compile(rf"^(__\d+_\d+\.distcp|{re.escape(DCP_METADATA_NAME)}|{re.escape(MANIFEST_NAME)})$")
 
 
 def step_dir_name(step: int) -> str:
@@ -20,9 +24,12 @@ def step_dir_name(step: int) -> str:
 
 
 def parse_step_dir(name: str) -> int | None:
-    """The step of a `step-NNNNNNNNNN` name, None for anything else."""
+    """The step of a name `step_dir_name` gives, None for anything else (`step-00000000009`, with
+    one zero too many, is not spotguard's)."""
     match = _STEP_RE.match(name)
-    return int(match.group(1)) if match else None
+    if match is None or step_dir_name(step := int(match.group(1))) != name:
+        return None
+    return step
 
 
 def sibling_name(step: int, kind: str) -> str:
@@ -33,7 +40,13 @@ def sibling_name(step: int, kind: str) -> str:
 def parse_leftover(name: str) -> int | None:
     """The step of a staging/download/set-aside sibling, None for anything else."""
     match = _LEFTOVER_RE.match(name)
-    return int(match.group(1)) if match else None
+    return parse_step_dir(match.group(1)) if match else None
+
+
+def is_step_file(name: str) -> bool:
+    """A name spotguard writes into a step directory (a shard, DCP's metadata, the manifest, or a
+    temporary of one of them): a directory holding anything else is not only ours."""
+    return _FILE_RE.match(temp_target(name) or name) is not None
 
 
 def manifest_key(step: int) -> str:

@@ -131,6 +131,7 @@ def load_newest(
     threads: int = 4,
     read_threads: int = 4,
     key: bytes | None = None,
+    bad: set[int] | None = None,
 ) -> int | None:
     """Load the newest step that every rank can verify; return it, or None when there is none.
 
@@ -142,9 +143,10 @@ def load_newest(
     raised, since starting afresh would throw the committed progress away. With a checkpoint
     `key`, a step not signed with it is bad (and files are checked against their SHA-256).
     `threads` transfer and check downloads; `read_threads` read a step's files into the state.
+    The steps found bad are added to `bad` (the caller's, when given).
     """
     until = time.monotonic() + RESUME_TIMEOUT_S  # rank 0's clock decides when every rank gives up
-    bad: set[int] = set()
+    bad = set() if bad is None else bad
     unloadable: list[str] = []
     pauses = itertools.chain(_RETRY_PAUSES_S, itertools.repeat(_RETRY_PAUSES_S[-1]))
     step_failure: _Unavailable | None = None  # the last step the store could not deliver

@@ -18,16 +18,21 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from datetime import datetime
+from collections.abc import Container, Iterable
 from pathlib import Path
 
-from cloud_adapters.notice import parse_iso8601
 from cloud_adapters.retry import calls_until
 from cloud_adapters.storage import LocalStore, ObjectStore
 from spotguard.checkpoint.catalog import STEP_PREFIX, committed_manifests, scan, step_of_key
 from spotguard.checkpoint.commit import is_committed
-from spotguard.checkpoint.layout import MANIFEST_NAME, manifest_key, parse_leftover, parse_step_dir, step_dir_name
-from spotguard.checkpoint.manifest import Manifest
+from spotguard.checkpoint.layout import (
+    MANIFEST_NAME,
+    is_step_file,
+    manifest_key,
+    parse_leftover,
+    parse_step_dir,
+    step_dir_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -35,18 +40,30 @@ STALE_AFTER_S = 600.0
 RETENTION_TIMEOUT_S = 30.0
 
 
-def keep_last(store: ObjectStore, keep: int, *, timeout_s: float = RETENTION_TIMEOUT_S) -> list[int]:
-    """Delete committed steps committed before the newest `keep` (>= 1, checked by the Checkpointer)
-    committed ones; return the deleted steps.
+def keep_last(
+    store: ObjectStore,
+    keep: int,
+    *,
+    key: bytes | None = None,
+    skip: Container[int] = (),
+    saved: int | None = None,
+    timeout_s: float = RETENTION_TIMEOUT_S,
+) -> list[int]:
+    """Delete committed steps below the newest `keep` (>= 1, checked by the Checkpointer) committed
+    ones; return the deleted steps.
 
-    Committed means what it means to resume and `ls`: a step whose manifest is malformed, unsafe
-    or contradicted by the listing neither counts (a bad newer step must not cost a good older
-    one) nor is deleted (it is left for a person to look at). A store error stops it all.
+    Newest means the highest step, the order in which resume tries them, never the time in the
+    manifest (written by whichever host committed it, whose clock may be days off). Committed
+    means what it means to resume: a step whose manifest is malformed, unsafe, contradicted by the
+    listing or (with a `key`) not signed with it, or one of `skip` (steps resume found bad),
+    neither counts (a bad newer step must not cost a good older one) nor is deleted. `saved`, the
+    step just reported committed, is never deleted, even below `keep` higher ones (a job that
+    started again at step 0 beside an older run's steps). A store error stops it all.
     """
     with calls_until(time.monotonic() + timeout_s):
         steps = scan(store)
-        newest_first = sorted(committed_manifests(store, steps), key=_commit_order, reverse=True)
-        doomed = [m.step for m in newest_first[keep:]]
+        newest_first = [m.step for m in committed_manifests(store, steps, key=key) if m.step not in skip]
+        doomed = [step for step in newest_first[keep:] if step != saved]
         for step in doomed:
             store.delete([manifest_key(step)])
             if isinstance(store, LocalStore):
@@ -57,11 +74,6 @@ def keep_last(store: ObjectStore, keep: int, *, timeout_s: float = RETENTION_TIM
     return doomed
 
 
-def _commit_order(manifest: Manifest) -> tuple[datetime, int]:
-    # created_at is validated when the manifest is read; the step breaks a tie within a millisecond.
-    return parse_iso8601(manifest.created_at), manifest.step
-
-
 def remove_abandoned(store: ObjectStore, *, timeout_s: float = RETENTION_TIMEOUT_S) -> list[int]:
     """Right after a commit: delete uploads of uncommitted steps older than the newest committed one,
     and abort our unfinished multipart uploads (none of this job's is in flight then). Returns the
@@ -70,30 +82,46 @@ def remove_abandoned(store: ObjectStore, *, timeout_s: float = RETENTION_TIMEOUT
         steps = scan(store)
         committed = [s for s, files in steps.items() if MANIFEST_NAME in files]
         newest = max(committed, default=-1)
-        doomed = sorted(s for s, files in steps.items() if MANIFEST_NAME not in files and s < newest)
+        doomed = [
+            s for s, files in sorted(steps.items()) if MANIFEST_NAME not in files and s < newest and _only_ours(files)
+        ]
         for step in doomed:
             store.delete([f"{step_dir_name(step)}/{name}" for name in steps[step]])
             log.info("retention: removed the abandoned upload %s/%s", store.url, step_dir_name(step))
         abort = getattr(store, "abort_multipart_uploads", None)  # S3 keeps (and bills) unfinished parts
         if abort is not None:
-            abort(STEP_PREFIX, select=lambda key: step_of_key(key) is not None)
+            abort(STEP_PREFIX, select=lambda key: step_of_key(key) is not None and _only_ours([key.partition("/")[2]]))
     return doomed
 
 
+def _only_ours(names: Iterable[str]) -> bool:
+    """Every name one that spotguard writes into a step directory: a user's own `step-N` directory
+    (their notes in it) is never cleaned up."""
+    return all(is_step_file(name) for name in names)
+
+
+def _holds_only_ours(directory: Path) -> bool:
+    entries = list(directory.iterdir())
+    return _only_ours(e.name for e in entries) and not any(e.is_dir() for e in entries)
+
+
 def remove_leftovers(root: Path, *, older_than_s: float = STALE_AFTER_S) -> list[str]:
-    """Remove stale staging/download siblings and manifest-less step directories under `root`."""
+    """Remove stale staging/download siblings, and step directories that have no manifest and hold
+    only files spotguard writes, under `root`."""
     removed = []
     if not root.is_dir():
         return removed
     now = time.time()
     for entry in root.iterdir():
-        leftover = parse_leftover(entry.name) is not None
-        uncommitted = parse_step_dir(entry.name) is not None and not is_committed(entry)
-        if not (leftover or uncommitted) or entry.is_symlink() or not entry.is_dir():
+        if entry.is_symlink() or not entry.is_dir():
             continue  # a symlink is never followed: what it points to is not ours to delete
+        leftover = parse_leftover(entry.name) is not None
         try:
+            uncommitted = parse_step_dir(entry.name) is not None and not is_committed(entry)
+            if not (leftover or (uncommitted and _holds_only_ours(entry))):
+                continue
             age = now - entry.stat().st_mtime
-        except FileNotFoundError:
+        except FileNotFoundError:  # removed meanwhile
             continue
         if age >= older_than_s:
             shutil.rmtree(entry, ignore_errors=True)

@@ -10,14 +10,19 @@ this run started (an earlier start of the same job, an earlier job) are no sign 
 
 from __future__ import annotations
 
+import logging
 import secrets
+from collections.abc import Iterable
 from datetime import datetime
 
 from cloud_adapters.notice import parse_iso8601
 from cloud_adapters.storage import ObjectStore
 from spotguard.checkpoint.catalog import committed_manifests, scan
 from spotguard.checkpoint.errors import CheckpointError
+from spotguard.checkpoint.layout import MANIFEST_NAME
 from spotguard.checkpoint.manifest import Manifest
+
+log = logging.getLogger(__name__)
 
 
 class SharedDirectory(CheckpointError):
@@ -41,15 +46,35 @@ def refuse(where: str, manifest: Manifest, run: str) -> SharedDirectory:
 
 
 class RunWatch:
-    """Tells steps committed by another run since this one started; looks for them after each save."""
+    """Tells steps committed by another run since this one started; looks for them after each save.
+
+    "Since this one started" is read from the directory, not from clocks: the steps committed
+    when this run's Checkpointer started (`baseline`) are earlier ones,
+    whatever time their manifests give (another host's clock may be days off). Only when that
+    listing failed is the manifest's time compared with this host's clock.
+    """
 
     def __init__(self, started_at: datetime) -> None:
         self.started_at = started_at
         self._seen: set[int] = set()  # steps whose manifests were already read (listing new ones only)
+        self._before: set[int] | None = None  # steps committed when this run first looked
+
+    def baseline(self, stores: Iterable[ObjectStore]) -> None:
+        """Note the steps committed now (once; a listing per store, no manifest read)."""
+        if self._before is not None:
+            return
+        try:
+            self._before = {s for store in stores for s, files in scan(store).items() if MANIFEST_NAME in files}
+        except Exception as exc:  # noqa: BLE001 - then the clocks decide, as a fallback
+            log.warning("could not list the steps committed before this run (%s); comparing commit times", exc)
 
     def is_concurrent(self, manifest: Manifest, run: str) -> bool:
         """Committed by another run since this one started: another job writes here."""
-        return is_other_run(manifest, run) and parse_iso8601(manifest.created_at) >= self.started_at
+        if not is_other_run(manifest, run):
+            return False
+        if self._before is not None:
+            return manifest.step not in self._before
+        return parse_iso8601(manifest.created_at) >= self.started_at
 
     def check(self, store: ObjectStore, run: str) -> None:
         """SharedDirectory when a step new to this watch was committed by another run after it started."""
