@@ -107,6 +107,10 @@ class MetadataEmulator:
                 loop.run_until_complete(self._start_site())
             except BaseException as exc:  # noqa: BLE001 - reported to the starting thread
                 errors.append(exc)
+                if self._runner is not None:  # a port in use: nothing may be left open
+                    loop.run_until_complete(self._runner.cleanup())
+                loop.close()
+                self._loop = None
                 ready.set()
                 return
             # Signal from inside the running loop: before that, `_call` would run on the caller's thread.

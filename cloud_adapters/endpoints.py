@@ -22,6 +22,9 @@ _TRANSPORT_CAUSE = re.compile(
 )
 _PIECE = 64 * 1024  # a body is read in pieces of at most this, each against the whole-answer deadline
 
+# A DNS name or an IPv4/IPv6 address: no spaces, nothing a URL parser would take as a host by accident.
+_HOST = re.compile(r"[A-Za-z0-9._-]+|[0-9A-Fa-f:.]+(%[A-Za-z0-9_.-]+)?")
+
 
 def normalise_base_url(url: str, *, what: str = "metadata URL") -> str:
     """Accept `http://host[:port]` (or a bare `host[:port]`) and return it without a trailing slash.
@@ -33,7 +36,7 @@ def normalise_base_url(url: str, *, what: str = "metadata URL") -> str:
     if "://" not in text:
         text = "http://" + text
     parts = urlsplit(text)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
+    if parts.scheme not in ("http", "https") or not parts.hostname or not _HOST.fullmatch(parts.hostname):
         raise ValueError(f"{what} must look like http://HOST[:PORT], got {url!r}")
     try:
         parts.port  # noqa: B018 - validates the port

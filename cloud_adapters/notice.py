@@ -83,6 +83,20 @@ class Notice:
             return None
         return (self.deadline - (now or utc_now())).total_seconds()
 
+    def describe_deadline(self, now: datetime | None = None) -> str:
+        """For people: "in 28.4 s", "due now" once the time the cloud gave has passed, or "unknown"."""
+        left = self.seconds_left(now)
+        if left is None:
+            return "unknown"
+        return f"in {left:.1f} s" if left > 0 else f"due now (passed {-left:.1f} s ago)"
+
+    def earlier_than(self, other: Notice, slack_s: float = 0.0) -> bool:
+        """Whether this notice's deadline comes earlier than `other`'s by more than `slack_s` (a
+        deadline where there was none counts as earlier)."""
+        if self.deadline is None:
+            return False
+        return other.deadline is None or (other.deadline - self.deadline).total_seconds() > slack_s
+
     def to_json(self) -> dict[str, Any]:
         return {
             "cloud": self.cloud,

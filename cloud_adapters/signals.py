@@ -16,6 +16,7 @@ import signal
 import threading
 from types import FrameType
 
+from cloud_adapters import validation as check
 from cloud_adapters.notice import INTERRUPTION, Notice, deadline_after, utc_now
 
 DEFAULT_SIGNALS = (signal.SIGTERM,)
@@ -57,8 +58,8 @@ class SignalSource:
         self, signals: tuple[signal.Signals, ...] = DEFAULT_SIGNALS, grace_s: float = 25.0, wait_s: float = 1.0
     ) -> None:
         self.signals = tuple(signals)
-        self.grace_s = grace_s
-        self.wait_s = wait_s
+        self.grace_s = check.seconds("grace_s", grace_s)  # a NaN grace would turn a signal into no deadline at all
+        self.wait_s = check.seconds("wait_s", wait_s)
         self._read_fd, self._write_fd = os.pipe()
         os.set_blocking(self._write_fd, False)
         self._previous: dict[signal.Signals, object] = {}

@@ -14,12 +14,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from cloud_adapters import validation as check
 from cloud_adapters.endpoints import normalise_base_url
 from cloud_adapters.notice import Notice
 from cloud_adapters.signals import parse_signal
 from cloud_adapters.sources import CLOUDS, metadata_emulator
 from cloud_adapters.storage import StoreError
-from cloud_adapters.stores import local_path
+from cloud_adapters.stores import check_location, local_path
 
 log = logging.getLogger("spotguard")
 
@@ -29,9 +30,10 @@ def _positive(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
+    try:
+        return check.seconds("the value", value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}") from None
 
 
 def _url(text: str) -> str:
@@ -146,8 +148,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 def format_notice(notice: Notice, as_json: bool) -> str:
     if as_json:
         return json.dumps(notice.to_json(), sort_keys=True)
-    left = notice.seconds_left()
-    when = "no deadline" if left is None else f"deadline {notice.to_json()['deadline']} ({left:.0f} s left)"
+    when = "no deadline"
+    if notice.deadline is not None:
+        when = f"deadline {notice.to_json()['deadline']} ({notice.describe_deadline()})"
     return f"{notice.kind.upper()} {notice.cloud} {notice.action} from {notice.source}: {when}"
 
 
@@ -264,7 +267,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from cloud_adapters.stores import check_location, open_store
+    from cloud_adapters.stores import open_store
     from spotguard.ledger import read_ledger
     from spotguard.report import format_text, summarize
 
@@ -273,7 +276,7 @@ def _report(args: argparse.Namespace) -> int:
         from spotguard.plot import check_plot_path, write_plot
 
         plot = check_plot_path(args.plot)  # before reading: a wrong suffix is said at once
-    store = open_store(existing_location(check_location(args.location, argument="location")))
+    store = open_store(existing_location(args.location))
     summary = summarize(read_ledger(store))
     if not summary["segments"]:
         print(f"no goodput ledger in {args.location}", file=sys.stderr)
@@ -286,7 +289,9 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def existing_location(location: str) -> str:
-    """`location` unless it is a local path that is not a directory (a typo would list as empty)."""
+    """`location` unless its form is wrong (an empty one would list the current directory) or it is
+    a local path that is not a directory (a typo would list as empty)."""
+    location = check_location(location, argument="location")
     path = local_path(location)
     if path is None:  # a bucket: its store tells what is wrong with it
         return location

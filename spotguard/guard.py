@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import operator
 import os
 import signal
 import sys
@@ -35,6 +34,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from cloud_adapters import validation as check
 from cloud_adapters.detect import detect_cloud
 from cloud_adapters.endpoints import normalise_base_url
 from cloud_adapters.notice import INTERRUPTION, REBALANCE, Notice, isoformat_z, utc_now
@@ -145,31 +145,24 @@ class Guard:
         if cloud not in CLOUDS + ("none", "auto"):
             raise ValueError(f"cloud must be one of {CLOUDS + ('none', 'auto')}, not {cloud!r}")
         self._cadence = _cadence(save_interval_s, min_save_interval_s, max_save_interval_s, interruptions_per_hour)
-        _require_positive(
-            poll_interval=poll_interval,
-            grace_s=grace_s,
-            agreement_timeout_s=agreement_timeout_s,
-            save_interval_s=None if self._cadence else save_interval_s,
-            save_every=save_every,
-            write_threads=write_threads,
-            thread_count=thread_count,
-        )
         self.checkpoint_dir = check_location(checkpoint_dir)
         self.cloud = cloud
         self.local_dir = local_dir
         self.metadata_url = normalise_base_url(metadata_url) if metadata_url else None
-        self.poll_interval = poll_interval
+        self.poll_interval = check.seconds("poll_interval", poll_interval)
+        if not self._cadence:
+            save_interval_s = check.optional(check.seconds, "save_interval_s", save_interval_s)
         self.save_interval_s = save_interval_s
-        self.save_every = save_every
-        self.keep_last = keep_last
+        self.save_every = check.optional(check.count, "save_every", save_every)
+        self.keep_last = check.optional(check.count, "keep_last", keep_last)
         self.signals = tuple(parse_signal(s) for s in signals)
-        self.grace_s = grace_s
-        self.exit_code = exit_code
-        self.lost_exit_code = lost_exit_code
-        self.agreement_timeout_s = agreement_timeout_s
+        self.grace_s = check.seconds("grace_s", grace_s)
+        self.exit_code = check.optional(check.exit_status, "exit_code", exit_code)
+        self.lost_exit_code = check.exit_status("lost_exit_code", lost_exit_code)
+        self.agreement_timeout_s = check.seconds("agreement_timeout_s", agreement_timeout_s)
         self.save_on_rebalance = save_on_rebalance
-        self.write_threads = write_threads
-        self.thread_count = thread_count
+        self.write_threads = check.optional(check.count, "write_threads", write_threads)
+        self.thread_count = check.count("thread_count", thread_count)
         self.stream_uploads = stream_uploads
         self._checkpoint_key = resolve_key(checkpoint_key)  # checked now; kept out of reprs and logs
         self.min_nodes = elastic.min_nodes(min_nodes)
@@ -178,7 +171,8 @@ class Guard:
 
         self.notice: Notice | None = None  # the interruption being handled, once one arrives
         self.interrupted = False  # step() returned True for an emergency
-        self.emergency_saved = False  # ... and its checkpoint was committed
+        self.emergency_saved = False  # ... and its checkpoint was committed where a new VM finds it
+        self._upload_abandoned = False  # ... and its upload did not finish (the stores are not closed)
         self.leaving = False  # ... and this node was the one reclaimed
         self._withdrawal: str | None = None  # why this node's torchrun agent must not restart it
         self.timeline = Timeline()
@@ -223,7 +217,7 @@ class Guard:
             listen, prefix, self.topology.rank, self.topology.world_size, node=self.topology.node
         )
         self._broadcast.start()
-        self._watcher = Watcher([], self._on_notice, interval_s=self.poll_interval)
+        self._watcher = Watcher([], self._on_notice, interval_s=self.poll_interval, on_update=self._on_notice_update)
         self._add_sources(self._watcher.sources)
         self._watcher.start()
         if self._cadence is not None:
@@ -275,14 +269,20 @@ class Guard:
         code = self.exit_code if self.emergency_saved else self.lost_exit_code
         if exiting:
             self._record_exit(code)
-        if exiting and self.emergency_saved and not self.last_save.durable:  # type: ignore[union-attr]
+        if exiting and self._upload_abandoned:
             # The upload was abandoned at the deadline: closing the stores would wait for SDK
             # threads still sending it, and the VM is going away. Leave now.
-            log.warning(
-                "emergency checkpoint committed, not durable yet (%s); exiting with code %d now",
-                self.last_save.error,  # type: ignore[union-attr]
-                code,
-            )
+            why = self.last_save.error if self.last_save is not None else None
+            if self.emergency_saved:  # leaving: the survivors committed it and upload it
+                log.warning(
+                    "emergency checkpoint committed, not by this node (%s); exiting with code %d now", why, code
+                )
+            else:
+                log.error(
+                    "interrupted without a new checkpoint; exiting with code %d now (only this VM's disk has it: %s)",
+                    code,
+                    why,
+                )
             self._ledger_exit(code, exc)
             if self._ledger is not None:
                 self._ledger.close(timeout_s=2.0)
@@ -439,12 +439,22 @@ class Guard:
                 "the work since the last committed checkpoint is lost, and resume will start from that one",
                 step,
             )
-        if self.topology.is_node_leader and report is not None and (report.durable or departure):
-            # Azure may proceed early only once the checkpoint is safe: durable, or (leaving a job
-            # that goes on) committed by the survivors, who hold everything of this node's.
-            self._watcher.ack(notice)
+        # Safe: durable in checkpoint_dir, or (leaving a job that goes on) committed by the survivors,
+        # who hold everything of this node's. A copy only in local_dir goes away with the VM.
+        safe = report is not None and (report.durable or departure is not None)
+        if report is not None and not safe:
+            log.error(
+                "the emergency checkpoint of step %d is committed only in %s, which goes away with this VM (%s): "
+                "reporting it as not saved",
+                step,
+                report.local_location,
+                report.error,
+            )
+        if self.topology.is_node_leader and safe:
+            self._watcher.ack(notice)  # Azure may proceed early only once the checkpoint is safe
         self.interrupted = True
-        self.emergency_saved = report is not None
+        self.emergency_saved = safe
+        self._upload_abandoned = report is not None and not report.durable
         if self._ledger is not None:
             self._ledger.record(
                 "notice",
@@ -501,6 +511,11 @@ class Guard:
             self._broadcast.publish_interruption(notice)
         elif notice.kind == REBALANCE and self.save_on_rebalance:
             self._request("rebalance")
+
+    def _on_notice_update(self, notice: Notice) -> None:
+        """Watcher thread: a notice already handled came again with an earlier deadline (logged by
+        the watcher). Recorded; a save already agreed keeps the deadline it was agreed with."""
+        self.timeline.add("notice-update", source=notice.source, deadline_in_s=seconds(notice.seconds_left()))
 
     def _on_event(self, index: int, event: dict[str, Any]) -> None:
         """Listener thread: agree with every rank on the step to act at."""
@@ -647,9 +662,9 @@ def _cadence(
         if given:
             raise ValueError(f'{" and ".join(given)}: only with save_interval_s="auto"')
         return None
-    _require_positive(min_save_interval_s=min_s, max_save_interval_s=max_s, interruptions_per_hour=prior)
-    low = DEFAULT_MIN_S if min_s is None else min_s
-    high = DEFAULT_MAX_S if max_s is None else max_s
+    low = DEFAULT_MIN_S if min_s is None else check.seconds("min_save_interval_s", min_s)
+    high = DEFAULT_MAX_S if max_s is None else check.seconds("max_save_interval_s", max_s)
+    prior = check.optional(check.positive, "interruptions_per_hour", prior)
     if low > high:
         raise ValueError(f"min_save_interval_s ({low:g}) must not exceed max_save_interval_s ({high:g})")
     return Cadence(low, high, prior)
@@ -689,20 +704,6 @@ def _stated_topology(
     return rank, world_size, local_rank, node
 
 
-def _require_positive(**values: float | None) -> None:
-    for name, value in values.items():
-        if value is not None and value <= 0:
-            raise ValueError(f"{name} must be positive, got {value}")
-
-
 def _as_step(step: Any) -> int:
     """`step` as an int (numpy integers and 0-dim integer tensors too), or a one-line error at the call."""
-    if isinstance(step, bool):
-        raise TypeError(f"step must be an int, not bool ({step!r})")
-    try:
-        value = operator.index(step)
-    except TypeError:
-        raise TypeError(f"step must be an int, not {type(step).__name__} ({step!r})") from None
-    if value < 0:
-        raise ValueError(f"step must be >= 0, got {value}")
-    return value
+    return check.count("step", step, minimum=0)

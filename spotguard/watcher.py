@@ -1,8 +1,17 @@
 """The background watcher: one daemon thread per notice source, each polling with
-backoff, reporting every distinct notice once and never raising into the caller."""
+backoff, reporting every distinct notice once and never raising into the caller.
+
+A notice's identity is its `key`, which each source keeps the same for one event whatever
+else moves from answer to answer (an AWS instance-action is one per instance, whatever `time`
+it serves; an Azure event is its EventId). The first answer is the notice; later answers
+with the same key can only bring its deadline forward: that is an update, delivered to
+`on_update` and logged, never a second notice. A later deadline is ignored (the first
+answer stands), because a deadline must never be later than one the cloud gave.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -11,13 +20,22 @@ from datetime import timedelta
 
 from tenacity import RetryCallState, RetryError, Retrying, retry_if_exception_type, wait_exponential, wait_random
 
-from cloud_adapters.notice import Notice, NoticeSource, utc_now
+from cloud_adapters import validation as check
+from cloud_adapters.notice import Notice, NoticeSource, isoformat_z, utc_now
 
 log = logging.getLogger(__name__)
 
 # An advisory whose deadline passed longer ago than this is a leftover, not news: it is logged
 # once and ignored. Never an interruption: while the cloud serves one, the host's clock may be what is off.
 STALE_AFTER = timedelta(minutes=10)
+# Deadlines read from whole-second clocks jitter by up to a second from poll to poll: not an update.
+UPDATE_SLACK_S = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Delivered:
+    source: NoticeSource
+    notice: Notice  # as delivered, with the earliest deadline seen since
 
 
 class Watcher:
@@ -29,7 +47,8 @@ class Watcher:
     for advisory sources (`advisory = True`) and up to `interval_s` for all others, so
     an interruption is seen within one interval of a fault ending. Its error is logged
     once (and again only when it changes), and its recovery is logged too. One failing
-    source never stops the others.
+    source never stops the others. `on_update` gets a delivered notice again when its
+    deadline moved earlier (see the module's docstring).
     """
 
     def __init__(
@@ -39,16 +58,16 @@ class Watcher:
         *,
         interval_s: float = 1.0,
         max_backoff_s: float = 30.0,
+        on_update: Callable[[Notice], None] | None = None,
     ) -> None:
-        if interval_s <= 0:
-            raise ValueError(f"poll interval must be positive, got {interval_s}")
         self.sources = list(sources)
         self.on_notice = on_notice
-        self.interval_s = interval_s
-        self.max_backoff_s = max_backoff_s
+        self.on_update = on_update
+        self.interval_s = check.seconds("interval_s", interval_s)
+        self.max_backoff_s = check.seconds("max_backoff_s", max_backoff_s)
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._seen: dict[str, NoticeSource] = {}  # delivered (or stale) notices, by key
+        self._seen: dict[str, _Delivered] = {}  # delivered (or stale) notices, by key
         self._failed: set[str] = set()  # notices whose callback failed: retried at each poll
         self._lock = threading.Lock()
 
@@ -84,8 +103,8 @@ class Watcher:
 
     def ack(self, notice: Notice) -> None:
         """Tell the cloud we are ready (Azure StartRequests); a no-op for sources without acks."""
-        source = self._seen.get(notice.key)
-        ack = getattr(source, "ack", None)
+        delivered = self._seen.get(notice.key)
+        ack = getattr(delivered.source if delivered else None, "ack", None)
         if ack is None:
             return
         try:
@@ -128,8 +147,10 @@ class Watcher:
         if notice is None:
             return
         with self._lock:
-            if notice.key in self._seen:
-                return
+            known = self._seen.get(notice.key)
+        if known is not None:
+            self._update(known, notice)
+            return
         if not notice.is_interruption and notice.deadline is not None and utc_now() - notice.deadline > STALE_AFTER:
             self._mark_seen(source, notice)
             log.warning(
@@ -142,13 +163,12 @@ class Watcher:
             return
         retry = notice.key in self._failed
         if not retry:
-            left = notice.seconds_left()
             log.warning(
-                "%s notice from %s: action=%s, deadline in %s",
+                "%s notice from %s: action=%s, deadline %s",
                 notice.kind,
                 notice.source,
                 notice.action,
-                "unknown" if left is None else f"{left:.1f} s",
+                notice.describe_deadline(),
             )
         try:
             self.on_notice(notice)
@@ -161,8 +181,29 @@ class Watcher:
 
     def _mark_seen(self, source: NoticeSource, notice: Notice) -> None:
         with self._lock:
-            self._seen[notice.key] = source
+            self._seen[notice.key] = _Delivered(source, notice)
         self._failed.discard(notice.key)
+
+    def _update(self, known: _Delivered, notice: Notice) -> None:
+        """The same notice seen again: only a deadline brought forward counts."""
+        if not notice.earlier_than(known.notice, UPDATE_SLACK_S):
+            return
+        updated = dataclasses.replace(known.notice, deadline=notice.deadline, detail=notice.detail)
+        with self._lock:
+            self._seen[notice.key] = _Delivered(known.source, updated)
+        log.warning(
+            "%s notice from %s updated: deadline moved earlier, %s -> %s (%s)",
+            notice.kind,
+            notice.source,
+            isoformat_z(known.notice.deadline) if known.notice.deadline else "none",
+            isoformat_z(updated.deadline) if updated.deadline else "none",
+            updated.describe_deadline(),
+        )
+        if self.on_update is not None:
+            try:
+                self.on_update(updated)
+            except Exception:  # noqa: BLE001 - a broken callback must not kill the watcher
+                log.exception("notice update callback failed for %s", notice.key)
 
 
 class _FailureLog:

@@ -170,14 +170,91 @@ def test_only_finished_maintenance_is_no_notice(emu, sources):
     assert sources[MAINTENANCE].poll() is None
 
 
-@pytest.mark.parametrize("in_s", [-30, -3600, 400])
-def test_a_spot_time_outside_the_two_minutes_means_first_seen_plus_two_minutes(emu, sources, in_s, caplog):
-    emu.raise_notice(in_s=in_s)  # the notice's own time is off: a skewed clock, never a reason to drop it
+@pytest.mark.parametrize("in_s", [-30, -3600])
+def test_a_spot_time_already_past_is_due_now(emu, sources, in_s, caplog):
+    emu.raise_notice(in_s=in_s)
     notice = sources[SPOT].poll()
-    assert notice.is_interruption and 118 <= notice.seconds_left() <= 120
+    assert notice.is_interruption and -1.0 <= notice.seconds_left() <= 0.0  # not 120 s from detection
+    assert notice.describe_deadline().startswith("due now")
     time.sleep(0.05)
-    assert sources[SPOT].poll().deadline == notice.deadline  # the same on every poll
-    assert sum("outside the 2 minutes" in r.getMessage() for r in caplog.records) == 1  # logged once
+    assert sources[SPOT].poll().deadline == notice.deadline  # the earliest deadline stands
+    assert sum("has passed already: due now" in r.getMessage() for r in caplog.records) == 1  # logged once
+
+
+def test_a_spot_time_beyond_the_two_minutes_is_taken_as_two_minutes(emu, sources, caplog):
+    emu.raise_notice(in_s=400)
+    notice = sources[SPOT].poll()
+    assert 118 <= notice.seconds_left() <= 120
+    assert sum("beyond the 2 minutes" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_the_spot_deadline_is_never_later_than_the_served_time():
+    """IMDS's Date has whole seconds: read as the latest time it stands for, from when the request
+    was sent, the deadline comes before the served time (by at most about a second), on every poll."""
+    with AWSMetadataEmulator() as emu:
+        spot = notice_sources(emu.url)[0]
+        for in_s in (120.0, 119.5, 30.25, 1.9):
+            emu.clear()
+            assert spot.poll() is None
+            emu.raise_notice(in_s=in_s)
+            for _ in range(5):
+                notice = spot.poll()
+                served = datetime.fromisoformat(notice.detail["time"].replace("Z", "+00:00"))
+                early = (served - notice.deadline).total_seconds()
+                assert 0.0 <= early <= 1.5, (in_s, early)
+                time.sleep(0.13)  # other phases of the Date's second
+
+
+def test_a_moving_spot_time_is_one_notice_whose_deadline_never_moves_later():
+    """Some IMDS implementations serve "now + 2 min" on every request: still one interruption, with
+    the deadline read at first sight."""
+    with AWSMetadataEmulator(moving_times=True) as emu:
+        spot = notice_sources(emu.url)[0]
+        emu.raise_notice(in_s=120)
+        first = spot.poll()
+        notices = []
+        for _ in range(6):
+            time.sleep(0.25)
+            notices.append(spot.poll())
+        assert {n.key for n in notices} == {first.key} == {"aws:spot/instance-action"}
+        assert {n.deadline for n in notices} == {first.deadline}
+        assert {n.detected_at for n in notices} == {first.detected_at}
+        assert notices[-1].detail["time"] != first.detail["time"]  # the served time did move
+
+
+def test_a_moving_rebalance_notice_time_is_one_recommendation():
+    with AWSMetadataEmulator(moving_times=True) as emu:
+        rebalance = notice_sources(emu.url)[2]
+        emu.raise_notice(kind="rebalance")
+        first = rebalance.poll()
+        time.sleep(1.1)
+        again = rebalance.poll()
+        assert again.detail["noticeTime"] != first.detail["noticeTime"] and again.key == first.key
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        '{"action": "terminate", "time": ',
+        '{"action": "terminate"}',
+        '{"time": "2026-11-22T10:02:00Z"}',
+        '{"action": "explode", "time": "2026-11-22T10:02:00Z"}',
+        '{"action": "terminate", "time": "in two minutes"}',
+        '["terminate"]',
+        "<html>maintenance</html>",
+    ],
+)
+def test_an_unreadable_spot_answer_is_an_interruption_logged_once(emu, sources, body, caplog):
+    """The path is 404 until an interruption: whatever it answers then, a needless save beats a
+    missed interruption."""
+    emu.set_metadata(SPOT, body)
+    notice = sources[SPOT].poll()
+    assert notice.is_interruption and notice.action == "unknown" and notice.key == "aws:spot/instance-action"
+    assert 117 <= notice.seconds_left() <= 118
+    assert notice.detail["unreadable"] == body
+    assert sources[SPOT].poll().deadline == notice.deadline
+    warnings = [r.getMessage() for r in caplog.records if "taking it as an interruption" in r.getMessage()]
+    assert len(warnings) == 1 and "aws:spot/instance-action" in warnings[0]
 
 
 @pytest.mark.parametrize("host_fast_s", [100, 730])
@@ -194,12 +271,6 @@ def test_a_host_clock_ahead_of_imds_still_gets_two_minutes(host_fast_s, caplog):
 @pytest.mark.parametrize(
     "path, body, what",
     [
-        (SPOT, '{"action": "terminate", "time": ', "malformed JSON"),
-        (SPOT, '{"action": "terminate"}', "missing field 'time'"),
-        (SPOT, '{"time": "2026-11-22T10:02:00Z"}', "missing field 'action'"),
-        (SPOT, '{"action": "explode", "time": "2026-11-22T10:02:00Z"}', "unknown action 'explode'"),
-        (SPOT, '{"action": "terminate", "time": "in two minutes"}', "unparseable ISO-8601 time"),
-        (SPOT, '["terminate"]', "expected a JSON object"),
         (REBALANCE, '{"noticeTime": "yesterday"}', "unparseable ISO-8601 time"),
         (REBALANCE, "{}", "missing field 'noticeTime'"),
         (MAINTENANCE, "{}", "expected a JSON array"),
@@ -390,17 +461,26 @@ def test_slow_token_request_hints_at_the_hop_limit(emu, sources):
 @pytest.mark.parametrize(
     "path, what",
     [
-        (SPOT, "malformed JSON"),
         (REBALANCE, "malformed JSON"),
         (MAINTENANCE, "malformed JSON"),
         (ASG, "unexpected lifecycle state"),
     ],
 )
 def test_malformed_answer(emu, sources, path, what):
+    emu.raise_notice(kind="rebalance")
     sources[path].poll()
     emu.set_fault("malformed", count=1)
     with pytest.raises(NoticeSourceError, match=what):
         sources[path].poll()
+
+
+def test_a_malformed_fault_keeps_a_path_with_nothing_to_serve_at_404(emu, sources):
+    sources[SPOT].poll()
+    emu.set_fault("malformed", count=1)
+    assert sources[SPOT].poll() is None  # no interruption out of nothing
+    emu.raise_notice()
+    emu.set_fault("malformed", count=1)
+    assert sources[SPOT].poll().action == "unknown"
 
 
 def test_connection_reset(emu, sources):

@@ -178,7 +178,8 @@ def test_a_stuck_background_upload_never_holds_the_emergency_back(storage_server
     entries = {e.event: e for e in guard.timeline.entries}
     signalled, committed = entries["notice"].at, entries["committed"].at
     assert (committed - signalled).total_seconds() < 5, guard.timeline.format()
-    assert guard.emergency_saved and guard.last_save.reason == "emergency"
+    assert guard.last_save.reason == "emergency" and not guard.last_save.durable
+    assert not guard.emergency_saved  # its only copy is on the VM's disk: not reported saved
     assert [c.reason for c in list_checkpoints(str(tmp_path / "vm")) if c.committed][-1] == "emergency"
 
 

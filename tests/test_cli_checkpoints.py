@@ -78,6 +78,15 @@ def test_a_location_that_is_no_directory_is_an_error(tmp_path, command, what, me
     assert out.stderr == f"spotguard {command}: {tmp_path / what}: {message}\n"
 
 
+@pytest.mark.parametrize("command", ["ls", "verify", "report"])
+def test_an_empty_location_is_an_error_not_the_current_directory(two_steps, command):
+    out = subprocess.run(
+        [sys.executable, "-m", "spotguard.cli", command, ""], capture_output=True, text=True, timeout=60, cwd=two_steps
+    )
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == f"spotguard {command}: location: empty location: use a path, file://, s3://, gs:// or az://\n"
+
+
 def test_verify_reports_a_nul_in_a_manifest_name_as_bad_and_goes_on(two_steps):
     manifest = two_steps / "step-0000000010" / "spotguard.json"
     body = json.loads(manifest.read_text())

@@ -210,7 +210,10 @@ def test_the_auto_cadence_is_young_daly_within_bounds(caplog):
 def test_auto_cadence_arguments_are_checked_at_guard(tmp_path):
     for kwargs, message in (
         ({"save_interval_s": "often"}, 'save_interval_s must be a number of seconds or "auto"'),
-        ({"save_interval_s": "auto", "min_save_interval_s": 0}, "min_save_interval_s must be positive"),
+        (
+            {"save_interval_s": "auto", "min_save_interval_s": 0},
+            "min_save_interval_s must be a finite number of seconds > 0",
+        ),
         (
             {"save_interval_s": "auto", "min_save_interval_s": 90, "max_save_interval_s": 30},
             r"min_save_interval_s \(90\) must not exceed",
@@ -220,7 +223,10 @@ def test_auto_cadence_arguments_are_checked_at_guard(tmp_path):
             'interruptions_per_hour: only with save_interval_s="auto"',
         ),
         ({"min_save_interval_s": 5}, 'min_save_interval_s: only with save_interval_s="auto"'),
-        ({"save_interval_s": "auto", "interruptions_per_hour": -1}, "interruptions_per_hour must be positive"),
+        (
+            {"save_interval_s": "auto", "interruptions_per_hour": -1},
+            "interruptions_per_hour must be a finite number > 0",
+        ),
     ):
         with pytest.raises(ValueError, match=f"^{message}"):
             spotguard.Guard(tmp_path, cloud="none", **kwargs)

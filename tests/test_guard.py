@@ -1,7 +1,10 @@
 """The Guard in one process: signals and metadata notices end the loop with a committed
 checkpoint, background saves, and failures that never reach the training loop."""
 
+import email.utils
+import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -10,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+from datetime import datetime, timedelta, timezone
 
 import pytest
 import torch
@@ -103,6 +107,34 @@ def test_exit_code_after_an_emergency_says_whether_it_was_saved(tmp_path, saved)
     assert [r for _, r in committed(ckpt)] == (["emergency"] if saved else [])
 
 
+def test_a_staged_emergency_save_whose_upload_failed_is_not_reported_saved(tmp_path):
+    """With local_dir, the local commit is the only copy when the upload fails, and it goes away
+    with the VM: exit 75 ("nothing new committed") and `committed: false` in the exit file."""
+    remote, local, exit_file = tmp_path / "remote", tmp_path / "local", tmp_path / "exit.json"
+    remote.mkdir()
+    for step in range(3, 8):  # every upload of the emergency's step fails
+        (remote / f"step-{step:010d}").write_text("not a directory")
+    script = textwrap.dedent(f"""
+        import os, signal, time, torch, spotguard
+        model = torch.nn.Linear(2, 2)
+        with spotguard.Guard({str(remote)!r}, cloud="none", local_dir={str(local)!r}) as guard:
+            for step in range(1000):
+                time.sleep(0.01)
+                if step == 3:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                if guard.step(step, {{"model": model}}):
+                    break
+        print("not reached")
+    """)
+    env = dict(os.environ, SPOTGUARD_EXIT_FILE=str(exit_file))
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 75, proc.stderr[-2000:]
+    record = json.loads(exit_file.read_text())
+    assert (record["exit_code"], record["committed"], record["step"]) == (75, False, None)
+    assert "committed only in" in proc.stderr and "goes away with this VM" in proc.stderr
+    assert list(local.glob("step-*/spotguard.json"))  # kept, for a restart on the same VM
+
+
 def test_metadata_down_never_touches_the_training_loop(tmp_path, caplog):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -169,6 +201,33 @@ def test_interval_saves_and_rebalance_saves_are_agreed_then_taken_in_the_backgro
     assert {r["reason"] for r in ledger if r["event"] == "save"} == {"interval", "rebalance"}
 
 
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"grace_s": float("nan")}, ValueError, "grace_s must be a finite number of seconds > 0, got nan"),
+        ({"grace_s": float("inf")}, ValueError, "grace_s must be a finite"),
+        ({"poll_interval": float("nan")}, ValueError, "poll_interval must be a finite"),
+        ({"save_interval_s": float("nan")}, ValueError, "save_interval_s must be a finite"),
+        ({"save_interval_s": float("inf")}, ValueError, "save_interval_s must be a finite"),
+        ({"agreement_timeout_s": -1.0}, ValueError, "agreement_timeout_s must be a finite"),
+        ({"save_interval_s": "auto", "max_save_interval_s": float("inf")}, ValueError, "max_save_interval_s must be"),
+        ({"save_every": 0.5}, TypeError, "save_every must be an int, not float"),
+        ({"save_every": 0}, ValueError, "save_every must be >= 1"),
+        ({"keep_last": 1.5}, TypeError, "keep_last must be an int, not float"),
+        ({"keep_last": True}, TypeError, "keep_last must be an int, not bool"),
+        ({"thread_count": 0}, ValueError, "thread_count must be >= 1"),
+        ({"exit_code": 256}, ValueError, "exit_code must be an exit status from 0 to 255, got 256"),
+        ({"lost_exit_code": -1}, ValueError, "lost_exit_code must be >= 0"),
+        ({"metadata_url": "not a url"}, ValueError, "metadata URL must look like http://HOST"),
+    ],
+)
+def test_values_that_would_bend_the_guard_are_refused_at_the_call(tmp_path, kwargs, error, message):
+    """NaN passes any `<= 0` test and inf any `> 0`: a NaN grace_s lost SIGTERM, an inf interval
+    killed the timer thread, keep_last=1.5 turned retention off, exit_code=256 exited 0."""
+    with pytest.raises(error, match="^" + re.escape(message)):
+        spotguard.Guard(tmp_path, cloud="none", **kwargs)
+
+
 def test_misuse_gets_clear_errors(tmp_path, monkeypatch):
     guard = spotguard.Guard(tmp_path, cloud="none")
     with pytest.raises(RuntimeError, match="needs the guard entered"):
@@ -177,7 +236,7 @@ def test_misuse_gets_clear_errors(tmp_path, monkeypatch):
         guard.resume({})
     with pytest.raises(ValueError, match="cloud must be one of"):
         spotguard.Guard(tmp_path, cloud="mars")
-    with pytest.raises(ValueError, match="poll_interval must be positive"):
+    with pytest.raises(ValueError, match="poll_interval must be a finite number of seconds > 0"):
         spotguard.Guard(tmp_path, poll_interval=0)
     with pytest.raises(ValueError, match="unknown signal"):
         spotguard.Guard(tmp_path, signals=["SIGNOPE"])
@@ -199,6 +258,24 @@ def test_misuse_gets_clear_errors(tmp_path, monkeypatch):
             pass
 
 
+def test_entering_a_guard_again_is_refused_and_the_first_entry_still_saves_on_sigterm(tmp_path):
+    """A second `with guard:` replaced the first entry's threads and SIGTERM handler; its exit
+    then restored the default handler while the first entry ran on, unguarded."""
+    state = make_state()
+    guard = spotguard.Guard(tmp_path, cloud="none", exit_code=None)
+    with guard:
+        threads = {t for t in threading.enumerate() if t.name.startswith("spotguard")}
+        handler = signal.getsignal(signal.SIGTERM)
+        with pytest.raises(RuntimeError, match="^this Guard is entered already"):
+            with guard:
+                pass
+        assert signal.getsignal(signal.SIGTERM) is handler
+        assert {t for t in threading.enumerate() if t.name.startswith("spotguard")} == threads
+        stopped = train(guard, state, on_step=lambda s: s == 3 and os.kill(os.getpid(), signal.SIGTERM))
+    assert stopped is not None and committed(tmp_path) == [(stopped, "emergency")]
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
 def test_a_failed_enter_leaves_nothing_behind(tmp_path, monkeypatch):
     before = set(threading.enumerate())
     (tmp_path / "blocker").write_text("a file where the checkpoints should go")
@@ -216,3 +293,33 @@ def test_a_failed_enter_leaves_nothing_behind(tmp_path, monkeypatch):
         spotguard.Guard(tmp_path, metadata_url="ftp://x")
     with pytest.raises(ValueError, match="SIGKILL cannot be caught"):
         spotguard.Guard(tmp_path, signals=["SIGKILL"])
+
+
+def test_a_notice_seen_again_with_an_earlier_deadline_is_an_update_not_a_second_notice(tmp_path):
+    def event(in_s):
+        when = email.utils.format_datetime(datetime.now(timezone.utc) + timedelta(seconds=in_s), usegmt=True)
+        return json.dumps(
+            [{"Code": "system-reboot", "EventId": "instance-event-1", "NotBefore": when, "State": "active"}]
+        )
+
+    with (
+        AWSMetadataEmulator() as emu,
+        spotguard.Guard(tmp_path, cloud="aws", metadata_url=emu.url, poll_interval=0.05) as guard,
+    ):
+        emu.set_metadata("events/maintenance/scheduled", event(3600))
+        wait_for(lambda: [e for e in guard.timeline.entries if e.event == "notice"])
+        emu.set_metadata("events/maintenance/scheduled", event(3700))  # later: ignored
+        time.sleep(2.0)
+        emu.set_metadata("events/maintenance/scheduled", event(600))
+        wait_for(lambda: [e for e in guard.timeline.entries if e.event == "notice-update"])
+        time.sleep(2.0)
+        events = [e for e in guard.timeline.entries if e.event.startswith("notice")]
+    assert [e.event for e in events] == ["notice", "notice-update"]
+    assert 590 <= float(events[1].detail["deadline_in_s"]) <= 600
+
+
+def wait_for(condition, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)

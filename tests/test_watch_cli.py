@@ -84,11 +84,36 @@ def test_exec_runs_a_command_per_notice(tmp_path):
     assert json.loads(target.read_text())["action"] == "terminate"
 
 
+def test_exec_runs_once_for_one_interruption_whose_times_move(tmp_path):
+    """An IMDS serving "now + 2 min" (and a rebalance noticeTime of "now") on every request: one
+    interruption and one rebalance, each CMD run once, over many polls."""
+    runs = tmp_path / "runs"
+    with AWSMetadataEmulator(moving_times=True) as emu:
+        emu.raise_notice(kind="rebalance")
+        emu.raise_notice()
+        command = f'echo "$SPOTGUARD_NOTICE" >> {runs}'
+        proc = watch("--cloud", "aws", "--metadata-url", emu.url, "--interval", "0.1", "--exec", command)
+        try:
+            deadline = time.monotonic() + 30
+            while emu.requests_seen < 40:  # 20 polls of the spot path or more, the Date's second moving on
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.1)
+            time.sleep(1.2)
+        finally:
+            proc.terminate()
+            proc.communicate(timeout=30)
+    notices = [json.loads(line) for line in runs.read_text().splitlines()]  # the SIGTERM: cloud "signal"
+    assert sorted(n["kind"] for n in notices if n["cloud"] == "aws") == ["interruption", "rebalance"]
+
+
 @pytest.mark.parametrize(
     "args,message",
     [
         (["--cloud", "mars"], "invalid choice"),
-        (["--interval", "0"], "must be positive"),
+        (["--interval", "0"], "must be a finite number > 0"),
+        (["--interval", "nan"], "must be a finite number > 0"),
+        (["--interval", "inf"], "must be a finite number > 0"),
+        (["--grace", "nan"], "must be a finite number > 0"),
         (["--interval", "soon"], "not a number"),
         (["--metadata-url", "ftp://x"], "must look like http://HOST[:PORT]"),
         (["--metadata-url", "http://127.0.0.1:99999"], "invalid port"),
@@ -121,3 +146,23 @@ def test_simulate_serves_an_emulator_that_watch_sees():
         sim.wait(timeout=10)
     assert proc.returncode == 0, err
     assert json.loads(out)["source"] == "aws:spot/instance-action"
+
+
+def test_simulate_on_a_port_in_use_says_so_in_one_line_and_leaves_nothing_open():
+    import os
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "spotguard.cli", "simulate", "--cloud", "gcp", "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=dict(os.environ, PYTHONDEVMODE="1"),  # an event loop or socket left open would warn
+        )
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith("spotguard simulate: ") and "address already in use" in out.stderr
+    assert out.stderr.count("\n") == 1, out.stderr

@@ -3,6 +3,7 @@ one failing source never stops the others, stale advisories ignored but never an
 interruption sources back on their interval as soon as a fault ends."""
 
 import collections
+import email.utils
 import json
 import logging
 import queue
@@ -17,7 +18,7 @@ from cloud_adapters.aws.metadata import notice_sources as aws_sources
 from cloud_adapters.azure.emulator import AzureMetadataEmulator
 from cloud_adapters.azure.metadata import ScheduledEventsSource
 from cloud_adapters.gcp.emulator import GCPMetadataEmulator
-from cloud_adapters.notice import utc_now
+from cloud_adapters.notice import Notice, utc_now
 from cloud_adapters.sources import cloud_sources
 from spotguard.watcher import Watcher
 
@@ -155,9 +156,10 @@ def test_stop_returns_while_a_gcp_hanging_get_is_open():
         assert time.monotonic() - started < 5
 
 
-def test_interval_must_be_positive():
-    with pytest.raises(ValueError, match="positive"):
-        Watcher([], print, interval_s=0)
+@pytest.mark.parametrize("interval", [0, -1.0, float("nan"), float("inf")])
+def test_interval_must_be_finite_and_positive(interval):
+    with pytest.raises(ValueError, match="^interval_s must be a finite number of seconds > 0"):
+        Watcher([], print, interval_s=interval)
 
 
 def test_advisories_announced_long_ahead_are_polled_less_often(aws):
@@ -172,3 +174,61 @@ def test_advisories_announced_long_ahead_are_polled_less_often(aws):
     rebalance, maintenance = polls["events/recommendations/rebalance"], polls["events/maintenance/scheduled"]
     assert min(spot, asg) >= 2 * rebalance > 0, polls  # rebalance: every 5th interval
     assert 1 <= maintenance <= 3, polls  # scheduled maintenance: every 30th (0.6 s here)
+
+
+class _Scripted:
+    """A source that answers what the test scripts: one notice, its deadline moving."""
+
+    name = "scripted"
+    blocking = False
+
+    def __init__(self):
+        self.deadline_s = 60.0
+        self.t0 = utc_now()
+
+    def poll(self):
+        return Notice(
+            cloud="aws",
+            kind="interruption",
+            action="terminate",
+            deadline=self.t0 + timedelta(seconds=self.deadline_s),
+            detected_at=utc_now(),
+            source=self.name,
+            key="scripted:one",
+        )
+
+    def close(self):
+        pass
+
+
+def test_the_same_notice_again_is_never_a_second_notice_and_only_an_earlier_deadline_updates_it(caplog):
+    source = _Scripted()
+    updates = queue.Queue()
+    watcher, got = watch([source], interval_s=0.05, on_update=updates.put)
+    with watcher:
+        first = got.get(timeout=10)
+        source.deadline_s = 90.0  # later: the first deadline stands, nothing delivered
+        time.sleep(0.3)
+        source.deadline_s = 59.5  # earlier by less than the clocks' jitter: no update
+        time.sleep(0.3)
+        assert updates.empty()
+        source.deadline_s = 30.0
+        updated = updates.get(timeout=10)
+        time.sleep(0.3)
+    assert got.empty() and updates.empty()  # one notice, one update, however many polls
+    assert updated.key == first.key and updated.detected_at == first.detected_at
+    assert round((first.deadline - updated.deadline).total_seconds()) == 30
+    assert sum("deadline moved earlier" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_maintenance_time_already_past_is_logged_as_due_now(caplog):
+    caplog.set_level(logging.WARNING, logger="spotguard.watcher")
+    with AzureMetadataEmulator() as azure:
+        past = email.utils.format_datetime(utc_now() - timedelta(seconds=31), usegmt=True)
+        azure.raise_notice(event_type="Reboot", not_before=past)  # Scheduled, its NotBefore passed
+        watcher, got = watch([ScheduledEventsSource(azure.url, timeout_s=2.0)], interval_s=0.1)
+        with watcher:
+            notice = got.get(timeout=20)
+    assert notice.seconds_left() < 0
+    line = next(r.getMessage() for r in caplog.records if "notice from" in r.getMessage())
+    assert "due now (passed 3" in line and "in -" not in line

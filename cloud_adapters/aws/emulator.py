@@ -74,13 +74,23 @@ class AWSMetadataEmulator(MetadataEmulator):
     extra_faults = (FAULT_TOKEN_EXPIRY,)
 
     def __init__(
-        self, host: str = "127.0.0.1", port: int = 0, *, in_asg: bool = False, clock_offset_s: float = 0.0
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        in_asg: bool = False,
+        clock_offset_s: float = 0.0,
+        moving_times: bool = False,
     ) -> None:
         """`in_asg`: serve autoscaling/target-lifecycle-state (InService until an asg-terminate).
-        `clock_offset_s`: how far IMDS's clock is ahead of the host's (-100: the host is 100 s fast)."""
+        `clock_offset_s`: how far IMDS's clock is ahead of the host's (-100: the host is 100 s fast).
+        `moving_times`: serve the instance-action `time` as "now + in_s" and the rebalance
+        `noticeTime` as "now" on every request, as some IMDS implementations do."""
         super().__init__(host, port)
         self.in_asg = in_asg
         self.clock_offset_s = clock_offset_s
+        self.moving_times = moving_times
+        self._action_in_s = 0.0
         self.instance_id = "i-" + secrets.token_hex(9)[:17]
         self.tokens_issued = 0  # successful token PUTs, so tests can see the client's caching
         self._tokens: dict[str, float] = {}  # token -> time.monotonic() at which it expires
@@ -132,6 +142,7 @@ class AWSMetadataEmulator(MetadataEmulator):
             if action not in SPOT_ACTIONS:
                 raise ValueError(f"spot action must be one of {SPOT_ACTIONS}, not {action!r}")
             self._instance_action = {"action": action, "time": _iso(when)}
+            self._action_in_s = float(params.get("in_s", 120.0))
         elif kind == "rebalance":
             self._rebalance = {"noticeTime": _iso(self._now())}
         elif kind == "asg-terminate":
@@ -151,6 +162,11 @@ class AWSMetadataEmulator(MetadataEmulator):
         self._raw = {}
 
     def malformed_response(self, request: web.Request) -> web.StreamResponse:
+        """A body that does not parse in place of an answer; a path with nothing to serve stays 404."""
+        path = request.path.removeprefix("/latest/meta-data").strip("/")
+        served = any(leaf == path or leaf.startswith(path + "/") for leaf in self._tree())
+        if request.method == "GET" and path and not served:
+            return _error(404)
         return web.Response(status=200, text='{"action": "terminate", "time": ', content_type="text/plain")
 
     async def custom_fault(self, request: web.Request, fault: dict[str, Any]) -> web.StreamResponse | None:
@@ -201,6 +217,10 @@ class AWSMetadataEmulator(MetadataEmulator):
             "events/maintenance/history": "[]",
             "events/maintenance/scheduled": json.dumps(self._events, indent=2),
         }
+        if self._instance_action and self.moving_times:
+            self._instance_action["time"] = _iso(deadline_after(self._action_in_s, self._now()))
+        if self._rebalance and self.moving_times:
+            self._rebalance["noticeTime"] = _iso(self._now())
         if self._instance_action:
             leaves["spot/instance-action"] = json.dumps(self._instance_action)
             if self._instance_action["action"] == "terminate":

@@ -13,10 +13,19 @@ token re-fetch on 401) and raises on anything else; the watcher owns backoff.
 A token is kept only if it looks like one, and dropped when a GET with it gets no
 answer, so one bad answer to the token PUT never blinds the sources for its TTL.
 
-The spot deadline is read on IMDS's clock (the answer's `Date` header): a host clock
-that is off neither shortens nor drops the notice. AWS promises two minutes; a `time`
-outside that at first sight (a skewed clock on either side) is logged once and the
-deadline taken as first seen + 2 minutes.
+One event, one notice: the spot instance-action and the rebalance recommendation are
+keyed by their path (one of each per instance), so an IMDS that serves a `time` or
+`noticeTime` that moves from answer to answer still makes one notice; the watcher takes
+a deadline brought forward as an update.
+
+The spot deadline is read on IMDS's clock (the answer's `Date` header, in whole seconds,
+so taken as the latest time it can stand for) from the moment the request was sent: a
+host clock that is off neither shortens nor drops the notice, and the deadline is never
+later than the served `time` (at most about a second early). A `time` already past is
+due now. Any answer at spot/instance-action means an interruption (the path is 404 until
+one): an answer that cannot be read (not JSON, an unknown action, no usable time) is
+logged and taken as an interruption due 2 minutes after it was first seen, less the
+clock's slack: a needless save beats a missed interruption.
 """
 
 from __future__ import annotations
@@ -60,6 +69,8 @@ DEFAULT_TIMEOUT_S = 2.0  # IMDS is link-local: anything slower is a fault, not l
 SPOT_ACTIONS = ("terminate", "stop", "hibernate")
 SPOT_NOTICE_S = 120.0  # AWS: the action comes two minutes after the notice
 CLOCK_SLACK_S = 2.0  # IMDS's times are in whole seconds
+UNREADABLE_NOTICE_S = SPOT_NOTICE_S - CLOCK_SLACK_S  # an answer without a usable time was posted moments ago
+DATE_RESOLUTION = timedelta(seconds=1)  # an HTTP Date of 10:00:05 was read at any time up to 10:00:06
 # An ASG gives no time in IMDS. Without a lifecycle hook the instance is shut down
 # within moments (the signal path then covers the rest); with one, the hook's
 # heartbeat decides. Neither is visible here, so budget like a spot interruption.
@@ -177,8 +188,9 @@ class _IMDSSource:
         raise NotImplementedError
 
     def _notice(
-        self, kind: str, action: str, deadline: datetime | None, now: datetime, key: str, detail: dict[str, Any]
+        self, kind: str, action: str, deadline: datetime | None, now: datetime, key: str | None, detail: dict[str, Any]
     ) -> Notice:
+        """`key`: which event of this path it is; None when the path holds one event per instance."""
         return Notice(
             cloud="aws",
             kind=kind,
@@ -186,7 +198,7 @@ class _IMDSSource:
             deadline=deadline,
             detected_at=now,
             source=self.name,
-            key=f"{self.name}:{key}",
+            key=self.name if key is None else f"{self.name}:{key}",
             detail=detail,
         )
 
@@ -221,42 +233,62 @@ class SpotInstanceActionSource(_IMDSSource):
 
     def __init__(self, client: IMDSClient) -> None:
         super().__init__(client)
-        self._first_seen: tuple[str, datetime, datetime] | None = None  # (key, first seen, deadline)
+        self._first_seen: datetime | None = None  # while the path answers: one notice, one detection time
+        self._deadline: datetime | None = None  # the earliest deadline read so far
 
     def poll(self) -> Notice | None:
+        sent = utc_now()
         answer = self.client.get(self.path)
-        return None if answer is None else self.parse(answer.text, utc_now(), answer.date)
+        if answer is None:
+            self._first_seen = self._deadline = None
+            return None
+        return self.parse(answer.text, utc_now(), answer.date, sent)
 
-    def parse(self, body: str, now: datetime, imds_now: datetime | None = None) -> Notice:
-        """`imds_now`: IMDS's clock when it answered (else the host's) to read `time` against."""
+    def parse(self, body: str, now: datetime, imds_now: datetime | None = None, sent: datetime | None = None) -> Notice:
+        """`imds_now`: IMDS's clock when it answered (its `Date`), else the host's clock is used;
+        `sent`: the host's clock when the request went out (default `now`)."""
+        first = self._first_seen is None
+        self._first_seen = self._first_seen or now
+        try:
+            action, when, data = self._read(body)
+            deadline = self._deadline_of(when, sent or now, imds_now, first)
+        except NoticeSourceError as exc:
+            if first:
+                log.warning("%s; taking it as an interruption due %g s after first sight", exc, UNREADABLE_NOTICE_S)
+            action, data = "unknown", {"unreadable": body[:200]}
+            deadline = self._first_seen + timedelta(seconds=UNREADABLE_NOTICE_S)
+        self._deadline = deadline if self._deadline is None else min(self._deadline, deadline)
+        return self._notice(INTERRUPTION, action, self._deadline, self._first_seen, None, data)
+
+    def _read(self, body: str) -> tuple[str, datetime, dict[str, Any]]:
         data = self._json(body, dict)
         action = self._field(data, "action", body)
-        when = self._field(data, "time", body)
         if action not in SPOT_ACTIONS:
             raise self._error(f"unknown action {action!r} (expected one of {', '.join(SPOT_ACTIONS)})", body)
-        key = f"{action}:{when}"
-        if self._first_seen is None or self._first_seen[0] != key:
-            deadline = now + timedelta(seconds=self._seconds_left(self._time(parse_iso8601, when, body), now, imds_now))
-            self._first_seen = (key, now, deadline)
-        _, first_seen, deadline = self._first_seen
-        return self._notice(INTERRUPTION, action, deadline, first_seen, key, data)
+        return action, self._time(parse_iso8601, self._field(data, "time", body), body), data
 
-    def _seconds_left(self, when: datetime, now: datetime, imds_now: datetime | None) -> float:
-        """Time left at first sight, on IMDS's clock; the two minutes AWS promises when `when` is outside them."""
-        skew = (now - imds_now).total_seconds() if imds_now else 0.0
-        if abs(skew) > CLOCK_SLACK_S:
-            log.warning("the host clock is %+.0f s off IMDS's; reading the spot notice time on IMDS's clock", skew)
-        left = (when - (imds_now or now)).total_seconds()
-        if -CLOCK_SLACK_S <= left <= SPOT_NOTICE_S + CLOCK_SLACK_S:
-            return max(left, 0.0)
-        log.warning(
-            "spot notice time %s is %+.0f s from now, outside the 2 minutes AWS promises (a skewed clock?); "
-            "taking the deadline as first seen + %g s",
-            isoformat_z(when),
-            left,
-            SPOT_NOTICE_S,
-        )
-        return SPOT_NOTICE_S
+    def _deadline_of(self, when: datetime, sent: datetime, imds_now: datetime | None, first: bool) -> datetime:
+        """`when` on the host's clock, never later than the cloud's: read against the latest time
+        IMDS's `Date` can stand for, from when the request was sent."""
+        if imds_now is None:
+            left = (when - sent).total_seconds()
+        else:
+            skew = (sent - imds_now).total_seconds()
+            if first and abs(skew) > CLOCK_SLACK_S:
+                log.warning("the host clock is %+.0f s off IMDS's; reading the spot notice time on IMDS's clock", skew)
+            left = (when - (imds_now + DATE_RESOLUTION)).total_seconds()
+        if left > SPOT_NOTICE_S + CLOCK_SLACK_S:
+            if first:
+                log.warning(
+                    "spot notice time %s is %.0f s away, beyond the 2 minutes AWS promises; taking %g s",
+                    isoformat_z(when),
+                    left,
+                    SPOT_NOTICE_S,
+                )
+            left = SPOT_NOTICE_S
+        elif left <= 0 and first:
+            log.warning("spot notice time %s has passed already: due now", isoformat_z(when))
+        return sent + timedelta(seconds=max(left, 0.0))
 
 
 class ASGLifecycleSource(_IMDSSource):
@@ -294,9 +326,9 @@ class RebalanceSource(_IMDSSource):
 
     def parse(self, body: str, now: datetime) -> Notice:
         data = self._json(body, dict)
-        when = self._field(data, "noticeTime", body)
-        self._time(parse_iso8601, when, body)
-        return self._notice(REBALANCE, "rebalance", None, now, when, data)
+        self._time(parse_iso8601, self._field(data, "noticeTime", body), body)
+        # One recommendation per instance: a noticeTime that moves from answer to answer is still that one.
+        return self._notice(REBALANCE, "rebalance", None, now, None, data)
 
 
 class MaintenanceSource(_IMDSSource):
