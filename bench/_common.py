@@ -127,7 +127,7 @@ def write_file(path: Path, size: int, block: bytes) -> None:
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A markdown table (pastes into the README as is)."""
+    """A markdown table (pastes into docs/benchmarks.md as is)."""
     cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in cells]

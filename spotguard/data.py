@@ -42,7 +42,8 @@ class ResumableSampler(Sampler[int]):
         batch_size: samples per rank per step.
         seed: the epoch's order is a permutation seeded with `seed + epoch`; the same on every rank.
         shuffle: False keeps the dataset's order (0, 1, 2, ...) every epoch.
-        rank, world_size: default: the default process group's (0 and 1 without one).
+        rank: this process's rank; default: the default process group's (0 without one).
+        world_size: the number of ranks; default: the default process group's (1 without one).
     """
 
     def __init__(

@@ -80,7 +80,8 @@ class Guard:
         poll_interval: seconds between metadata polls (AWS, Azure; GCP uses a hanging GET).
         save_interval_s: also save every this many seconds, in the background; "auto": at the
             interval that minimises save stalls plus expected lost work (`spotguard.cadence`).
-        min_save_interval_s, max_save_interval_s: the bounds of the "auto" interval (60 s, 3600 s).
+        min_save_interval_s: the lower bound of the "auto" interval (60 s).
+        max_save_interval_s: the upper bound of the "auto" interval (3600 s).
         interruptions_per_hour: the prior rate of interruptions for "auto" (e.g. from the AWS Spot
             Advisor's frequency band); default one a day, until the ledger has measured better.
         save_every: also save every this many steps, in the background.
@@ -91,12 +92,13 @@ class Guard:
             None to return normally (then `emergency_saved` tells).
         lost_exit_code: process exit code after an emergency whose checkpoint was not committed.
         store: the torch.distributed Store to broadcast through (default: the default group's).
-        rank, world_size: this process's place in the job, stated as `init_process_group(store=,
-            rank=, world_size=)` takes it (give `store` too); default: the default process group's.
-            With them the Guard coordinates through `store` alone and needs a process group only
+        rank: this process's rank, stated as `init_process_group(store=, rank=, world_size=)`
+            takes it (give `store` and `world_size` too); default: the default process group's.
+            With it the Guard coordinates through `store` alone and needs a process group only
             when it saves, so several Guards may live in one process (a scale test).
-        local_rank, node: with `rank`, this process's rank on its node and a name for the node
-            (default: LOCAL_RANK, else `rank`; the host name and GROUP_RANK).
+        world_size: the job's number of ranks, with `rank`.
+        local_rank: with `rank`, this process's rank on its node (default: LOCAL_RANK, else `rank`).
+        node: with `rank`, a name for this process's node (default: the host name and GROUP_RANK).
         agreement_timeout_s: longest wait for all ranks to agree on a step.
         save_on_rebalance: take a background save when AWS recommends a rebalance.
         write_threads: files each rank writes in parallel when saving (and reads when resuming);
