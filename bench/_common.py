@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # run as a script from anywhere in the checkout
 
-from spotguard.demo import free_port, rank_env  # noqa: E402 - after the sys.path line above
+from spotguard.demo.processes import free_port, rank_env  # noqa: E402 - after the sys.path line above
 
 
 class Ranks:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from cloud_adapters.emulation import MetadataEmulator
+from typing import TYPE_CHECKING
+
 from cloud_adapters.notice import NoticeSource
+
+if TYPE_CHECKING:  # the emulators need aiohttp: imported only by the code that runs one
+    from cloud_adapters.emulation import MetadataEmulator
 
 CLOUDS = ("aws", "gcp", "azure")
 

@@ -204,12 +204,12 @@ def _simulate(args: argparse.Namespace) -> int:
 
 # ---- demo, ls, verify ----------------------------------------------------------------
 def _demo(args: argparse.Namespace) -> int:
-    from spotguard.demo import DemoFailed, run_demo
+    from spotguard.demo.local import DemoFailed, run_demo
 
     if args.elastic:
         if args.world_size is not None or args.cloud is not None:
             raise ValueError("--elastic runs two nodes of one rank each with AWS notices: drop --world-size / --cloud")
-        from spotguard.elastic_demo import run_elastic_demo
+        from spotguard.demo.elastic import run_elastic_demo
 
         return run_elastic_demo(args.dir)
     try:

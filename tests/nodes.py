@@ -1,13 +1,13 @@
-"""The nodes of the multi-node tests (spotguard.localnodes) running examples/train_ddp.py from
+"""The nodes of the multi-node tests (spotguard.demo.localnodes) running examples/train_ddp.py from
 this checkout."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from spotguard import localnodes
-from spotguard.localnodes import LocalNode as Node
-from spotguard.localnodes import stop_all
+from spotguard.demo import localnodes
+from spotguard.demo.localnodes import LocalNode as Node
+from spotguard.demo.localnodes import stop_all
 
 __all__ = ["Node", "rendezvous", "run_nodes", "start_nodes", "stop_all"]
 

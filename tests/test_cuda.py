@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from spotguard.checkpoint import Checkpointer, step_dir_name
-from spotguard.demo import free_port, rank_env
+from spotguard.demo.processes import free_port, rank_env
 from tests.ckpt_workers import ROOT
 from tests.framework_runs import sigterm_then_finish
 from tests.test_checkpoint import flip_byte

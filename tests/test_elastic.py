@@ -13,7 +13,7 @@ import time
 import pytest
 
 from spotguard.checkpoint import list_checkpoints
-from spotguard.elastic_demo import check_samples, check_steps, spans, step_lines
+from spotguard.demo.elastic import check_samples, check_steps, spans, step_lines
 from tests.nodes import rendezvous, run_nodes, stop_all
 
 STEPS = 60

@@ -12,8 +12,6 @@ import argparse
 import contextlib
 import json
 import logging
-import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,28 +19,11 @@ import threading
 import time
 from pathlib import Path
 
+from spotguard.demo.processes import free_port, rank_env
+
 STEPS = 60
 NOTICE_AT_STEP = 20
 STEP_SLEEP_S = 0.05  # makes the run long enough to watch; the model itself is tiny
-
-
-def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
-    """The environment torchrun would give one rank of a single-node gloo job on 127.0.0.1."""
-    return dict(
-        os.environ,
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        PYTHONUNBUFFERED="1",
-    )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _say(text: str) -> None:
@@ -64,7 +45,7 @@ class _Run:
             cmd = [
                 sys.executable,
                 "-m",
-                "spotguard.demo",
+                "spotguard.demo.local",
                 "--worker",
                 str(ckpt_dir),
                 "--cloud",

@@ -1,12 +1,12 @@
 """`spotguard demo --elastic`: two nodes on this host train under torchrun's elastic agent
-(`--nnodes 1:2 --rdzv-backend c10d`, spotguard.localnodes); node 1 is reclaimed through its AWS
+(`--nnodes 1:2 --rdzv-backend c10d`, spotguard.demo.localnodes); node 1 is reclaimed through its AWS
 metadata emulator, node 0 trains on alone from the committed step, then a replacement node joins and
 the job grows back. The check (exit 0 only when it holds): every step trained once, by every rank
 of one world; every sample of an epoch consumed once, in the epoch's global order
 (spotguard.data); the final weights equal those of uninterrupted static runs that follow the same
 world-size schedule.
 
-Each node's worker is this module (`torchrun --module spotguard.elastic_demo`).
+Each node's worker is this module (`torchrun --module spotguard.demo.elastic`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 STEPS = 50
 STEP_S = 0.2  # long enough that the replacement's agent starts while node 0 trains alone
 DATASET, BATCH = 100, 4
-WORKER = ["--module", "spotguard.elastic_demo"]
+WORKER = ["--module", "spotguard.demo.elastic"]
 
 
 class CheckFailed(RuntimeError):
@@ -86,7 +86,7 @@ def spans(worlds: list[int]) -> list[tuple[int, int]]:
 def run_elastic_demo(directory: str | None = None) -> int:
     """Run the demo in `directory` (kept), or in a temporary directory removed at the end; 0 when
     its check passed, else 1 with what failed."""
-    from spotguard.localnodes import LocalNodeError
+    from spotguard.demo.localnodes import LocalNodeError
 
     try:
         if directory is not None:
@@ -103,7 +103,7 @@ def _say(text: str) -> None:
 
 
 def _demo(work: Path) -> int:
-    from spotguard.localnodes import Rendezvous, run_nodes, stop_all
+    from spotguard.demo.localnodes import Rendezvous, run_nodes, stop_all
 
     started = time.monotonic()
     work.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from cloud_adapters.aws.emulator import AWSMetadataEmulator
-from spotguard.demo import free_port
+from spotguard.demo.processes import free_port
 
 
 class LocalNodeError(RuntimeError):

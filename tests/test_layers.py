@@ -1,0 +1,50 @@
+"""Which module may import which: cloud_adapters never imports spotguard, the core never imports the
+demo harness, and the emulators (aiohttp) load only where one runs."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def imports() -> dict[str, set[str]]:
+    """{module: every module it imports}, function-level (lazy) and TYPE_CHECKING imports included."""
+    graph = {}
+    for package in ("spotguard", "cloud_adapters"):
+        for path in (ROOT / package).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            found = set()
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    found.add(node.module)
+                    found.update(f"{node.module}.{alias.name}" for alias in node.names)
+                elif isinstance(node, ast.Import):
+                    found.update(alias.name for alias in node.names)
+            graph[name] = found
+    return graph
+
+
+def importers_of(prefix: str) -> set[str]:
+    return {m for m, found in imports().items() if any(i == prefix or i.startswith(prefix + ".") for i in found)}
+
+
+def test_cloud_adapters_never_imports_spotguard():
+    assert not {m for m in importers_of("spotguard") if m.startswith("cloud_adapters")}
+
+
+def test_only_the_cli_and_the_demo_itself_import_the_demo_harness():
+    assert importers_of("spotguard.demo") <= {"spotguard.cli"} | {
+        m for m in imports() if m.startswith("spotguard.demo")
+    }
+
+
+def test_the_guard_and_the_cli_load_no_emulator():
+    code = (
+        "import sys, spotguard.guard, spotguard.cli; "
+        "print(sorted(m for m in sys.modules if m == 'aiohttp' or m.endswith('emulator')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
