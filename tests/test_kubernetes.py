@@ -13,10 +13,10 @@ import pytest
 import yaml
 
 from spotguard.guard import DEFAULT_EXIT_CODE, DEFAULT_LOST_EXIT_CODE, EXIT_FILE_ENV, Guard
+from tests.checkov import assert_checkov_passes, needs_checkov
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = ROOT / "deploy" / "kubernetes" / "training-job.yaml"
-CHECKOV = ROOT / ".ci-venvs" / "checkov" / "bin" / "checkov"
 
 
 def job() -> dict:
@@ -57,29 +57,6 @@ def test_the_wrapper_exits_with_the_exit_files_code(tmp_path, written, expected)
     assert done.returncode == expected
 
 
-@pytest.mark.skipif(not CHECKOV.exists(), reason="checkov not installed: run .ci/install-terraform-tools")
+@needs_checkov
 def test_checkov_finds_no_failed_check(tmp_path):
-    done = subprocess.run(
-        [
-            str(CHECKOV),
-            "-d",
-            str(MANIFEST.parent),
-            "--framework",
-            "kubernetes",
-            "--skip-download",
-            "--quiet",
-            "--compact",
-            "-o",
-            "json",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "BC_SKIP_MAPPING": "TRUE"},
-    )
-    report = json.loads(done.stdout)
-    failed = [f"{c['check_id']} {c['resource']}" for c in report.get("results", {}).get("failed_checks", [])]
-    assert not failed, "checkov failed checks:\n" + "\n".join(failed)
-    assert report["summary"]["parsing_errors"] == 0 and report["summary"]["passed"] > 50, report["summary"]
-    assert done.returncode == 0, done.stderr
+    assert_checkov_passes(MANIFEST.parent, "kubernetes", tmp_path)

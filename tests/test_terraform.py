@@ -17,13 +17,14 @@ from pathlib import Path
 import hcl2
 import pytest
 
+from tests.checkov import assert_checkov_passes, needs_checkov
+
 ROOT = Path(__file__).resolve().parents[1]
 TERRAFORM_DIR = ROOT / "terraform"
 MODULES = TERRAFORM_DIR / "modules"
 CLOUD_MODULES = {"aws": "aws-spot-training", "gcp": "gcp-spot-training", "azure": "azure-spot-training"}
 STARTUP_MODULE = "spotguard-startup"
 CHECKPOINT_SCHEMES = {"aws": "s3", "gcp": "gs", "azure": "az"}
-CHECKOV = ROOT / ".ci-venvs" / "checkov" / "bin" / "checkov"
 PLUGIN_DIR_CANDIDATES = [
     os.environ.get("SPOTGUARD_TF_PLUGIN_DIR", ""),
     "/opt/tf-plugins",
@@ -221,38 +222,9 @@ def test_every_checkov_skip_has_a_reason() -> None:
         assert re.fullmatch(r"#checkov:skip=CKV2?_[A-Z]+_\d+:\S.{10,}", line), f"{path}: {line}"
 
 
-@pytest.mark.skipif(not CHECKOV.exists(), reason="checkov not installed: run .ci/install-terraform-tools")
+@needs_checkov
 def test_checkov_finds_no_failed_check(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [
-            str(CHECKOV),
-            "-d",
-            str(TERRAFORM_DIR),
-            "--framework",
-            "terraform",
-            "--skip-download",
-            "--quiet",
-            "--compact",
-            "-o",
-            "json",
-        ],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env={**os.environ, "BC_SKIP_MAPPING": "TRUE", "CHECKOV_RUN_SCA_PACKAGE_SCAN_V2": "false"},
-    )
-    reports = json.loads(done.stdout)
-    reports = reports if isinstance(reports, list) else [reports]
-    failed = [
-        f"{c['check_id']} {c['resource']} ({c['file_path']})"
-        for r in reports
-        for c in r.get("results", {}).get("failed_checks", [])
-    ]
-    assert not failed, "checkov failed checks:\n" + "\n".join(failed)
-    summary = reports[0]["summary"]
-    assert summary["parsing_errors"] == 0 and summary["passed"] > 50, summary
-    assert done.returncode == 0, done.stderr
+    assert_checkov_passes(TERRAFORM_DIR, "terraform", tmp_path)
 
 
 # ---- the startup script runs the real CLIs -------------------------------------------------------
