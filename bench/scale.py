@@ -135,7 +135,7 @@ class Worker:
                 node=f"node-{rank // RANKS_PER_NODE}",
                 exit_code=None,
             )
-            guard.__enter__()
+            guard.start()
             self.current.append(Rank(guard, step_s))
 
     def train(self) -> str:
@@ -171,7 +171,7 @@ class Worker:
             r.thread.join()
         ended = self.agreed(kind)
         for r in self.current:
-            r.guard.__exit__(None, None, None)
+            r.guard.close()
         if self.emulator is not None:
             self.emulator.clear()  # the next trial's guards start without a notice
         return ended

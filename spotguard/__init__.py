@@ -2,21 +2,55 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
 
 from cloud_adapters.notice import Notice
 
 __version__ = "0.1.0"
-__all__ = ["Guard", "Notice", "__version__"]
+
+# What a training script meets, and where it lives. Loaded on first use: most of it pulls in torch,
+# and `spotguard watch` and the emulators should stay light.
+_LAZY = {
+    "Guard": "spotguard.guard",
+    "Checkpointer": "spotguard.checkpoint.checkpointer",
+    "SaveReport": "spotguard.checkpoint.checkpointer",
+    "IfSaved": "spotguard.checkpoint.state",
+    "CheckpointError": "spotguard.checkpoint.errors",
+    "CheckpointUnavailable": "spotguard.checkpoint.errors",
+    "CheckpointInfo": "spotguard.checkpoint.catalog",
+    "list_checkpoints": "spotguard.checkpoint.catalog",
+    "verify_checkpoint": "spotguard.checkpoint.catalog",
+    "ResumableSampler": "spotguard.data",
+    "ResumableBatchSampler": "spotguard.data",
+}
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointUnavailable",
+    "Checkpointer",
+    "Guard",
+    "IfSaved",
+    "Notice",
+    "ResumableBatchSampler",
+    "ResumableSampler",
+    "SaveReport",
+    "__version__",
+    "list_checkpoints",
+    "verify_checkpoint",
+]
 
 if TYPE_CHECKING:
+    from spotguard.checkpoint.catalog import CheckpointInfo, list_checkpoints, verify_checkpoint
+    from spotguard.checkpoint.checkpointer import Checkpointer, SaveReport
+    from spotguard.checkpoint.errors import CheckpointError, CheckpointUnavailable
+    from spotguard.checkpoint.state import IfSaved
+    from spotguard.data import ResumableBatchSampler, ResumableSampler
     from spotguard.guard import Guard
 
 
 def __getattr__(name: str) -> object:
-    # Guard pulls in torch; importing it lazily keeps `spotguard watch` and the emulators light.
-    if name == "Guard":
-        from spotguard.guard import Guard
-
-        return Guard
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'spotguard' has no attribute {name!r}")

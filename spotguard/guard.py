@@ -43,6 +43,7 @@ from cloud_adapters.sources import CLOUDS, cloud_sources
 from cloud_adapters.storage import write_durably
 from cloud_adapters.stores import check_location
 from spotguard import __version__, elastic, topology
+from spotguard import ledger_records as records
 from spotguard.agreement import Decision, StepAgreement
 from spotguard.broadcast import EMERGENCY, Broadcast
 from spotguard.cadence import DEFAULT_MAX_S, DEFAULT_MIN_S, Cadence, Choice
@@ -178,29 +179,33 @@ class Guard:
         self.leaving = False  # ... and this node was the one reclaimed
         self._withdrawal: str | None = None  # why this node's torchrun agent must not restart it
         self.timeline = Timeline()
-        self._entered = False
+        self._started = False
         self._ckpt: Checkpointer | None = None
         self._ledger: Ledger | None = None  # global rank 0 writes the goodput ledger
         self._last_step: int | None = None  # the last step the loop reported (for the ledger)
         self._last_state: Mapping[str, Any] | None = None  # the state the loop last passed to step()
         self._stop_timer = threading.Event()
-        self._agreement: StepAgreement | _NotEntered = _NotEntered()
+        self._agreement: StepAgreement | _NotStarted = _NotStarted()
 
     # ---- lifecycle -------------------------------------------------------------
-    def __enter__(self) -> Guard:
-        if self._entered:
-            raise RuntimeError("this Guard is entered already: enter a Guard once at a time")
+    def start(self) -> Guard:
+        """Start watching: signal handlers, the watcher and listener threads, the coordination
+        through the store (what entering `with guard:` does). Returns the guard."""
+        if self._started:
+            raise RuntimeError("this Guard is started already: start a Guard once at a time")
         self.topology = topology.explicit(*self._stated) if self._stated else topology.current()
         self._group = self._ckpt = self._broadcast = self._watcher = self._ledger = None
         self._meeting: Connection | None = None
-        self._entered_at = time.monotonic()
+        self._started_at = time.monotonic()
         try:
             self._start()
         except BaseException:
             self._teardown()  # never leave a signal handler, a thread or a group behind
             raise
-        self._entered = True
+        self._started = True
         return self
+
+    __enter__ = start  # the same frame depth either way: warnings point at the caller's line
 
     def _start(self) -> None:
         has_group = dist.is_available() and dist.is_initialized()
@@ -256,18 +261,30 @@ class Guard:
         if self.topology.is_coordinator:
             self._ledger = Ledger(self._ckpt.remote, progress=lambda: self._last_step)
             self._ledger.record(
-                "start",
-                world_size=self.topology.world_size,
-                node=self.topology.node,
-                save_interval_s=self.save_interval_s,
-                save_every=self.save_every,
-                version=__version__,
+                records.Start(
+                    world_size=self.topology.world_size,
+                    node=self.topology.node,
+                    save_interval_s=self.save_interval_s,
+                    save_every=self.save_every,
+                    version=__version__,
+                )
             )
         return self._ckpt
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
-        self._entered = False
-        exiting = self.interrupted and self.exit_code is not None and exc_type is None
+        self.close(exc)
+
+    def close(self, error: BaseException | None = None) -> None:
+        """Stop watching and release everything `start` took (what leaving `with guard:` does).
+
+        After an emergency, and unless `exit_code` is None or `error` (the exception that ended
+        the training, if any) is given, this exits the process: `exit_code` when the emergency
+        checkpoint was committed, `lost_exit_code` when not. Closing a guard not started does nothing.
+        """
+        if not self._started:
+            return
+        self._started = False
+        exiting = self.interrupted and self.exit_code is not None and error is None
         code = self.exit_code if self.emergency_saved else self.lost_exit_code
         if exiting:
             self._record_exit(code)
@@ -285,7 +302,7 @@ class Guard:
                     code,
                     why,
                 )
-            self._ledger_exit(code, exc)
+            self._ledger_exit(code, error)
             if self._ledger is not None:
                 self._ledger.close(timeout_s=2.0)
             self._leave_agent()
@@ -295,7 +312,7 @@ class Guard:
             os._exit(code)
         if exiting:  # before the teardown: meanwhile the agent could restart this node into the next round
             self._leave_agent()
-        self._teardown(lambda: self._ledger_exit(code if exiting else None, exc))
+        self._teardown(lambda: self._ledger_exit(code if exiting else None, error))
         if exiting:
             if self.emergency_saved:
                 log.warning("emergency checkpoint committed; exiting with code %d so the job is restarted", code)
@@ -335,7 +352,7 @@ class Guard:
             sources.append(signals)
             signals.install()
         else:
-            warnings.warn("Guard entered outside the main thread: signals are not watched", stacklevel=4)
+            warnings.warn("Guard started outside the main thread: signals are not watched", stacklevel=4)
         if self.topology.is_node_leader:
             cloud = detect_cloud(self.metadata_url) if self.cloud == "auto" else self.cloud
             sources += cloud_sources(cloud, self.metadata_url)
@@ -348,7 +365,7 @@ class Guard:
     # ---- the training loop's calls ----------------------------------------------
     def resume(self, state: MutableMapping[str, Any]) -> int:
         """Load the newest committed checkpoint into `state`; returns the step to start from (0 if none)."""
-        self._require_entered("resume")
+        self._require_started("resume")
         started = time.monotonic()
         try:
             step = self._checkpointer().resume(state)
@@ -361,7 +378,7 @@ class Guard:
         next_step = 0 if step is None else step + 1
         if self._ledger is not None:
             self._ledger.record(
-                "resume", step=step, next_step=next_step, resume_s=time.monotonic() - started, run=self._ckpt.run
+                records.Resume(step=step, next_step=next_step, resume_s=time.monotonic() - started, run=self._ckpt.run)
             )
         if step is None:
             self.timeline.add("fresh-start", checkpoint_dir=self.checkpoint_dir)
@@ -391,7 +408,7 @@ class Guard:
     def request_checkpoint(self, reason: str = "manual") -> None:
         """Ask every rank, from this one (any thread), to save at the next step they all agree on, in the
         background, as an interval save does: unlike `save()`, the other ranks need not call anything."""
-        self._require_entered("request_checkpoint")
+        self._require_started("request_checkpoint")
         self._request(reason)
 
     def _request(self, reason: str) -> None:
@@ -400,7 +417,7 @@ class Guard:
 
     def save(self, step: int, state: Mapping[str, Any]) -> SaveReport | None:
         """Save now, on demand. With several ranks, every rank must call it at the same step."""
-        self._require_entered("save")
+        self._require_started("save")
         return self._save(_as_step(step), state, reason="manual", wait=True)
 
     # ---- internals ---------------------------------------------------------------
@@ -459,13 +476,14 @@ class Guard:
         self._upload_abandoned = report is not None and not report.durable
         if self._ledger is not None:
             self._ledger.record(
-                "notice",
-                **_notice_fields(notice),
-                agreed_step=step,
-                committed=report is not None,
-                durable=report is not None and report.durable,
-                margin_s=_margin(notice, report),
-                leaving=sorted(leaving),
+                _notice_record(
+                    notice,
+                    agreed_step=step,
+                    committed=report is not None,
+                    durable=report is not None and report.durable,
+                    margin_s=_margin(notice, report),
+                    leaving=tuple(sorted(leaving)),
+                )
             )
         return True
 
@@ -535,10 +553,10 @@ class Guard:
             self._ckpt.abandon_background_uploads()  # the training thread may be waiting on one
             self._expect_handoff(decision.leaving)
         if event["type"] == EMERGENCY and decision is None and self._ledger is not None:
-            self._ledger.record("notice", **_notice_fields(self.notice), agreed_step=None, committed=False)
+            self._ledger.record(_notice_record(self.notice, agreed_step=None))
         if event.get("reason") == "rebalance":
             if self._ledger is not None:
-                self._ledger.record("notice", kind=REBALANCE, agreed_step=decision.step if decision else None)
+                self._ledger.record(records.NoticeSeen(kind=REBALANCE, agreed_step=decision.step if decision else None))
             if self._cadence is not None:
                 self._cadence.observe_interruption()
         if decision is not None:
@@ -599,7 +617,7 @@ class Guard:
                 "streamed_bytes": report.streamed_bytes,
                 "durable": report.durable,
             }
-        self._ledger.record("save", step=step, reason=reason, ok=report is not None, error=error, **measured)
+        self._ledger.record(records.Save(step=step, reason=reason, ok=report is not None, error=error, **measured))
         if self._cadence is not None and report is not None and reason in ("periodic", "interval", "rebalance"):
             self._cadence.observe_save(report.stall_s)
 
@@ -612,7 +630,7 @@ class Guard:
         if isinstance(exc, SystemExit):
             code = exc.code if isinstance(exc.code, int) else 1
             why = "storage unavailable" if code == UNAVAILABLE_EXIT_CODE else "exit"
-        self._ledger.record("exit", code=code, why=why, committed=self.emergency_saved, last_step=self._last_step)
+        self._ledger.record(records.Exit(code=code, why=why, committed=self.emergency_saved, last_step=self._last_step))
 
     def _interval(self) -> float:
         """The next wait of the interval timer: fixed, or the cadence's choice now."""
@@ -627,11 +645,11 @@ class Guard:
                 self._cadence.observe_history(done["interruptions"], running_h)
             except Exception as exc:  # noqa: BLE001 - a ledger this version cannot read: the prior alone decides
                 log.warning("the save interval (auto) ignores the ledger's history: %s: %s", type(exc).__name__, exc)
-        return self._cadence.interval((time.monotonic() - self._entered_at) / 3600)
+        return self._cadence.interval((time.monotonic() - self._started_at) / 3600)
 
     def _on_cadence(self, choice: Choice) -> None:
         if self._ledger is not None:
-            self._ledger.record("cadence", **choice.to_json())
+            self._ledger.record(records.CadenceChange(**choice.to_json()))
 
     def _interval_timer(self) -> None:
         while not self._stop_timer.wait(self._interval()):
@@ -640,16 +658,20 @@ class Guard:
             except Exception as exc:  # noqa: BLE001 - a store hiccup skips one interval save, not all of them
                 log.warning("could not request an interval checkpoint: %s", exc)
 
-    def _require_entered(self, what: str) -> None:
-        if not self._entered:
-            raise RuntimeError(f"Guard.{what}() needs the guard entered: use `with Guard(...) as guard:`")
+    def _require_started(self, what: str) -> None:
+        if not self._started:
+            raise RuntimeError(_not_started(what))
 
 
-class _NotEntered:
-    """Stands in for the agreement until the guard is entered, so a misuse gets a clear error."""
+def _not_started(what: str) -> str:
+    return f"Guard.{what}() needs the guard started: use `with Guard(...) as guard:` or `guard.start()`"
+
+
+class _NotStarted:
+    """Stands in for the agreement until the guard is started, so a misuse gets a clear error."""
 
     def reached(self, step: int) -> list[Decision]:
-        raise RuntimeError("Guard.step() needs the guard entered: use `with Guard(...) as guard:`")
+        raise RuntimeError(_not_started("step"))
 
 
 def _cadence(
@@ -679,16 +701,17 @@ def _margin(notice: Notice, report: SaveReport | None) -> float | None:
     return report.margin_s if report.margin_s is not None else notice.seconds_left()
 
 
-def _notice_fields(notice: Notice) -> dict[str, Any]:
-    return {
-        "kind": notice.kind,
-        "cloud": notice.cloud,
-        "action": notice.action,
-        "source": notice.source,
-        "node": notice.node,
-        "deadline": isoformat_z(notice.deadline) if notice.deadline else None,
-        "detected_at": isoformat_z(notice.detected_at),
-    }
+def _notice_record(notice: Notice, **outcome: Any) -> records.NoticeSeen:
+    return records.NoticeSeen(
+        kind=notice.kind,
+        cloud=notice.cloud,
+        action=notice.action,
+        source=notice.source,
+        node=notice.node,
+        deadline=isoformat_z(notice.deadline) if notice.deadline else None,
+        detected_at=isoformat_z(notice.detected_at),
+        **outcome,
+    )
 
 
 def _stated_topology(

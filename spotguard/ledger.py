@@ -1,8 +1,8 @@
 """The goodput ledger: what each run segment of a job did, appended next to its checkpoints.
 
-A run segment is one entry of a Guard (one launch of the job). Global rank 0 writes one JSON
-object per line: `start`, `resume`, `save`, `notice`, `cadence`, `progress` (a heartbeat with the
-last step trained) and `exit`. Where it goes:
+A run segment is one start of a Guard (one launch of the job). Global rank 0 writes one JSON
+object per line, one of the typed records of `spotguard.ledger_records` (`start`, `resume`, `save`,
+`notice`, `cadence`, `progress`: a heartbeat with the last step trained, `exit`). Where it goes:
 
   a filesystem checkpoint_dir   <checkpoint_dir>/spotguard-ledger.jsonl, every segment appending
                                 to the one file (O_APPEND, one write per line);
@@ -28,10 +28,11 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TypeVar
 
 from cloud_adapters.notice import isoformat_z, parse_iso8601, utc_now
 from cloud_adapters.storage import LocalStore, NotFound, ObjectStore
+from spotguard.ledger_records import Progress, Record, Resume, parse
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +43,14 @@ OBJECT_LINES = 500  # a bucket ledger object holding this many lines (~60 kB: ~8
 _STOP = object()
 
 
+_R = TypeVar("_R", bound=Record)
+
+
 @dataclasses.dataclass(frozen=True)
 class LedgerContents:
-    records: list[dict[str, Any]]  # every segment's records, oldest segment first, in written order
+    records: list[Record]  # every segment's records, oldest segment first, in written order
     torn: int  # lines that could not be read (a writer killed mid-line) and were skipped
+    unknown: int = 0  # records of a newer version or an event this version does not know: skipped
 
 
 def new_segment_id() -> str:
@@ -80,23 +85,22 @@ class Ledger:
         self._object_lines = object_lines
         self._seq = 0
         self._lock = threading.Lock()
-        self._history: list[dict[str, Any]] | None = None
+        self._history: list[Record] | None = None
         self._history_ready = threading.Event()
         self._failed = False
         self._thread = threading.Thread(target=self._run, name="spotguard-ledger", daemon=True)
         self._thread.start()
 
-    def record(self, event: str, **fields: Any) -> None:
-        """Queue one record (any thread; never blocks, never raises)."""
-        self._queue.put(self._stamp(event, fields))
+    def record(self, record: Record) -> None:
+        """Queue one record, stamped now (any thread; never blocks, never raises)."""
+        self._queue.put(self._stamp(record))
 
-    def _stamp(self, event: str, fields: dict[str, Any]) -> dict[str, Any]:
+    def _stamp(self, record: _R) -> _R:
         with self._lock:
             self._seq += 1
-            entry = {"event": event, "segment": self.segment, "seq": self._seq, "at": isoformat_z(utc_now())}
-        return {**entry, **fields}
+            return dataclasses.replace(record, segment=self.segment, seq=self._seq, at=isoformat_z(utc_now()))
 
-    def history(self, timeout: float | None = 0.0) -> list[dict[str, Any]] | None:
+    def history(self, timeout: float | None = 0.0) -> list[Record] | None:
         """The earlier segments' records, once the writer has read them (None until then, or if unreadable)."""
         self._history_ready.wait(timeout)
         return self._history
@@ -136,18 +140,20 @@ class Ledger:
                 next_beat = time.monotonic() + self._heartbeat_s
                 step = self._progress()
                 if step is not None and not stop:
-                    batch.append(self._stamp("progress", {"last_step": step}))
-            for entry in batch:
-                if entry["event"] == "resume" and self._history:
-                    gap = parse_iso8601(entry["at"]) - parse_iso8601(self._history[-1]["at"])
-                    entry["since_previous_s"] = gap.total_seconds()
+                    batch.append(self._stamp(Progress(last_step=step)))
+            if self._history:
+                batch = [self._since_previous(r) if isinstance(r, Resume) else r for r in batch]
             if batch:
                 self._write(batch)
             if stop:
                 return
 
-    def _write(self, batch: list[dict[str, Any]]) -> None:
-        lines = [json.dumps(entry, separators=(",", ":")) + "\n" for entry in batch]
+    def _since_previous(self, resume: Resume) -> Resume:
+        gap = parse_iso8601(resume.at) - parse_iso8601(self._history[-1].at)  # type: ignore[index]
+        return dataclasses.replace(resume, since_previous_s=gap.total_seconds())
+
+    def _write(self, batch: list[Record]) -> None:
+        lines = [json.dumps(record.to_json(), separators=(",", ":")) + "\n" for record in batch]
         try:
             if isinstance(self.store, LocalStore):
                 self.store.append_bytes(LEDGER_NAME, "".join(lines).encode())
@@ -189,7 +195,8 @@ class Ledger:
 def read_ledger(store: ObjectStore) -> LedgerContents:
     """Every segment's records in `store` (the file and the per-segment objects), oldest first.
 
-    A line that is not a JSON object (a torn write) is skipped and counted in `torn`.
+    A line that is not a ledger record (a torn write) is skipped and counted in `torn`; a record
+    of a newer version or an unknown event is skipped and counted in `unknown`.
     """
     blobs: list[bytes] = []
     for info in store.list(LEDGER_PREFIX):
@@ -199,20 +206,20 @@ def read_ledger(store: ObjectStore) -> LedgerContents:
         blobs.append(store.get_bytes(LEDGER_NAME))
     except NotFound:
         pass
-    records: list[dict[str, Any]] = []
-    torn = 0
+    records: list[Record] = []
+    torn = unknown = 0
     for blob in blobs:
         for line in blob.decode("utf-8", errors="replace").splitlines():
             if not line.strip():
                 continue
             try:
-                entry = json.loads(line)
-                if not isinstance(entry, dict) or not {"event", "segment", "seq", "at"} <= entry.keys():
-                    raise ValueError("not a ledger record")
-                parse_iso8601(entry["at"])
+                record = parse(json.loads(line))
             except Exception:  # noqa: BLE001 - a torn or foreign line: skipped, counted
                 torn += 1
                 continue
-            records.append(entry)
-    records.sort(key=lambda r: (r["segment"], r["seq"]))
-    return LedgerContents(records, torn)
+            if record is None:
+                unknown += 1
+            else:
+                records.append(record)
+    records.sort(key=lambda r: (r.segment, r.seq))
+    return LedgerContents(records, torn, unknown)

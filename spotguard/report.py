@@ -22,67 +22,68 @@ from typing import Any
 
 from cloud_adapters.notice import parse_iso8601
 from spotguard.ledger import LedgerContents
+from spotguard.ledger_records import CadenceChange, Exit, NoticeSeen, Progress, Record, Resume, Save
 
 INTERRUPTED = "interrupted"
 
 
-def _at(record: dict[str, Any]) -> datetime:
-    return parse_iso8601(record["at"])
+def _at(record: Record) -> datetime:
+    return parse_iso8601(record.at)
 
 
-def _segments(records: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    groups: dict[str, list[dict[str, Any]]] = {}
+def _segments(records: list[Record]) -> list[list[Record]]:
+    groups: dict[str, list[Record]] = {}
     for record in records:
-        groups.setdefault(record["segment"], []).append(record)
+        groups.setdefault(record.segment, []).append(record)
     return list(groups.values())  # records come sorted by segment (start time), then seq
 
 
-def _segment(records: list[dict[str, Any]], origin: datetime) -> dict[str, Any]:
+def _segment(records: list[Record], origin: datetime) -> dict[str, Any]:
     start, end = _at(records[0]), _at(records[-1])
-    of = {kind: [r for r in records if r["event"] == kind] for kind in ("resume", "save", "notice", "exit", "start")}
-    resume = of["resume"][0] if of["resume"] else None
-    exit_ = of["exit"][-1] if of["exit"] else None
-    saves = of["save"]
-    steps = [r["step"] for r in saves if r.get("ok")]
-    steps += [r["last_step"] for r in records if r.get("last_step") is not None]
-    steps += [r["agreed_step"] for r in of["notice"] if r.get("agreed_step") is not None]
-    first_step = resume["next_step"] if resume else None
+    resume = next((r for r in records if isinstance(r, Resume)), None)
+    exit_ = next((r for r in reversed(records) if isinstance(r, Exit)), None)
+    saves = [r for r in records if isinstance(r, Save)]
+    notices = [r for r in records if isinstance(r, NoticeSeen)]
+    steps = [r.step for r in saves if r.ok]
+    steps += [r.last_step for r in records if isinstance(r, (Progress, Exit)) and r.last_step is not None]
+    steps += [r.agreed_step for r in notices if r.agreed_step is not None]
+    first_step = resume.next_step if resume else None
     last_step = max(steps) if steps else (first_step - 1 if first_step else None)
-    resume_s = resume["resume_s"] if resume else 0.0
-    stall_s = sum(r.get("stall_s") or 0.0 for r in saves)
+    resume_s = resume.resume_s if resume else 0.0
+    stall_s = sum(r.stall_s or 0.0 for r in saves)
     wall_s = (end - start).total_seconds()
-    interruptions = [n for n in of["notice"] if n.get("kind") == "interruption"]
-    ended = exit_["why"] if exit_ else "no exit record"
+    interruptions = [n for n in notices if n.kind == "interruption"]
+    ended = exit_.why if exit_ else "no exit record"
     if interruptions and ended != INTERRUPTED and exit_ is None:
         ended = INTERRUPTED + " (no exit record)"
     return {
-        "segment": records[0]["segment"],
-        "start": records[0]["at"],
-        "end": records[-1]["at"],
+        "segment": records[0].segment,
+        "start": records[0].at,
+        "end": records[-1].at,
         "start_s": (start - origin).total_seconds(),
         "wall_s": wall_s,
         "resume_s": resume_s,
-        "resumed_from": resume.get("step") if resume else None,
+        "resumed_from": resume.step if resume else None,
         "first_step": first_step,
         "last_step": last_step,
         "steps": last_step + 1 - first_step if last_step is not None and first_step is not None else 0,
         "saves": [_save(r, origin) for r in saves],
-        "save_stall_s": sum(r.get("stall_s") or 0.0 for r in saves if r["reason"] not in ("emergency", "manual")),
-        "emergency_save_s": sum(r.get("stall_s") or 0.0 for r in saves if r["reason"] == "emergency"),
+        "save_stall_s": sum(r.stall_s or 0.0 for r in saves if r.reason not in ("emergency", "manual")),
+        "emergency_save_s": sum(r.stall_s or 0.0 for r in saves if r.reason == "emergency"),
         "training_s": max(0.0, wall_s - resume_s - stall_s),
-        "notices": [{**n, "at_s": (_at(n) - origin).total_seconds()} for n in of["notice"]],
-        "cadence": [r for r in records if r["event"] == "cadence"],
-        "exit_code": exit_["code"] if exit_ else None,
+        "notices": [{**n.to_json(), "at_s": (_at(n) - origin).total_seconds()} for n in notices],
+        "cadence": [r.to_json() for r in records if isinstance(r, CadenceChange)],
+        "exit_code": exit_.code if exit_ else None,
         "ended": ended,
-        "committed": bool(exit_ and exit_.get("committed")) or any(n.get("committed") for n in interruptions),
-        "last_committed_step": max((r["step"] for r in saves if r.get("ok")), default=None),
+        "committed": bool(exit_ and exit_.committed) or any(n.committed for n in interruptions),
+        "last_committed_step": max((r.step for r in saves if r.ok), default=None),
         "exact": exit_ is not None,
     }
 
 
-def _save(record: dict[str, Any], origin: datetime) -> dict[str, Any]:
+def _save(record: Save, origin: datetime) -> dict[str, Any]:
     keys = ("step", "reason", "ok", "bytes", "stall_s", "write_s", "commit_s", "upload_s", "durable", "error")
-    return {**{k: record.get(k) for k in keys}, "at_s": (_at(record) - origin).total_seconds()}
+    return {**{k: getattr(record, k) for k in keys}, "at_s": (_at(record) - origin).total_seconds()}
 
 
 def summarize(contents: LedgerContents) -> dict[str, Any]:

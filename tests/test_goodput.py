@@ -1,6 +1,7 @@
 """The goodput ledger, `spotguard report` (text, JSON, picture) and the "auto" save cadence, with real
 Guards in this process and in a child killed hard; torchrun runs are checked in test_torchrun.py."""
 
+import dataclasses
 import json
 import logging
 import math
@@ -19,6 +20,7 @@ from cloud_adapters.storage import LocalStore, StoreError
 from spotguard.cadence import Cadence, young_daly
 from spotguard.cli import main
 from spotguard.ledger import LEDGER_NAME, LEDGER_PREFIX, Ledger, read_ledger
+from spotguard.ledger_records import Exit, NoticeSeen, Progress, Resume, Save, Start
 from spotguard.report import summarize
 from tests.conftest import backend_for
 from tests.test_guard import make_state, train
@@ -49,20 +51,20 @@ def test_the_ledger_records_an_interrupted_and_resumed_run_and_report_reads_it_b
     ckpt, stopped = interrupted_then_resumed
     records = read_ledger(LocalStore(ckpt)).records
     assert (ckpt / LEDGER_NAME).is_file()
-    first, second = sorted({r["segment"] for r in records})
-    events = [r["event"] for r in records if r["segment"] == first]
+    first, second = sorted({r.segment for r in records})
+    events = [r.EVENT for r in records if r.segment == first]
     assert events[:2] == ["start", "resume"] and events[-1] == "exit"
-    saves = [r for r in records if r["event"] == "save" and r["segment"] == first]
-    assert [(s["step"], s["reason"]) for s in saves] == [(0, "periodic"), (5, "periodic"), (10, "periodic"),
+    saves = [r for r in records if isinstance(r, Save) and r.segment == first]
+    assert [(s.step, s.reason) for s in saves] == [(0, "periodic"), (5, "periodic"), (10, "periodic"),
                                                          (stopped, "emergency")]  # fmt: skip
-    assert all(s["ok"] and s["durable"] and s["bytes"] > 0 and s["stall_s"] >= 0 for s in saves)
-    notice = next(r for r in records if r["event"] == "notice")
-    assert (notice["cloud"], notice["kind"], notice["agreed_step"], notice["committed"]) == (
+    assert all(s.ok and s.durable and s.bytes > 0 and s.stall_s >= 0 for s in saves)
+    notice = next(r for r in records if isinstance(r, NoticeSeen))
+    assert (notice.cloud, notice.kind, notice.agreed_step, notice.committed) == (
         "signal", "interruption", stopped, True)  # fmt: skip
-    assert 15 < notice["margin_s"] <= 25  # grace_s 25
-    resume = next(r for r in records if r["event"] == "resume" and r["segment"] == second)
-    assert (resume["step"], resume["next_step"]) == (stopped, stopped + 1)
-    assert resume["since_previous_s"] >= 0.3
+    assert 15 < notice.margin_s <= 25  # grace_s 25
+    resume = next(r for r in records if isinstance(r, Resume) and r.segment == second)
+    assert (resume.step, resume.next_step) == (stopped, stopped + 1)
+    assert resume.since_previous_s >= 0.3
 
     summary = report_json(ckpt, capsys)
     assert (summary["segments"], summary["interruptions"], summary["steps_lost"]) == (2, 1, 0)
@@ -138,17 +140,17 @@ def test_ledger_objects_in_a_bucket_one_per_segment(tmp_path, storage_servers, m
     last = {"step": 3}
     for segment in range(2):
         ledger = Ledger(store, progress=lambda: last["step"], heartbeat_s=0.05)
-        ledger.record("start", world_size=1)
-        ledger.record("resume", step=None if segment == 0 else 9, next_step=0 if segment == 0 else 10, resume_s=0.1)
+        ledger.record(Start(world_size=1))
+        ledger.record(Resume(step=None if segment == 0 else 9, next_step=0 if segment == 0 else 10, resume_s=0.1))
         assert ledger.history(timeout=10) is not None  # read before the first write
         time.sleep(0.3)  # heartbeats with the last step
-        ledger.record("exit", code=143, why="interrupted", committed=False, last_step=12 + 10 * segment)
+        ledger.record(Exit(code=143, why="interrupted", committed=False, last_step=12 + 10 * segment))
         ledger.close()
     keys = [o.key for o in store.list(LEDGER_PREFIX)]
     assert len(keys) == 2 and all(k.endswith(".jsonl") for k in keys)
     contents = read_ledger(store)
     assert contents.torn == 0
-    assert any(r["event"] == "progress" and r["last_step"] == 3 for r in contents.records)
+    assert any(isinstance(r, Progress) and r.last_step == 3 for r in contents.records)
     summary = report_json(store.url, capsys)
     assert (summary["segments"], summary["interruptions"]) == (2, 2)
     # The first interruption: trained to 12, resumed at 10 (3 steps redone); the second: nothing committed.
@@ -170,7 +172,7 @@ def test_a_long_segment_goes_on_in_a_new_bucket_object_instead_of_rewriting_its_
     monkeypatch.setattr(store, "put_bytes", refuse_once)
     ledger = Ledger(store, heartbeat_s=3600, object_lines=3)
     for n in range(1, 8):
-        ledger.record("save", step=n)
+        ledger.record(Save(step=n))
         deadline = time.monotonic() + 30  # bounds a hang only
         while not (refused.is_set() if n == 3 else len(read_ledger(store).records) >= n):  # one record per write
             assert time.monotonic() < deadline, f"record {n} not written"
@@ -179,7 +181,7 @@ def test_a_long_segment_goes_on_in_a_new_bucket_object_instead_of_rewriting_its_
     lines = {o.key.removeprefix(LEDGER_PREFIX): store.get_bytes(o.key).count(b"\n") for o in store.list(LEDGER_PREFIX)}
     # Record 3's write failed: it went again with record 4, which filled the first object.
     assert lines == {f"{ledger.segment}.jsonl": 4, f"{ledger.segment}.2.jsonl": 3}
-    assert [r["step"] for r in read_ledger(store).records] == list(range(1, 8))
+    assert [r.step for r in read_ledger(store).records] == list(range(1, 8))
 
 
 def test_the_auto_cadence_is_young_daly_within_bounds(caplog):
@@ -230,3 +232,42 @@ def test_auto_cadence_arguments_are_checked_at_guard(tmp_path):
     ):
         with pytest.raises(ValueError, match=f"^{message}"):
             spotguard.Guard(tmp_path, cloud="none", **kwargs)
+
+
+def test_the_ledger_schema_is_shared_by_writer_and_reader_and_versioned(tmp_path):
+    """Every record type goes through the writer and back unchanged; a line from before versions is
+    read, a newer version's record or an unknown event is skipped and counted, a record missing a
+    required field counts as torn."""
+    from spotguard.ledger_records import LEDGER_VERSION, RECORDS, CadenceChange
+
+    store = LocalStore(tmp_path)
+    written = [
+        Start(world_size=2, node="n0", save_every=5, version="0.1.0"),
+        Resume(step=None, next_step=0, resume_s=0.2, run="ab12"),
+        Save(step=5, reason="periodic", ok=True, bytes=10, stall_s=0.01, durable=True),
+        NoticeSeen(kind="interruption", cloud="aws", agreed_step=7, committed=True, leaving=(2, 3)),
+        Progress(last_step=9),
+        CadenceChange(
+            interval_s=60.0, save_cost_s=None, rate_per_h=0.1, interruptions=0, hours=0.0, bound="min", explain="x"
+        ),
+        Exit(code=143, why="interrupted", committed=True, last_step=9),
+    ]
+    assert {type(r) for r in written} == set(RECORDS.values())
+    ledger = Ledger(store)
+    for record in written:
+        ledger.record(record)
+    ledger.close()
+    at = '"segment":"0","seq":{},"at":"2026-01-01T00:00:00.000Z"'
+    with open(tmp_path / LEDGER_NAME, "a") as f:
+        f.write('{"event":"save","step":3,"reason":"manual","ok":true,' + at.format(1) + "}\n")  # no "v"
+        f.write('{"event":"save","v":%d,"step":4,' % (LEDGER_VERSION + 1) + at.format(2) + "}\n")
+        f.write('{"event":"checkup","v":1,' + at.format(3) + "}\n")
+        f.write('{"event":"exit","v":1,' + at.format(4) + "}\n")  # no code, no why
+    contents = read_ledger(store)
+    assert (contents.torn, contents.unknown) == (1, 2)
+    older, *mine = contents.records
+    assert older == Save(segment="0", seq=1, at="2026-01-01T00:00:00.000Z", step=3, reason="manual", ok=True)
+    assert [type(r) for r in mine] == [type(r) for r in written]
+    for got, sent in zip(mine, written):
+        assert got.seq > 0 and got.segment == ledger.segment
+        assert dataclasses.replace(got, segment="", seq=0, at="") == sent

@@ -183,7 +183,7 @@ def test_a_step_reported_again_is_not_saved_again(tmp_path, caplog):
             guard.step(step, state)
     assert committed(tmp_path) == [(2, "periodic"), (4, "periodic")]
     # Before: each step saved twice, the second copy discarded ("already committed") and counted in the ledger.
-    assert [r["step"] for r in read_ledger(LocalStore(tmp_path)).records if r["event"] == "save"] == [2, 4]
+    assert [r.step for r in read_ledger(LocalStore(tmp_path)).records if r.EVENT == "save"] == [2, 4]
     assert not any("already committed" in r.getMessage() for r in caplog.records)
 
 
@@ -197,8 +197,8 @@ def test_interval_saves_and_rebalance_saves_are_agreed_then_taken_in_the_backgro
     assert "interval" in reasons and "rebalance" in reasons
     assert not guard.emergency_saved
     ledger = read_ledger(LocalStore(tmp_path)).records  # the advisory is in the goodput ledger too
-    assert [r["kind"] for r in ledger if r["event"] == "notice"] == ["rebalance"]
-    assert {r["reason"] for r in ledger if r["event"] == "save"} == {"interval", "rebalance"}
+    assert [r.kind for r in ledger if r.EVENT == "notice"] == ["rebalance"]
+    assert {r.reason for r in ledger if r.EVENT == "save"} == {"interval", "rebalance"}
 
 
 @pytest.mark.parametrize(
@@ -230,9 +230,9 @@ def test_values_that_would_bend_the_guard_are_refused_at_the_call(tmp_path, kwar
 
 def test_misuse_gets_clear_errors(tmp_path, monkeypatch):
     guard = spotguard.Guard(tmp_path, cloud="none")
-    with pytest.raises(RuntimeError, match="needs the guard entered"):
+    with pytest.raises(RuntimeError, match="needs the guard started"):
         guard.step(0, {})
-    with pytest.raises(RuntimeError, match="needs the guard entered"):
+    with pytest.raises(RuntimeError, match="needs the guard started"):
         guard.resume({})
     with pytest.raises(ValueError, match="cloud must be one of"):
         spotguard.Guard(tmp_path, cloud="mars")
@@ -266,7 +266,7 @@ def test_entering_a_guard_again_is_refused_and_the_first_entry_still_saves_on_si
     with guard:
         threads = {t for t in threading.enumerate() if t.name.startswith("spotguard")}
         handler = signal.getsignal(signal.SIGTERM)
-        with pytest.raises(RuntimeError, match="^this Guard is entered already"):
+        with pytest.raises(RuntimeError, match="^this Guard is started already"):
             with guard:
                 pass
         assert signal.getsignal(signal.SIGTERM) is handler
@@ -274,6 +274,21 @@ def test_entering_a_guard_again_is_refused_and_the_first_entry_still_saves_on_si
         stopped = train(guard, state, on_step=lambda s: s == 3 and os.kill(os.getpid(), signal.SIGTERM))
     assert stopped is not None and committed(tmp_path) == [(stopped, "emergency")]
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_start_and_close_do_what_the_with_block_does(tmp_path):
+    """For frameworks that call in at setup and teardown instead of wrapping the loop."""
+    state = make_state()
+    guard = spotguard.Guard(tmp_path, cloud="none")
+    guard.close()  # not started: nothing to do
+    assert guard.start() is guard and signal.getsignal(signal.SIGTERM) != signal.SIG_DFL
+    stopped = train(guard, state, on_step=lambda s: s == 3 and os.kill(os.getpid(), signal.SIGTERM))
+    assert stopped is not None and guard.emergency_saved
+    with pytest.raises(SystemExit) as exited:
+        guard.close()
+    assert exited.value.code == 143 and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    guard.close()  # closed already: nothing to do
+    assert committed(tmp_path) == [(stopped, "emergency")]
 
 
 def test_a_failed_enter_leaves_nothing_behind(tmp_path, monkeypatch):

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from spotguard.checkpoint.departure import Departure, HandoffError
 from spotguard.checkpoint.handoff import Receiver, send_shards
+from spotguard.checkpoint.outcome import SurvivorsOutcome
 from spotguard.checkpoint.transfer import Cutoff
 from spotguard.kvstore import Connection
 from tests.ckpt_workers import ROOT
@@ -163,7 +164,7 @@ def test_a_leaving_rank_that_reports_its_failure_ends_the_survivor_s_wait_at_onc
 
 
 def test_a_leaving_rank_stops_waiting_once_the_survivors_gave_up(departure):
-    departure.publish_outcome({"error": "rank 0: cannot listen on 203.0.113.7"})
+    departure.publish_outcome(SurvivorsOutcome(error="rank 0: cannot listen on 203.0.113.7"))
     started = time.monotonic()
     with pytest.raises(HandoffError, match="the survivors gave up: rank 0: cannot listen"):
         send_shards(departure, 1, 0, STEP, shards(), cutoff(60))

@@ -52,6 +52,7 @@ from spotguard.checkpoint.errors import CheckpointError
 from spotguard.checkpoint.handoff import ReceivePool, Receiver, send_shards
 from spotguard.checkpoint.layout import MANIFEST_NAME, manifest_key, sibling_name, step_dir_name
 from spotguard.checkpoint.manifest import REASONS, FileRecord, Manifest, versions
+from spotguard.checkpoint.outcome import LocalCommit, SaveEvents, SaveOutcomes, SaveReport, SurvivorsOutcome
 from spotguard.checkpoint.ownership import SurvivorPlanner, expects_handoff, flat, unique_shards
 from spotguard.checkpoint.resume import load_newest
 from spotguard.checkpoint.runs import RunWatch, SharedDirectory, new_run_id, refuse
@@ -72,32 +73,6 @@ NO_DEADLINE_WAIT_S = 120.0
 # How long a survivor waits for a leaving rank to say whether it hands anything over, when the survivor
 # expects nothing from it: bounded, since a leaving rank may already be gone.
 DECLARE_GRACE_S = 3.0
-
-# Called on rank 0 as a save goes: ("committed" | "upload-plan" | "durable" | "not-durable", details).
-SaveEvents = Callable[..., Any]
-# Called on every rank when a save ends, background ones too: (step, reason, report or None, error or None).
-SaveOutcomes = Callable[[int, str, "SaveReport | None", "str | None"], Any]
-
-
-@dataclasses.dataclass(frozen=True)
-class SaveReport:
-    step: int
-    reason: str
-    bytes: int
-    files: int
-    write_s: float  # DCP write + checksums (slowest phase end on rank 0's clock)
-    commit_s: float  # gather, manifest, rename
-    upload_s: float  # local commit -> durable; 0.0 without an object store
-    location: str  # where the committed step is: the durable copy when there is one
-    durable: bool  # committed in checkpoint_dir, not only in local_dir
-    margin_s: float | None  # seconds left before the deadline when the step became durable
-    started_at: datetime
-    committed_at: datetime
-    durable_at: datetime | None
-    local_location: str | None = None  # the committed local copy, when staging in local_dir
-    error: str | None = None  # why it is not durable
-    stall_s: float = 0.0  # how long save() held its caller (the training thread): the whole save when waited for
-    streamed_bytes: int = 0  # of this rank's files, sent to the object store while they were written
 
 
 @dataclasses.dataclass(frozen=True)
@@ -461,27 +436,26 @@ class Checkpointer:
         else:
             log.warning("rank %d is leaving: the survivors hold all it has and save step %d without it", rank, step)
         handed_s = time.monotonic() - t0
-        outcome = departure.wait_outcome(cutoff.left() or NO_DEADLINE_WAIT_S)
-        if outcome is None:
+        done = departure.wait_outcome(cutoff.left() or NO_DEADLINE_WAIT_S)
+        if done is None:
             raise CheckpointError(f"the survivors did not confirm a commit of step {step} before the deadline")
-        if outcome["error"]:
-            raise CheckpointError(f"the survivors could not commit step {step}: {outcome['error']}")
-        done = outcome["committed"]
+        if done.error:
+            raise CheckpointError(f"the survivors could not commit step {step}: {done.error}")
         self.last_report = SaveReport(
             step=step,
             reason="emergency",
-            bytes=done["bytes"],
-            files=done["files"],
+            bytes=done.bytes,
+            files=done.files,
             write_s=handed_s,
             commit_s=0.0,
             upload_s=0.0,
-            location=done["location"],
-            durable=done["durable"],
+            location=done.location,
+            durable=done.durable,
             margin_s=None,
             started_at=started_at,
-            committed_at=parse_iso8601(done["committed_at"]),
+            committed_at=parse_iso8601(done.committed_at),
             durable_at=None,
-            error=None if done["durable"] else "committed by the survivors, who upload it",
+            error=None if done.durable else "committed by the survivors, who upload it",
         )
         return self.last_report
 
@@ -530,11 +504,11 @@ class Checkpointer:
                 comm=comm,
                 planner=SurvivorPlanner(received),
                 leaving=tuple(sorted(departure.leaving)),
-                on_commit=lambda done: departure.publish_outcome({"error": None, "committed": done}),
+                on_commit=departure.publish_outcome,
             )
         except FAILURES as exc:
             if comm.is_coordinator:
-                departure.publish_outcome({"error": describe(exc)})
+                departure.publish_outcome(SurvivorsOutcome(error=describe(exc)))
             raise
         finally:
             dist.destroy_process_group(group)
@@ -588,7 +562,7 @@ class Checkpointer:
         comm: Comm | None = None,
         planner: SavePlanner | None = None,
         leaving: tuple[int, ...] = (),
-        on_commit: Callable[[dict[str, Any]], None] | None = None,
+        on_commit: Callable[[SurvivorsOutcome], None] | None = None,
         stall_s: float = 0.0,
     ) -> SaveReport:
         """The save protocol on `comm`'s ranks; `on_commit` hears of the local commit on its rank 0."""
@@ -623,26 +597,26 @@ class Checkpointer:
             t_committed = time.monotonic()
             committed_at = utc_now()
             try:
-                if commit["error"]:
-                    raise CheckpointError(f"checkpoint of step {step} failed, nothing committed: {commit['error']}")
-                final = Path(commit["path"])
+                if commit.error:
+                    raise CheckpointError(f"checkpoint of step {step} failed, nothing committed: {commit.error}")
+                final = Path(commit.path)
                 if on_commit is not None and comm.is_coordinator:
                     on_commit(
-                        {
-                            "location": str(final),
-                            "durable": self.local_root is None,
-                            "bytes": commit["bytes"],
-                            "files": commit["files"],
-                            "committed_at": isoformat_z(committed_at),
-                        }
+                        SurvivorsOutcome(
+                            location=str(final),
+                            durable=self.local_root is None,
+                            bytes=commit.bytes,
+                            files=commit.files,
+                            committed_at=isoformat_z(committed_at),
+                        )
                     )
                 self._emit(
                     comm,
                     "committed",
                     step=step,
                     at=str(final),
-                    mb=f"{commit['bytes'] / 1e6:.1f}",
-                    mb_per_s=f"{commit['bytes'] / 1e6 / max(t_written - t0, 1e-9):.0f}",
+                    mb=f"{commit.bytes / 1e6:.1f}",
+                    mb_per_s=f"{commit.bytes / 1e6 / max(t_written - t0, 1e-9):.0f}",
                 )
                 durable, upload_error, durable_at = self.local_root is None, None, committed_at
                 if self.local_root is not None:
@@ -652,7 +626,7 @@ class Checkpointer:
                     durable_at = utc_now() if durable else None
                     if uploaded:  # streamed uploads began with the write: their rate counts from there
                         began = t0 if streams is not None and streams.streamed_bytes else t_committed
-                        self.upload_bytes_per_s = commit["bytes"] / max(time.monotonic() - began, 1e-9)
+                        self.upload_bytes_per_s = commit.bytes / max(time.monotonic() - began, 1e-9)
             finally:
                 # A copy that was not committed here (failed, or another node's partial copy) is abandoned.
                 if comm.is_node_leader and stage.exists():
@@ -661,8 +635,8 @@ class Checkpointer:
             report = SaveReport(
                 step=step,
                 reason=reason,
-                bytes=commit["bytes"],
-                files=commit["files"],
+                bytes=commit.bytes,
+                files=commit.files,
                 write_s=t_written - t0,
                 commit_s=t_committed - t_written,
                 upload_s=t_done - t_committed if self.local_root is not None else 0.0,
@@ -712,7 +686,7 @@ class Checkpointer:
         gathered: list,
         comm: Comm,
         leaving: tuple[int, ...],
-    ) -> dict[str, Any]:
+    ) -> LocalCommit:
         """The saving group's rank 0: write the manifest last and rename the staging directory into place."""
         errors = [err for _, err in gathered if err]
         if self._key is not None:  # a rank without the key left its files unhashed: signing would vouch for them blind
@@ -722,7 +696,7 @@ class Checkpointer:
                 if any(r.sha256 is None for r in recs)
             ]
         if errors:
-            return {"error": "; ".join(errors)}
+            return LocalCommit(error="; ".join(errors))
         try:
             manifest = Manifest(
                 step=step,
@@ -741,16 +715,10 @@ class Checkpointer:
             )
         except SharedDirectory as exc:
             self._refusal = str(exc)
-            return {"error": str(exc)}
+            return LocalCommit(error=str(exc))
         except Exception as exc:  # returned, not raised: every rank waits for this outcome
-            return {"error": f"commit: {type(exc).__name__}: {exc}"}
-        return {
-            "error": None,
-            "path": str(final),
-            "created": created,
-            "bytes": manifest.total_bytes,
-            "files": len(manifest.files),
-        }
+            return LocalCommit(error=f"commit: {type(exc).__name__}: {exc}")
+        return LocalCommit(path=str(final), created=created, bytes=manifest.total_bytes, files=len(manifest.files))
 
     def _remote_has(self, step: int, cutoff: Cutoff) -> bool | str:
         """Whether `step` is already committed in the object store (never upload over a committed step),
@@ -801,7 +769,7 @@ class Checkpointer:
     def _upload(
         self,
         step: int,
-        commit: dict[str, Any],
+        commit: LocalCommit,
         records: list[FileRecord],
         stage: Path,
         final: Path,
@@ -818,7 +786,7 @@ class Checkpointer:
         then is abandoned, no manifest is written, and the committed local copy is what remains.
         """
         if deadline is not None and comm.is_coordinator:
-            self._plan(comm, step, commit["bytes"], cutoff.left())
+            self._plan(comm, step, commit.bytes, cutoff.left())
         there = comm.broadcast(self._remote_has(step, cutoff) if comm.is_coordinator else None)
         if isinstance(there, str):  # rank 0 has logged why
             return False, there, False
@@ -829,7 +797,7 @@ class Checkpointer:
         error = None
         try:
             mine = records
-            if not commit["created"]:  # the step was already committed locally: rank 0 uploads that copy
+            if not commit.created:  # the step was already committed locally: rank 0 uploads that copy
                 mine = (
                     list(Manifest.from_bytes((final / MANIFEST_NAME).read_bytes()).files) if comm.is_coordinator else []
                 )
@@ -846,7 +814,7 @@ class Checkpointer:
             streamed: set[str] = set()
             if streams is not None:  # waited for first, so that no streamed object lands after the uploads below
                 # Not created: the committed copy is an earlier one, and what streamed is aborted.
-                streamed = streams.finish(progress, complete=commit["created"])
+                streamed = streams.finish(progress, complete=commit.created)
             rest = [(p, key) for p, key in items if p.name not in streamed]
             upload(self.remote, rest, threads=self.thread_count, cutoff=cutoff, progress=progress)
         except Exception as exc:

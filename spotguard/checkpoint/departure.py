@@ -15,7 +15,6 @@ other survivors of a large job make no request at all.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import threading
 import time
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from spotguard.checkpoint.outcome import SurvivorsOutcome
 from spotguard.kvstore import IDLE_WAIT, Connection, EventLog
 
 log = logging.getLogger(__name__)
@@ -97,14 +97,14 @@ class Departure:
         host, port, token = text.split()
         return host, int(port), token
 
-    def wait_outcome(self, timeout_s: float) -> dict[str, Any] | None:
+    def wait_outcome(self, timeout_s: float) -> SurvivorsOutcome | None:
         """The survivors' outcome, or None when it does not come within `timeout_s`."""
         try:
             value = self.connection.get(self.prefix + "outcome", timeout_s)
         except Exception as exc:  # noqa: BLE001 - the store host may be the node going away
             log.warning("cannot read the survivors' outcome from the store (%s)", exc)
             return None
-        return None if value is None else json.loads(value)
+        return None if value is None else SurvivorsOutcome.from_json(value)
 
     # -- a survivor --------------------------------------------------------------------------
 
@@ -122,17 +122,17 @@ class Departure:
     def mailbox(self, survivor: int) -> Mailbox:
         return Mailbox(self, survivor)
 
-    def publish_outcome(self, outcome: dict[str, Any]) -> None:
+    def publish_outcome(self, outcome: SurvivorsOutcome) -> None:
         """The survivors' coordinator: the commit's outcome. A failure also stops the leaving ranks
         that still wait for a survivor's address."""
         try:
-            self.store.set(self.prefix + "outcome", json.dumps(outcome))
+            self.store.set(self.prefix + "outcome", outcome.to_json())
         except Exception as exc:  # noqa: BLE001 - only the leaving ranks' report depends on it
             log.warning("could not tell the leaving ranks the outcome (%s)", exc)
             return
-        if outcome.get("error"):
+        if outcome.error:
             for survivor in sorted({self.receiver_of(r) for r in self.leaving}):
-                self.refuse_handoffs(survivor, str(outcome["error"]))
+                self.refuse_handoffs(survivor, outcome.error)
 
     def _address_key(self, survivor: int) -> str:
         return f"{self.prefix}handoff/{survivor}"

@@ -36,7 +36,6 @@ class SpotGuardCallback(Callback):
 
     def __init__(self, checkpoint_dir: str, cloud: str = "auto", **options: Any) -> None:
         self.guard = Guard(checkpoint_dir, cloud, **options)  # bad arguments fail here, not mid-fit
-        self._entered = False
         self._state: dict[str, Any] = {}
         self._resumed = False
 
@@ -51,8 +50,7 @@ class SpotGuardCallback(Callback):
         # One owner for SIGTERM (see the module docstring). Lightning registers its handlers
         # after `on_fit_start` and restores what was there before at teardown.
         trainer._signal_connector.register_signal_handlers = _leave_signals_to_the_guard
-        self.guard.__enter__()  # the process group exists by now
-        self._entered = True
+        self.guard.start()  # the process group exists by now
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # Here the strategy has wrapped the model and made the optimizers.
@@ -70,18 +68,13 @@ class SpotGuardCallback(Callback):
         if self.guard.step(trainer.global_step, self._state):
             trainer.should_stop = True  # every rank gets True at the same step
 
+    # After an emergency, close() exits with the Guard's code (unless exit_code=None); once closed, or
+    # never started (another stage), it does nothing: on_exception and teardown may both call it.
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._leave(None)
+        self.guard.close()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._leave(exception)
-
-    def _leave(self, exception: BaseException | None) -> None:
-        if not self._entered:
-            return
-        self._entered = False
-        # After an emergency this exits with the Guard's code, unless exit_code=None.
-        self.guard.__exit__(type(exception) if exception else None, exception, None)
+        self.guard.close(exception)
 
 
 def _leave_signals_to_the_guard() -> None:

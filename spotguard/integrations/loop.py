@@ -58,11 +58,11 @@ class GuardedLoop:
         return self.guard.emergency_saved
 
     def __enter__(self) -> GuardedLoop:
-        self.guard.__enter__()
+        self.guard.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.guard.__exit__(*exc)  # after an emergency, exits 143 (75 when nothing was committed)
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        self.guard.close(exc)  # after an emergency, exits 143 (75 when nothing was committed)
 
     def resume(self) -> int:
         """Load the newest committed checkpoint; the step to start from (0 if none)."""
