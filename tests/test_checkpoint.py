@@ -507,3 +507,21 @@ def test_a_step_committed_on_a_clock_ahead_before_this_run_is_not_another_jobs(t
         second = ck.save(12, {"t": torch.ones(4)}, reason="emergency")
     assert first is not None and second is not None and second.durable
     assert "two jobs share" not in caplog.text
+
+
+def test_a_closed_checkpointer_is_freed_without_the_garbage_collector(tmp_path):
+    """A reference cycle would keep its process group alive until interpreter exit, where gloo's
+    threads are torn down in no order (a rank then aborted with "terminate called")."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        ckpt = Checkpointer(str(tmp_path), local_dir=str(tmp_path / "vm"))
+        ckpt.save(1, {"t": torch.zeros(4)}, reason="manual")
+        ckpt.close()
+        freed = weakref.ref(ckpt)
+        del ckpt
+        assert freed() is None
+    finally:
+        gc.enable()

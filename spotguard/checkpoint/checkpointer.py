@@ -1,23 +1,22 @@
 """Checkpointer: the save/resume object the Guard drives.
 
 A save is one protocol on every rank, in the same order:
-  1. DCP writes the shards into a fresh hidden sibling `.step-N.tmp-<random>`;
+  1. DCP writes the shards into a fresh hidden sibling `.step-N.tmp-<random>` (`save`);
   2. every rank checksums its own files and sends the records to rank 0;
-  3. rank 0 writes the manifest last and renames the sibling to `step-N` (commit);
-  4. for an object store, every rank uploads its own files, then rank 0 uploads
-     the manifest last, create-only (with S3 / Azure each shard file streams up while step 1
-     writes it, `streaming`: this step then only waits for those uploads and sends what
-     did not stream);
-  5. retention (not in a save with a deadline: the next save cleans up).
+  3. rank 0 writes the manifest last and renames the sibling to `step-N` (`commit`; `runs.RunClaim`
+     says whether an existing step of that number is kept or replaced);
+  4. for an object store, every rank uploads its own files, then rank 0 uploads the manifest
+     last, create-only (`durable`; with S3 / Azure / GCS each shard file streams up while step 1
+     writes it, `streaming`: this step then only waits for those uploads and sends what did not);
+  5. retention (`retention.after_commit`; not in a save with a deadline: the next save cleans up).
 Async saves (wait=False) copy the state into host buffers reused from save to save
 (`staging.Stager`: the training thread pays a memcpy) and run the same protocol on one
 background thread, one save at a time.
-An emergency in which only some nodes are reclaimed (a `Departure`) runs the protocol on
-the survivors alone, in a process group the leaving ranks take no part in: a leaving rank
-only hands the shards that exist nowhere else to a survivor's memory (`handoff`), and is
-then free to go; the survivors write everything and commit. A save with a deadline (an
-emergency) takes over from a background save in flight: that one's upload is abandoned
-at once, its committed local copy kept, and it is waited for only until the deadline.
+An emergency in which only some nodes are reclaimed (a `Departure`) runs the protocol on the
+survivors alone (`departing`): a leaving rank only hands the shards that exist nowhere else to a
+survivor's memory, and is then free to go; the survivors write everything and commit. A save with
+a deadline (an emergency) takes over from a background save in flight: that one's upload is
+abandoned at once, its committed local copy kept, and it is waited for only until the deadline.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from datetime import datetime, timedelta
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -40,39 +39,33 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import SavePlanner
 
 from cloud_adapters import validation as check
-from cloud_adapters.notice import Notice, isoformat_z, parse_iso8601, utc_now
-from cloud_adapters.storage import AlreadyExists, LocalStore, ObjectStore, PartsStore
+from cloud_adapters.notice import Notice, isoformat_z, utc_now
+from cloud_adapters.storage import LocalStore, ObjectStore, PartsStore
 from cloud_adapters.stores import open_store
-from spotguard.checkpoint import retention
-from spotguard.checkpoint.auth import KEY_ENV, CheckpointKey, resolve_key, sign, signature_problem
-from spotguard.checkpoint.comm import FAILURES, Comm, describe, new_gloo_group
+from spotguard.checkpoint import departing, retention
+from spotguard.checkpoint.auth import KEY_ENV, CheckpointKey, resolve_key, sign
+from spotguard.checkpoint.comm import FAILURES, Comm, describe
 from spotguard.checkpoint.commit import commit_dir
 from spotguard.checkpoint.departure import Departure
+from spotguard.checkpoint.durable import Uploader
 from spotguard.checkpoint.errors import CheckpointError
-from spotguard.checkpoint.handoff import ReceivePool, Receiver, send_shards
-from spotguard.checkpoint.layout import MANIFEST_NAME, manifest_key, sibling_name, step_dir_name
+from spotguard.checkpoint.handoff import ReceivePool
+from spotguard.checkpoint.layout import manifest_key, sibling_name, step_dir_name
 from spotguard.checkpoint.manifest import REASONS, FileRecord, Manifest, versions
 from spotguard.checkpoint.outcome import LocalCommit, SaveEvents, SaveOutcomes, SaveReport, SurvivorsOutcome
-from spotguard.checkpoint.ownership import SurvivorPlanner, expects_handoff, flat, unique_shards
 from spotguard.checkpoint.resume import load_newest
-from spotguard.checkpoint.runs import RunWatch, SharedDirectory, new_run_id, refuse
+from spotguard.checkpoint.runs import RunClaim, SharedDirectory, new_run_id
 from spotguard.checkpoint.save import write_shards
 from spotguard.checkpoint.staging import Stager
 from spotguard.checkpoint.state import to_dcp
 from spotguard.checkpoint.streaming import ShardStreams
-from spotguard.checkpoint.transfer import Cutoff, upload, within
-from spotguard.progress import TransferProgress
+from spotguard.checkpoint.transfer import Cutoff
 from spotguard.timeline import seconds
 
 log = logging.getLogger(__name__)
 
 # Kept free before a deadline: the manifest upload and the process exit happen in it.
 DEADLINE_RESERVE_S = 3.0
-# How long the ranks of an emergency without a deadline wait for each other's handoff and outcome.
-NO_DEADLINE_WAIT_S = 120.0
-# How long a survivor waits for a leaving rank to say whether it hands anything over, when the survivor
-# expects nothing from it: bounded, since a leaving rank may already be gone.
-DECLARE_GRACE_S = 3.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +110,6 @@ class Checkpointer:
         self.remote: ObjectStore = open_store(checkpoint_dir)
         self.stream_uploads = stream_uploads
         self._key = resolve_key(checkpoint_key)
-        self._rejected: set[int] = set()  # steps this run's resume found bad: never kept over a new save
         self.comm = Comm(group)
         remote_root = Path(self.remote.url) if isinstance(self.remote, LocalStore) else None
         if local_dir is None and remote_root is None:
@@ -147,14 +139,13 @@ class Checkpointer:
         self._uploads_abandoned = False  # an emergency is coming: background saves commit locally only
         # This run's id (every rank the same: one start of the job), in each manifest it commits.
         self.run: str = self.comm.broadcast(new_run_id() if self.comm.is_coordinator else None)
-        self._run_watch = RunWatch(utc_now())
+        self._claim = RunClaim(self.run, utc_now(), self._key)  # judged on rank 0
         self._note_earlier_steps()
-        self._refusal: str | None = None  # set on rank 0 once another run was seen committing here
         # The store's own retry limit; a save with a deadline lowers it for its duration.
         self._retry_deadline_s: float | None = getattr(self.remote, "retry_deadline_s", None)
         self.on_event = on_event
         self.on_outcome = on_outcome
-        self.upload_bytes_per_s: float | None = None  # measured on earlier uploads, for the deadline plan
+        self._uploader = Uploader(self.remote, self._claim, self.thread_count, on_event)
 
     # -- public API -------------------------------------------------------------------------
 
@@ -208,7 +199,7 @@ class Checkpointer:
         if deadline is not None:
             cutoff.bring_forward(time.monotonic() + (deadline - utc_now()).total_seconds() - DEADLINE_RESERVE_S)
         elif departure is not None:  # the ranks wait on each other: never without a bound
-            cutoff.bring_forward(time.monotonic() + NO_DEADLINE_WAIT_S)
+            cutoff.bring_forward(time.monotonic() + departing.NO_DEADLINE_WAIT_S)
         self._finish_pending(cutoff)
         if reason == "emergency":
             self._uploads_abandoned = False  # the emergency they made way for is here: later saves upload again
@@ -220,8 +211,29 @@ class Checkpointer:
             if not wait:
                 raise ValueError("a save with a departure is an emergency: it needs wait=True")
             if dist.get_rank() in departure.leaving:
-                return self._leave(step, state_dict, departure, cutoff, started_at)
-            return self._survive(step, state_dict, reason, notice, cutoff, started_at, departure)
+                self.last_report = departing.leave(step, state_dict, departure, cutoff, started_at)
+                return self.last_report
+            pool, self._receive_pool = self._receive_pool, None  # this emergency's, used once
+            return departing.survive(
+                step,
+                state_dict,
+                departure,
+                cutoff,
+                pool,
+                lambda comm, planner, on_commit: self._save(
+                    step,
+                    state_dict,
+                    reason,
+                    notice,
+                    None,
+                    Cutoff(),
+                    started_at,
+                    comm=comm,
+                    planner=planner,
+                    leaving=tuple(sorted(departure.leaving)),
+                    on_commit=on_commit,
+                ),
+            )
         if wait:
             if self._stager.speeds_up(state_dict):  # the previous background save is finished: buffers are free
                 state_dict = self._stager.stage(state_dict)
@@ -287,7 +299,7 @@ class Checkpointer:
             threads=self.thread_count,
             read_threads=self.write_threads,  # files are read as many at a time as they are written
             key=self._key,
-            bad=self._rejected,
+            bad=self._claim.rejected,
         )
         return step
 
@@ -296,18 +308,7 @@ class Checkpointer:
         that those steps never count as another job's, whatever their hosts' clocks said."""
         if self.comm.is_coordinator:
             local = [LocalStore(self.local_root)] if self.local_root is not None and self.local_root.is_dir() else []
-            self._run_watch.baseline([self.remote, *local])
-
-    def _unusable(self, existing: Manifest | None) -> str | None:
-        """Why resume would not load the committed copy of a step this run saves again (None: it
-        would, and it is kept). The rule: a step reported saved is one that resume loads."""
-        if existing is None:
-            return "its manifest cannot be read"
-        if existing.step in self._rejected:
-            return "this run's resume found it bad"
-        if self._key is not None and (problem := signature_problem(existing, self._key)):
-            return problem
-        return None
+            self._claim.watch.baseline([self.remote, *local])
 
     def close(self) -> None:
         """Finish the in-flight save, stop the worker thread, release the store's connections.
@@ -325,6 +326,11 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    @property
+    def upload_bytes_per_s(self) -> float | None:
+        """The upload rate measured on earlier saves (None before the first upload)."""
+        return self._uploader.bytes_per_s
 
     # -- the save protocol --------------------------------------------------------------------
 
@@ -396,159 +402,6 @@ class Checkpointer:
         finally:
             self._limit_retries(Cutoff())
 
-    def _leave(
-        self, step: int, state_dict: dict[str, Any], departure: Departure, cutoff: Cutoff, started_at: datetime
-    ) -> SaveReport:
-        """A leaving rank: hand over what only it holds, then learn the survivors' outcome.
-
-        Nothing here waits on this rank's disk, and the survivors wait for nothing but the handoff.
-        The outcome is the survivors' word, whatever happened to the handoff on this side.
-        """
-        rank = dist.get_rank()
-        survivors = set(departure.survivors())
-        t0 = time.monotonic()
-        handing = expects_handoff(flat(state_dict), rank, survivors)
-        departure.declare(rank, handing)
-        if handing:
-            to = departure.receiver_of(rank)
-            try:
-                shards = unique_shards(state_dict, rank, survivors)
-                log.warning(
-                    "rank %d is leaving: handing %d shards (%.1f MB) of step %d to rank %d",
-                    rank,
-                    len(shards),
-                    sum(t.numel() * t.element_size() for _, t in shards) / 1e6,
-                    step,
-                    to,
-                )
-                nbytes = send_shards(departure, rank, to, step, shards, cutoff)
-                log.warning(
-                    "rank %d handed %d shards (%.1f MB) of step %d to rank %d in %.2f s; free to go",
-                    rank,
-                    len(shards),
-                    nbytes / 1e6,
-                    step,
-                    to,
-                    time.monotonic() - t0,
-                )
-            except Exception as exc:  # noqa: BLE001 - the survivors' outcome below says what became of the step
-                log.error("rank %d could not hand its shards of step %d to rank %d: %s", rank, step, to, exc)
-        else:
-            log.warning("rank %d is leaving: the survivors hold all it has and save step %d without it", rank, step)
-        handed_s = time.monotonic() - t0
-        done = departure.wait_outcome(cutoff.left() or NO_DEADLINE_WAIT_S)
-        if done is None:
-            raise CheckpointError(f"the survivors did not confirm a commit of step {step} before the deadline")
-        if done.error:
-            raise CheckpointError(f"the survivors could not commit step {step}: {done.error}")
-        self.last_report = SaveReport(
-            step=step,
-            reason="emergency",
-            bytes=done.bytes,
-            files=done.files,
-            write_s=handed_s,
-            commit_s=0.0,
-            upload_s=0.0,
-            location=done.location,
-            durable=done.durable,
-            margin_s=None,
-            started_at=started_at,
-            committed_at=parse_iso8601(done.committed_at),
-            durable_at=None,
-            error=None if done.durable else "committed by the survivors, who upload it",
-        )
-        return self.last_report
-
-    def _survive(
-        self,
-        step: int,
-        state_dict: dict[str, Any],
-        reason: str,
-        notice: Notice | None,
-        cutoff: Cutoff,
-        started_at: datetime,
-        departure: Departure,
-    ) -> SaveReport:
-        """A survivor: take the handoffs meant for this rank, then save and commit with the other survivors.
-
-        The leaving node's deadline bounds the handoff only: the survivors are staying, so their
-        upload is not cut at it (the leaving ranks learn the outcome at the local commit).
-        """
-        survivors = departure.survivors()
-        # Only the survivors create (and wait for each other in) this group: the leaving ranks never block it.
-        try:
-            group = new_gloo_group(
-                survivors, timeout=timedelta(seconds=max(30.0, cutoff.left() or 0.0)), use_local_synchronization=True
-            )
-        except FAILURES as exc:  # the job's store went away (its host was the node leaving?)
-            raise CheckpointError(
-                f"the survivors could not form their group to save step {step} (is the job's store gone?): "
-                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            ) from None
-        comm = Comm(group)
-        try:
-            received, why = self._receive_handoffs(step, state_dict, departure, cutoff)
-            failed = [w for w in comm.all_gather(why) if w]
-            if failed:
-                raise CheckpointError(
-                    f"step {step} is not committed: a leaving rank's shards did not arrive whole ({'; '.join(failed)})"
-                )
-            report = self._save(
-                step,
-                state_dict,
-                reason,
-                notice,
-                None,
-                Cutoff(),
-                started_at,
-                comm=comm,
-                planner=SurvivorPlanner(received),
-                leaving=tuple(sorted(departure.leaving)),
-                on_commit=departure.publish_outcome,
-            )
-        except FAILURES as exc:
-            if comm.is_coordinator:
-                departure.publish_outcome(SurvivorsOutcome(error=describe(exc)))
-            raise
-        finally:
-            dist.destroy_process_group(group)
-        return report
-
-    def _receive_handoffs(
-        self, step: int, state_dict: dict[str, Any], departure: Departure, cutoff: Cutoff
-    ) -> tuple[list, str | None]:
-        """(the shards handed to this survivor, or why not). Every rank infers from its own state who
-        must hand over what; a leaving rank that declares shards this survivor did not expect (state
-        laid out differently on each rank) makes the step fail rather than commit without them."""
-        rank = dist.get_rank()
-        assigned = departure.senders_to(rank)
-        if not assigned:
-            return [], None
-        survivors = set(departure.survivors())
-        flat_state = flat(state_dict)
-        senders = [r for r in assigned if expects_handoff(flat_state, r, survivors)]
-        pool, self._receive_pool = self._receive_pool, None  # this emergency's, used once
-        mailbox = departure.mailbox(rank)
-        try:
-            received = Receiver(departure, rank, senders, step, mailbox, pool).collect(cutoff) if senders else []
-            if pool is not None and senders:
-                mb = (pool.used / 1e6, pool.nbytes / 1e6)
-                log.info("the handoff took %.1f MB of the %.1f MB set aside at the agreement", *mb)
-            said = mailbox.declarations([r for r in assigned if r not in senders], DECLARE_GRACE_S)
-        except Exception as exc:  # noqa: BLE001 - reported through the all_gather, so ranks stay in step
-            if senders:
-                departure.refuse_handoffs(rank, f"rank {rank}: {exc}")
-            return [], f"rank {rank}: {exc}"
-        finally:
-            mailbox.close()
-        surprising = sorted(r for r, handing in said.items() if handing)
-        if surprising:
-            return [], (
-                f"rank {rank}: leaving ranks {surprising} hold shards no survivor expected (is the state laid out "
-                "differently on each rank, e.g. pipeline stages?)"
-            )
-        return received, None
-
     def _save(
         self,
         step: int,
@@ -570,7 +423,7 @@ class Checkpointer:
             comm = comm or self.comm
             t0 = time.monotonic()
             stage_name, refusal = comm.broadcast(
-                (sibling_name(step, "tmp"), self._refusal) if comm.is_coordinator else None
+                (sibling_name(step, "tmp"), self._claim.refusal) if comm.is_coordinator else None
             )
             if refusal:
                 raise SharedDirectory(refusal)
@@ -620,13 +473,13 @@ class Checkpointer:
                 )
                 durable, upload_error, durable_at = self.local_root is None, None, committed_at
                 if self.local_root is not None:
-                    durable, upload_error, uploaded = self._upload(
+                    durable, upload_error, uploaded = self._uploader.upload(
                         step, commit, records, stage, final, deadline, cutoff, comm, streams
                     )
                     durable_at = utc_now() if durable else None
                     if uploaded:  # streamed uploads began with the write: their rate counts from there
                         began = t0 if streams is not None and streams.streamed_bytes else t_committed
-                        self.upload_bytes_per_s = commit.bytes / max(time.monotonic() - began, 1e-9)
+                        self._uploader.bytes_per_s = commit.bytes / max(time.monotonic() - began, 1e-9)
             finally:
                 # A copy that was not committed here (failed, or another node's partial copy) is abandoned.
                 if comm.is_node_leader and stage.exists():
@@ -658,7 +511,15 @@ class Checkpointer:
             if reason == "emergency" or cutoff.at is not None:
                 log.debug("no retention within a deadline: the next save cleans up")
             else:
-                self._retain(step)
+                retention.after_commit(
+                    step,
+                    self.remote,
+                    self.local_root,
+                    comm,
+                    keep=self.keep_last,
+                    key=self._key,
+                    claim=self._claim,
+                )
             if comm.is_coordinator:
                 log.info(
                     "checkpoint step %d (%s) %s: %.1f MB in %d files, write %.2fs commit %.2fs upload %.2fs "
@@ -711,224 +572,17 @@ class Checkpointer:
                 run=self.run,
             )
             final, created = commit_dir(
-                stage, sign(manifest, self._key) if self._key is not None else manifest, self._run_watch, self._unusable
+                stage, sign(manifest, self._key) if self._key is not None else manifest, self._claim
             )
         except SharedDirectory as exc:
-            self._refusal = str(exc)
             return LocalCommit(error=str(exc))
         except Exception as exc:  # returned, not raised: every rank waits for this outcome
             return LocalCommit(error=f"commit: {type(exc).__name__}: {exc}")
         return LocalCommit(path=str(final), created=created, bytes=manifest.total_bytes, files=len(manifest.files))
 
-    def _remote_has(self, step: int, cutoff: Cutoff) -> bool | str:
-        """Whether `step` is already committed in the object store (never upload over a committed step),
-        or why this run must not upload it (another run committed it).
-
-        Asked within the save's cutoff: a stalled link must not hold a local commit back.
-        """
-        try:
-            if not within(lambda: self.remote.exists(manifest_key(step)), cutoff):
-                return False
-            refusal, why = self._judge_remote(step, cutoff)
-            if refusal is not None or why is None:
-                return refusal or True
-            log.warning(
-                "step %d is committed in %s but resume would not load it (%s); replacing it", step, self.remote.url, why
-            )
-            within(lambda: self.remote.delete([manifest_key(step)]), cutoff)  # uncommitted first: never half of each
-            return False
-        except Exception as exc:  # the upload itself will tell whether the store works
-            log.warning("could not check %s for an existing step %d: %s", self.remote.url, step, exc)
-            return False
-
-    def _kept_or_refused(self, step: int, cutoff: Cutoff) -> str | None:
-        """`step` was committed in the object store while this run uploaded it: keep that copy when
-        it is this run's and loadable (None), else say why not."""
-        try:
-            refusal, why = self._judge_remote(step, cutoff)
-        except Exception as exc:  # noqa: BLE001 - it is committed there, by whom is unknown: not vouched for
-            return f"step {step} was committed in {self.remote.url} meanwhile, by a run not known ({exc})"
-        if refusal is None and why is None:
-            log.warning("step %d was committed in %s meanwhile; keeping that copy", step, self.remote.url)
-            return None
-        return refusal or f"step {step} was committed in {self.remote.url} meanwhile; resume would not load it ({why})"
-
-    def _judge_remote(self, step: int, cutoff: Cutoff) -> tuple[str | None, str | None]:
-        """For the committed `step` in the object store: (why this run must not upload it, why
-        resume would not load the copy there); both None: it is kept."""
-        data = within(lambda: self.remote.get_bytes(manifest_key(step)), cutoff)
-        try:
-            existing: Manifest | None = Manifest.from_bytes(data)
-        except ValueError:  # ManifestError
-            existing = None
-        if existing is not None and self._run_watch.is_concurrent(existing, self.run):
-            self._refusal = str(refuse(self.remote.url, existing, self.run))
-            return self._refusal, None
-        return None, self._unusable(existing)
-
-    def _upload(
-        self,
-        step: int,
-        commit: LocalCommit,
-        records: list[FileRecord],
-        stage: Path,
-        final: Path,
-        deadline: datetime | None,
-        cutoff: Cutoff,
-        comm: Comm,
-        streams: ShardStreams | None = None,
-    ) -> tuple[bool, str | None, bool]:
-        """Every rank uploads its files, then rank 0 the manifest, create-only. (durable, error, uploaded).
-
-        Files that streamed up whole while they were written (`streams`) are only waited for; the
-        others go up now. The upload uses the whole window but never goes past `cutoff` (`DEADLINE_RESERVE_S`
-        before the deadline, or earlier when a later save takes over): what is unfinished
-        then is abandoned, no manifest is written, and the committed local copy is what remains.
-        """
-        if deadline is not None and comm.is_coordinator:
-            self._plan(comm, step, commit.bytes, cutoff.left())
-        there = comm.broadcast(self._remote_has(step, cutoff) if comm.is_coordinator else None)
-        if isinstance(there, str):  # rank 0 has logged why
-            return False, there, False
-        if there:
-            if comm.is_coordinator:
-                log.warning("step %d is already committed in %s; not uploading it again", step, self.remote.url)
-            return True, None, False
-        error = None
-        try:
-            mine = records
-            if not commit.created:  # the step was already committed locally: rank 0 uploads that copy
-                mine = (
-                    list(Manifest.from_bytes((final / MANIFEST_NAME).read_bytes()).files) if comm.is_coordinator else []
-                )
-            # Files of this rank are still in the stage dir on another node than rank 0, else in the committed dir.
-            items = [
-                ((stage / r.name) if (stage / r.name).exists() else (final / r.name), f"{step_dir_name(step)}/{r.name}")
-                for r in mine
-            ]
-            progress = TransferProgress(
-                f"uploading {step_dir_name(step)} (rank {comm.rank})",
-                sum(p.stat().st_size for p, _ in items),
-                every_s=5.0,
-            )
-            streamed: set[str] = set()
-            if streams is not None:  # waited for first, so that no streamed object lands after the uploads below
-                # Not created: the committed copy is an earlier one, and what streamed is aborted.
-                streamed = streams.finish(progress, complete=commit.created)
-            rest = [(p, key) for p, key in items if p.name not in streamed]
-            upload(self.remote, rest, threads=self.thread_count, cutoff=cutoff, progress=progress)
-        except Exception as exc:
-            error = f"rank {comm.rank}: {exc}"
-        errors = comm.gather(error)
-        outcome = None
-        if comm.is_coordinator:
-            outcome = "; ".join(e for e in errors if e) or None
-            if outcome is None:
-                manifest = (final / MANIFEST_NAME).read_bytes()
-                try:
-                    within(lambda: self.remote.put_bytes(manifest_key(step), manifest, create_only=True), cutoff)
-                except AlreadyExists:
-                    outcome = self._kept_or_refused(step, cutoff)
-                except Exception as exc:
-                    outcome = f"manifest upload: {type(exc).__name__}: {exc}"
-            if outcome:
-                log.error(
-                    "upload of step %d to %s failed (committed locally at %s): %s",
-                    step,
-                    self.remote.url,
-                    final,
-                    outcome,
-                )
-        outcome = comm.broadcast(outcome)
-        return outcome is None, outcome, outcome is None
-
-    def _plan(self, comm: Comm, step: int, nbytes: int, window_s: float) -> None:
-        """Log (and report) how long the upload should take against the time left."""
-        rate = self.upload_bytes_per_s
-        expected = nbytes / rate if rate else None
-        detail = {
-            "step": step,
-            "mb": f"{nbytes / 1e6:.1f}",
-            "window_s": seconds(window_s),
-            "expected_s": seconds(expected),
-            "expected_margin_s": seconds(window_s - expected if expected else None),
-        }
-        self._emit(comm, "upload-plan", **detail)
-        if expected is None:
-            log.info(
-                "uploading %s (%.1f MB) to %s within %.1f s; no upload measured yet to estimate from",
-                step_dir_name(step),
-                nbytes / 1e6,
-                self.remote.url,
-                window_s,
-            )
-        elif expected > window_s:
-            log.warning(
-                "uploading %s (%.1f MB) should take %.1f s at %.0f MB/s but only %.1f s are left: trying, "
-                "and keeping the committed local copy if it does not finish",
-                step_dir_name(step),
-                nbytes / 1e6,
-                expected,
-                rate / 1e6,
-                window_s,
-            )
-        else:
-            log.info(
-                "uploading %s (%.1f MB) to %s: expected %.1f s at %.0f MB/s, %.1f s margin",
-                step_dir_name(step),
-                nbytes / 1e6,
-                self.remote.url,
-                expected,
-                rate / 1e6,
-                window_s - expected,
-            )
-
     def _emit(self, comm: Comm, event: str, **detail: Any) -> None:
         if self.on_event is not None and comm.is_coordinator:
             self.on_event(event, **detail)
-
-    def _retain(self, saved: int) -> None:
-        """Retention after committing step `saved`; a failure here is logged, never raised. It first looks for steps
-        of another run: then nothing is deleted, and the next save is refused."""
-        comm = self.comm
-        if comm.is_coordinator and self._refusal is None:
-            try:
-                self._run_watch.check(self.remote, self.run)
-            except SharedDirectory as exc:
-                self._refusal = str(exc)
-                log.error("%s", exc)
-            except Exception as exc:  # noqa: BLE001 - looked for again after the next save
-                log.warning("could not look for other runs' steps in %s: %s", self.remote.url, exc)
-        jobs: list[tuple[ObjectStore | None, Path | None]] = []
-        if comm.is_coordinator:
-            jobs.append(
-                (
-                    self.remote if self.keep_last else None,
-                    Path(self.remote.url) if isinstance(self.remote, LocalStore) else None,
-                )
-            )
-        if comm.is_node_leader and self.local_root is not None:
-            jobs.append((LocalStore(self.local_root) if self.keep_last else None, self.local_root))
-        for store, root in jobs:
-            try:
-                if store is not None and self._refusal is None:
-                    retention.keep_last(  # type: ignore[arg-type]
-                        store, self.keep_last, key=self._key, skip=self._rejected, saved=saved
-                    )
-                if root is not None:
-                    retention.remove_leftovers(root)
-            except Exception as exc:
-                log.warning("retention in %s failed: %s", store.url if store else root, exc)
-        if (
-            comm.is_coordinator
-            and self._refusal is None
-            and self.local_root is not None
-            and not isinstance(self.remote, LocalStore)
-        ):
-            try:
-                retention.remove_abandoned(self.remote)
-            except Exception as exc:
-                log.warning("cleaning abandoned uploads in %s failed: %s", self.remote.url, exc)
 
 
 def _writable_dir(path: Path, argument: str) -> None:

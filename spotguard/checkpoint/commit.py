@@ -5,13 +5,12 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 from cloud_adapters.storage import fsync_path, write_durably
 from spotguard.checkpoint.layout import MANIFEST_NAME, sibling_name, step_dir_name
 from spotguard.checkpoint.manifest import Manifest
-from spotguard.checkpoint.runs import RunWatch, refuse
+from spotguard.checkpoint.runs import RunClaim, SharedDirectory
 
 log = logging.getLogger(__name__)
 
@@ -25,33 +24,21 @@ def set_aside(step_dir: Path, step: int) -> None:
     os.rename(step_dir, step_dir.parent / sibling_name(step, "stale"))
 
 
-def commit_dir(
-    stage_dir: Path,
-    manifest: Manifest,
-    runs: RunWatch | None = None,
-    unusable: Callable[[Manifest | None], str | None] | None = None,
-) -> tuple[Path, bool]:
+def commit_dir(stage_dir: Path, manifest: Manifest, claim: RunClaim | None = None) -> tuple[Path, bool]:
     """Write the manifest into `stage_dir` and rename it to `step-N` beside it.
 
     Returns (the step directory, whether this call created it). A committed step of the same
-    number is kept, and the new copy discarded, when resume would load it; `unusable(existing
-    manifest or None when unreadable)` says why it would not, and then the existing copy is set
-    aside (a hidden leftover, for retention) and the new one committed: a step reported saved
-    must be one that resume loads. SharedDirectory when another run committed it since this
-    one started, as `runs` tells.
+    number is kept, and the new copy discarded, when resume would load it; when `claim` says it
+    would not, the existing copy is set aside (a hidden leftover, for retention) and the new one
+    committed: a step reported saved must be one that resume loads. SharedDirectory when another
+    run committed it since this one started.
     """
     final = stage_dir.parent / step_dir_name(manifest.step)
     if is_committed(final):
-        existing = _readable_manifest(final)
-        if (
-            runs is not None
-            and manifest.run is not None
-            and existing is not None
-            and runs.is_concurrent(existing, manifest.run)
-        ):
+        refusal, why = claim.judge(str(final.parent), _readable_manifest(final)) if claim else (None, None)
+        if refusal is not None:
             shutil.rmtree(stage_dir, ignore_errors=True)
-            raise refuse(str(final.parent), existing, manifest.run)
-        why = unusable(existing) if unusable is not None else None
+            raise SharedDirectory(refusal)
         if why is None:
             log.warning("step %d is already committed at %s; keeping it, not the new copy", manifest.step, final)
             shutil.rmtree(stage_dir, ignore_errors=True)

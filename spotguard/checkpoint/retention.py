@@ -24,6 +24,7 @@ from pathlib import Path
 from cloud_adapters.retry import calls_until
 from cloud_adapters.storage import LocalStore, ObjectStore
 from spotguard.checkpoint.catalog import STEP_PREFIX, committed_manifests, scan, step_of_key
+from spotguard.checkpoint.comm import Comm
 from spotguard.checkpoint.commit import is_committed
 from spotguard.checkpoint.layout import (
     MANIFEST_NAME,
@@ -33,6 +34,7 @@ from spotguard.checkpoint.layout import (
     parse_step_dir,
     step_dir_name,
 )
+from spotguard.checkpoint.runs import RunClaim
 
 log = logging.getLogger(__name__)
 
@@ -128,3 +130,38 @@ def remove_leftovers(root: Path, *, older_than_s: float = STALE_AFTER_S) -> list
             removed.append(entry.name)
             log.info("retention: removed leftover %s (%.0f s old)", entry, age)
     return removed
+
+
+def after_commit(
+    saved: int,
+    remote: ObjectStore,
+    local_root: Path | None,
+    comm: Comm,
+    *,
+    keep: int | None,
+    key: bytes | None,
+    claim: RunClaim,
+) -> None:
+    """Clean up after committing step `saved` (never inside a deadline); failures are logged, never
+    raised. Rank 0 first looks for steps of another run: then nothing is deleted, and the next save
+    is refused. Rank 0 keeps `keep` steps (None: all) in `remote`, each node leader in its `local_root`."""
+    if comm.is_coordinator:
+        claim.check(remote)
+    jobs: list[tuple[ObjectStore | None, Path | None]] = []
+    if comm.is_coordinator:
+        jobs.append((remote if keep else None, Path(remote.url) if isinstance(remote, LocalStore) else None))
+    if comm.is_node_leader and local_root is not None:
+        jobs.append((LocalStore(local_root) if keep else None, local_root))
+    for store, root in jobs:
+        try:
+            if store is not None and keep and claim.refusal is None:
+                keep_last(store, keep, key=key, skip=claim.rejected, saved=saved)
+            if root is not None:
+                remove_leftovers(root)
+        except Exception as exc:  # noqa: BLE001 - the next save tries again
+            log.warning("retention in %s failed: %s", store.url if store else root, exc)
+    if comm.is_coordinator and claim.refusal is None and local_root is not None and not isinstance(remote, LocalStore):
+        try:
+            remove_abandoned(remote)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("cleaning abandoned uploads in %s failed: %s", remote.url, exc)

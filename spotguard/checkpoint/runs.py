@@ -17,6 +17,7 @@ from datetime import datetime
 
 from cloud_adapters.notice import parse_iso8601
 from cloud_adapters.storage import ObjectStore
+from spotguard.checkpoint.auth import signature_problem
 from spotguard.checkpoint.catalog import committed_manifests, scan
 from spotguard.checkpoint.errors import CheckpointError
 from spotguard.checkpoint.layout import MANIFEST_NAME
@@ -84,3 +85,52 @@ class RunWatch:
             self._seen.add(manifest.step)
             if self.is_concurrent(manifest, run):
                 raise refuse(store.url, manifest, run)
+
+
+class RunClaim:
+    """This run's claim on its checkpoint directory, judged on rank 0: its id, the steps that were
+    there when it started (`RunWatch`), the steps its resume found bad, and, once another job's
+    step has been seen, why no more saves go there (`refusal`).
+
+    It keeps two rules: a step reported saved is one that resume loads (`unusable` tells a
+    committed copy that must be replaced), and no job overwrites or deletes another's steps.
+    """
+
+    def __init__(self, run: str, started_at: datetime, key: bytes | None = None) -> None:
+        self.run = run
+        self.watch = RunWatch(started_at)
+        self.key = key
+        self.rejected: set[int] = set()  # steps this run's resume found bad: never kept over a new save
+        self.refusal: str | None = None  # why saves here stopped: another run committed in this directory
+
+    def unusable(self, existing: Manifest | None) -> str | None:
+        """Why resume would not load the committed copy of a step this run saves again (None: it
+        would, and it is kept)."""
+        if existing is None:
+            return "its manifest cannot be read"
+        if existing.step in self.rejected:
+            return "this run's resume found it bad"
+        if self.key is not None and (problem := signature_problem(existing, self.key)):
+            return problem
+        return None
+
+    def judge(self, where: str, existing: Manifest | None) -> tuple[str | None, str | None]:
+        """For a committed copy of a step this run saves again: (why this run must not write it,
+        another run's; why resume would not load it). Both None: the copy is kept."""
+        if existing is not None and self.watch.is_concurrent(existing, self.run):
+            self.refusal = str(refuse(where, existing, self.run))
+            return self.refusal, None
+        return None, self.unusable(existing)
+
+    def check(self, store: ObjectStore) -> None:
+        """After a save: look for steps another run committed in `store`; the first one found ends
+        this run's saves there (logged once)."""
+        if self.refusal is not None:
+            return
+        try:
+            self.watch.check(store, self.run)
+        except SharedDirectory as exc:
+            self.refusal = str(exc)
+            log.error("%s", exc)
+        except Exception as exc:  # noqa: BLE001 - looked for again after the next save
+            log.warning("could not look for other runs' steps in %s: %s", store.url, exc)
