@@ -4,7 +4,7 @@ the emergency checkpoint? Every cloud against every fault, with a real Guard.
     python bench/fault_matrix.py [--clouds aws,gcp,azure] [--faults none,5xx,...] [--json]
 
 Each cell starts a fresh metadata emulator (behind a FaultProxy from tests/servers.py when the
-fault lives on the network), a fresh single-process Guard (`poll_interval=1.0`, a fresh checkpoint
+fault lives on the network), a fresh single-process Guard (`poll_interval_s=1.0`, a fresh checkpoint
 dir) and a training loop of a tiny model with ~10 ms steps. A driver thread plays the cloud:
 
     t = 1.5 s  fault on (AWS, Azure: a watcher that settled; token cached, Azure primed)
@@ -241,7 +241,7 @@ def run_cell(cloud: str, fault: Fault) -> dict[str, Any]:
             state = tiny_state()
             x = torch.randn(16, 64)
             guard = spotguard.Guard(
-                ckpt, cloud=cloud, metadata_url=(proxy or emu).url, poll_interval=POLL_INTERVAL_S, exit_code=None
+                ckpt, cloud=cloud, metadata_url=(proxy or emu).url, poll_interval_s=POLL_INTERVAL_S, exit_code=None
             )
             with guard:
                 started = time.monotonic()

@@ -209,7 +209,7 @@ def worker(args: argparse.Namespace) -> None:
     def block(with_guard: bool) -> dict[str, float]:
         warmup = 10  # untimed: the guard's first metadata poll happens at entry, not every step
         ctx = (spotguard.Guard(args.checkpoint_dir, cloud="aws", metadata_url=args.metadata_url,
-                               poll_interval=POLL_INTERVAL_S, exit_code=None)
+                               poll_interval_s=POLL_INTERVAL_S, exit_code=None)
                if with_guard else contextlib.nullcontext())  # fmt: skip
         with ctx as guard:
             loop = (lambda first, n: guarded(first, n, guard)) if with_guard else plain

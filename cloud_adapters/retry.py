@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from contextvars import ContextVar
 from typing import Any, TypeVar
 
+from cloud_adapters.deadline import Deadline
 from cloud_adapters.storage import (
     Abandoned,
     AlreadyExists,
@@ -54,18 +55,20 @@ _CHECK_EVERY_S = 0.2
 # on every attempt, a little more or less each time.
 PROGRESS_BYTES = 8 << 20
 
-_calls_until: ContextVar[float | None] = ContextVar("spotguard_store_calls_until", default=None)
+_calls_until: ContextVar[tuple[Deadline, ...]] = ContextVar("spotguard_store_calls_until", default=())
 
 
 @contextlib.contextmanager
-def calls_until(at: float) -> Iterator[None]:
-    """Store calls made inside end by `at` (a time.monotonic() moment), whatever their retry_deadline_s.
+def calls_until(deadline: Deadline | float) -> Iterator[None]:
+    """Store calls made inside end by `deadline` (a Deadline, or a time.monotonic() moment), whatever
+    their retry_deadline_s. A Deadline brought forward later reaches the calls already running.
 
     It holds in this thread and in threads run in a copy of its context (contextvars.copy_context());
     nested scopes keep the earlier moment.
     """
-    outer = _calls_until.get()
-    token = _calls_until.set(at if outer is None else min(outer, at))
+    if not isinstance(deadline, Deadline):
+        deadline = Deadline(deadline)
+    token = _calls_until.set((*_calls_until.get(), deadline))
     try:
         yield
     finally:
@@ -188,7 +191,7 @@ class _Deadline:
         self._store = store
         self._ledger = ledger
         self._started = time.monotonic()
-        self._until = _calls_until.get()
+        self._until = _calls_until.get()  # each read afresh in at(): one brought forward reaches this call
         self.stall_logged = False
 
     def moved_at(self) -> float:
@@ -199,7 +202,7 @@ class _Deadline:
 
     def at(self) -> float:
         at = self.moved_at() + max(self._store.retry_deadline_s, 0.0)
-        return at if self._until is None else min(at, self._until)
+        return min([at, *(d.at for d in self._until if d.at is not None)])
 
     def left(self) -> float:
         return self.at() - time.monotonic()

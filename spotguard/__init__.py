@@ -13,6 +13,12 @@ __version__ = "0.1.0"
 # and `spotguard watch` and the emulators should stay light.
 _LAZY = {
     "Guard": "spotguard.guard",
+    "GuardOptions": "spotguard.options",
+    "NoticeOptions": "spotguard.options",
+    "SaveOptions": "spotguard.options",
+    "StorageOptions": "spotguard.options",
+    "ExitOptions": "spotguard.options",
+    "CoordinationOptions": "spotguard.options",
     "Checkpointer": "spotguard.checkpoint.checkpointer",
     "SaveReport": "spotguard.checkpoint.checkpointer",
     "IfSaved": "spotguard.checkpoint.state",
@@ -30,12 +36,18 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointUnavailable",
     "Checkpointer",
+    "CoordinationOptions",
+    "ExitOptions",
     "Guard",
+    "GuardOptions",
     "IfSaved",
     "Notice",
+    "NoticeOptions",
     "ResumableBatchSampler",
     "ResumableSampler",
+    "SaveOptions",
     "SaveReport",
+    "StorageOptions",
     "__version__",
     "list_checkpoints",
     "verify_checkpoint",
@@ -48,6 +60,14 @@ if TYPE_CHECKING:
     from spotguard.checkpoint.state import IfSaved
     from spotguard.data import ResumableBatchSampler, ResumableSampler
     from spotguard.guard import Guard
+    from spotguard.options import (
+        CoordinationOptions,
+        ExitOptions,
+        GuardOptions,
+        NoticeOptions,
+        SaveOptions,
+        StorageOptions,
+    )
 
 
 def __getattr__(name: str) -> object:

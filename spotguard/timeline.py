@@ -26,11 +26,6 @@ class Entry:
         return f"{isoformat_z(self.at)}  +{self.elapsed_s:7.3f}s  {self.event:<18} {extra}".rstrip()
 
 
-def seconds(value: float | None) -> str:
-    """A duration for a timeline entry: `12.3`, or `n/a` when unknown."""
-    return "n/a" if value is None else f"{value:.1f}"
-
-
 class Timeline:
     def __init__(self) -> None:
         self.entries: list[Entry] = []

@@ -8,6 +8,8 @@ import socket
 
 import torch.distributed as dist
 
+from spotguard.checkpoint.comm import local_rank
+
 
 @dataclasses.dataclass(frozen=True)
 class Topology:
@@ -25,11 +27,6 @@ class Topology:
     @property
     def is_coordinator(self) -> bool:
         return self.rank == 0
-
-
-def local_rank(rank: int) -> int:
-    """This process's rank on its node: torchrun's LOCAL_RANK, else `rank` (one process per node)."""
-    return int(os.environ.get("LOCAL_RANK", rank))
 
 
 def node_name(rank: int) -> str:

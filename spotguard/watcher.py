@@ -196,7 +196,7 @@ class Watcher:
             notice.kind,
             notice.source,
             isoformat_z(known.notice.deadline) if known.notice.deadline else "none",
-            isoformat_z(updated.deadline) if updated.deadline else "none",
+            isoformat_z(notice.deadline),  # type: ignore[arg-type]  # earlier_than: it has one
             updated.describe_deadline(),
         )
         if self.on_update is not None:

@@ -21,9 +21,9 @@ from spotguard.checkpoint import (
     CheckpointError,
     IfSaved,
     list_checkpoints,
-    step_dir_name,
     verify_checkpoint,
 )
+from spotguard.checkpoint.layout import step_dir_name
 from spotguard.checkpoint.manifest import FileRecord, checksum_file
 from spotguard.checkpoint.transfer import download
 from tests.ckpt_workers import Own, assert_same, make_model, snapshot, train

@@ -17,8 +17,10 @@ import pytest
 import torch
 
 import spotguard
-from spotguard.checkpoint import Checkpointer, CheckpointError, Manifest, step_dir_name, verify_checkpoint
+from spotguard.checkpoint import Checkpointer, CheckpointError, verify_checkpoint
 from spotguard.checkpoint.auth import KEY_ENV, resolve_key
+from spotguard.checkpoint.layout import step_dir_name
+from spotguard.checkpoint.manifest import Manifest
 from spotguard.checkpoint.resume import VerifiedReader
 from tests.ckpt_workers import assert_same, run_ranks
 from tests.test_checkpoint import flip_byte, resume_fresh, save_steps, shard

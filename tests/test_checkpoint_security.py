@@ -17,7 +17,8 @@ import torch
 from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, Metadata
 
 from cloud_adapters.storage import LocalStore, StoreError
-from spotguard.checkpoint import Checkpointer, CheckpointError, list_checkpoints, step_dir_name, verify_checkpoint
+from spotguard.checkpoint import Checkpointer, CheckpointError, list_checkpoints, verify_checkpoint
+from spotguard.checkpoint.layout import step_dir_name
 from spotguard.checkpoint.manifest import FileRecord, Manifest, crc32c_hex
 from spotguard.checkpoint.retention import keep_last, remove_leftovers
 from spotguard.checkpoint.safe_pickle import RefusedPickle, load_metadata

@@ -15,7 +15,8 @@ import textwrap
 import pytest
 import torch
 
-from spotguard.checkpoint import Checkpointer, step_dir_name
+from spotguard.checkpoint import Checkpointer
+from spotguard.checkpoint.layout import step_dir_name
 from spotguard.demo.processes import free_port, rank_env
 from tests.ckpt_workers import ROOT
 from tests.framework_runs import sigterm_then_finish

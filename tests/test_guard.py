@@ -139,7 +139,7 @@ def test_metadata_down_never_touches_the_training_loop(tmp_path, caplog):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         dead = f"http://127.0.0.1:{s.getsockname()[1]}"
-    with spotguard.Guard(tmp_path, cloud="aws", metadata_url=dead, poll_interval=0.05, exit_code=None) as guard:
+    with spotguard.Guard(tmp_path, cloud="aws", metadata_url=dead, poll_interval_s=0.05, exit_code=None) as guard:
         assert train(guard, make_state(), steps=60) is None
     assert guard.notice is None
     assert any("poll failed" in r.getMessage() for r in caplog.records)
@@ -190,7 +190,7 @@ def test_a_step_reported_again_is_not_saved_again(tmp_path, caplog):
 def test_interval_saves_and_rebalance_saves_are_agreed_then_taken_in_the_background(tmp_path):
     with AWSMetadataEmulator() as emu:
         with spotguard.Guard(
-            tmp_path, cloud="aws", metadata_url=emu.url, poll_interval=0.05, save_interval_s=0.5
+            tmp_path, cloud="aws", metadata_url=emu.url, poll_interval_s=0.05, save_interval_s=0.5
         ) as guard:
             train(guard, make_state(), steps=150, on_step=lambda s: s == 100 and emu.raise_notice(kind="rebalance"))
     reasons = [r for _, r in committed(tmp_path)]
@@ -206,7 +206,7 @@ def test_interval_saves_and_rebalance_saves_are_agreed_then_taken_in_the_backgro
     [
         ({"grace_s": float("nan")}, ValueError, "grace_s must be a finite number of seconds > 0, got nan"),
         ({"grace_s": float("inf")}, ValueError, "grace_s must be a finite"),
-        ({"poll_interval": float("nan")}, ValueError, "poll_interval must be a finite"),
+        ({"poll_interval_s": float("nan")}, ValueError, "poll_interval_s must be a finite"),
         ({"save_interval_s": float("nan")}, ValueError, "save_interval_s must be a finite"),
         ({"save_interval_s": float("inf")}, ValueError, "save_interval_s must be a finite"),
         ({"agreement_timeout_s": -1.0}, ValueError, "agreement_timeout_s must be a finite"),
@@ -215,7 +215,9 @@ def test_interval_saves_and_rebalance_saves_are_agreed_then_taken_in_the_backgro
         ({"save_every": 0}, ValueError, "save_every must be >= 1"),
         ({"keep_last": 1.5}, TypeError, "keep_last must be an int, not float"),
         ({"keep_last": True}, TypeError, "keep_last must be an int, not bool"),
-        ({"thread_count": 0}, ValueError, "thread_count must be >= 1"),
+        ({"transfer_threads": 0}, ValueError, "transfer_threads must be >= 1"),
+        ({"save_on_rebalance": "yes"}, TypeError, "save_on_rebalance must be True or False"),
+        ({"signals": "SIGTERM"}, TypeError, "signals must be a sequence of signals"),
         ({"exit_code": 256}, ValueError, "exit_code must be an exit status from 0 to 255, got 256"),
         ({"lost_exit_code": -1}, ValueError, "lost_exit_code must be >= 0"),
         ({"metadata_url": "not a url"}, ValueError, "metadata URL must look like http://HOST"),
@@ -236,8 +238,8 @@ def test_misuse_gets_clear_errors(tmp_path, monkeypatch):
         guard.resume({})
     with pytest.raises(ValueError, match="cloud must be one of"):
         spotguard.Guard(tmp_path, cloud="mars")
-    with pytest.raises(ValueError, match="poll_interval must be a finite number of seconds > 0"):
-        spotguard.Guard(tmp_path, poll_interval=0)
+    with pytest.raises(ValueError, match="poll_interval_s must be a finite number of seconds > 0"):
+        spotguard.Guard(tmp_path, poll_interval_s=0)
     with pytest.raises(ValueError, match="unknown signal"):
         spotguard.Guard(tmp_path, signals=["SIGNOPE"])
     import numpy as np
@@ -319,7 +321,7 @@ def test_a_notice_seen_again_with_an_earlier_deadline_is_an_update_not_a_second_
 
     with (
         AWSMetadataEmulator() as emu,
-        spotguard.Guard(tmp_path, cloud="aws", metadata_url=emu.url, poll_interval=0.05) as guard,
+        spotguard.Guard(tmp_path, cloud="aws", metadata_url=emu.url, poll_interval_s=0.05) as guard,
     ):
         emu.set_metadata("events/maintenance/scheduled", event(3600))
         wait_for(lambda: [e for e in guard.timeline.entries if e.event == "notice"])

@@ -22,10 +22,10 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from cloud_adapters.deadline import Deadline
 from spotguard.checkpoint.departure import Departure, HandoffError
 from spotguard.checkpoint.handoff import Receiver, send_shards
 from spotguard.checkpoint.outcome import SurvivorsOutcome
-from spotguard.checkpoint.transfer import Cutoff
 from spotguard.kvstore import Connection
 from tests.ckpt_workers import ROOT
 
@@ -53,8 +53,8 @@ def shards():
     ]
 
 
-def cutoff(s: float = 20.0) -> Cutoff:
-    return Cutoff(time.monotonic() + s)
+def cutoff(s: float = 20.0) -> Deadline:
+    return Deadline(time.monotonic() + s)
 
 
 class Survivor:
@@ -138,17 +138,17 @@ def test_a_sender_that_dies_mid_stream_is_a_failed_handoff_not_a_partial_one(dep
 
 def test_a_corrupted_byte_on_the_way_is_refused(departure, monkeypatch):
     """The trailer's CRC32C must match what arrived: a flipped byte means no handoff."""
-    import spotguard.checkpoint.handoff as handoff
+    import spotguard.checkpoint.handoff.send as handoff_send
 
     survivor = Survivor(departure)
-    real_send_json = handoff._send_json
+    real_send_json = handoff_send.send_json
 
     def flip_a_checksum(sock, obj):
         if "crc32c" in obj:  # what a corrupted stream looks like to the survivor
             obj = {"crc32c": ["00000000"] + obj["crc32c"][1:]}
         real_send_json(sock, obj)
 
-    monkeypatch.setattr(handoff, "_send_json", flip_a_checksum)
+    monkeypatch.setattr(handoff_send, "send_json", flip_a_checksum)
     with pytest.raises(HandoffError, match="refused the handoff: .*CRC32C"):
         send_shards(departure, 1, 0, STEP, shards(), cutoff())
     assert isinstance(survivor.join(), HandoffError)
@@ -187,9 +187,9 @@ def test_declarations_are_waited_for_a_bounded_time():
 def test_a_leaving_rank_gone_before_its_handoff_began_is_given_up_on_long_before_the_deadline(departure, monkeypatch):
     """Killed between the agreed step and its first byte: no connection ever closes to tell; the
     survivor stops waiting after START_GRACE_S, not at the (minutes away) deadline."""
-    import spotguard.checkpoint.handoff as handoff
+    from spotguard.checkpoint.handoff import receive
 
-    monkeypatch.setattr(handoff, "START_GRACE_S", 1.0)
+    monkeypatch.setattr(receive, "START_GRACE_S", 1.0)
     started = time.monotonic()
     failure = Survivor(departure, wait_s=60).join()
     assert isinstance(failure, HandoffError) and "did not begin its handoff" in str(failure)
@@ -198,22 +198,22 @@ def test_a_leaving_rank_gone_before_its_handoff_began_is_given_up_on_long_before
 
 def test_a_sender_that_began_is_not_cut_by_the_start_grace(departure, monkeypatch):
     """The grace is for beginning: a handoff under way runs on (bounded by its idle timeout and the deadline)."""
-    import spotguard.checkpoint.handoff as handoff
+    from spotguard.checkpoint.handoff import receive, wire
 
-    monkeypatch.setattr(handoff, "START_GRACE_S", 0.3)
+    monkeypatch.setattr(receive, "START_GRACE_S", 0.3)
     survivor = Survivor(departure)
     host, port, token = address(departure)
     item, tensor = shard("w", torch.arange(1 << 20, dtype=torch.float32))
     with socket.create_connection((host, port)) as s:
-        frames = [{"token": token, "rank": 1, "step": STEP}, {"shards": [handoff._describe(item, tensor)]}]
+        frames = [{"token": token, "rank": 1, "step": STEP}, {"shards": [wire.describe(item, tensor)]}]
         for frame in frames:
             body = json.dumps(frame).encode()
             s.sendall(struct.pack("!Q", len(body)) + body)
-        view = handoff._bytes_of(tensor)
+        view = wire.bytes_of(tensor)
         s.sendall(view[: 1 << 20])
         time.sleep(1.0)  # a slow link: well past the start grace
         s.sendall(view[1 << 20 :])
-        body = json.dumps({"crc32c": [f"{handoff.crc32c_extend(0, view):08x}"]}).encode()
+        body = json.dumps({"crc32c": [f"{wire.crc32c_extend(0, view):08x}"]}).encode()
         s.sendall(struct.pack("!Q", len(body)) + body)
         got = survivor.join()
     assert not isinstance(got, BaseException), got
@@ -319,9 +319,9 @@ def two_leaving() -> Departure:
 
 def test_slow_drip_hellos_are_cut_at_the_hello_deadline_and_the_real_senders_get_through(monkeypatch):
     """A byte every 0.5 s on 100 connections: no single read waits long, the whole hello does."""
-    import spotguard.checkpoint.handoff as handoff
+    from spotguard.checkpoint.handoff import doorway
 
-    monkeypatch.setattr(handoff, "HELLO_DEADLINE_S", 1.0)
+    monkeypatch.setattr(doorway, "HELLO_DEADLINE_S", 1.0)
     departure = two_leaving()
     survivor = Survivor(departure, senders=(1, 2))
     host, port, _ = address(departure)
@@ -345,7 +345,7 @@ def test_slow_drip_hellos_are_cut_at_the_hello_deadline_and_the_real_senders_get
     try:
         sent = shards()
         send_shards(departure, 1, 0, STEP, sent, cutoff())
-        assert all(wait_closed(drips, within_s=handoff.HELLO_DEADLINE_S + 1.0 - (time.monotonic() - opened)))
+        assert all(wait_closed(drips, within_s=doorway.HELLO_DEADLINE_S + 1.0 - (time.monotonic() - opened)))
         send_shards(departure, 2, 0, STEP, sent, cutoff())
     finally:
         stop.set()
@@ -360,12 +360,12 @@ def test_slow_drip_hellos_are_cut_at_the_hello_deadline_and_the_real_senders_get
 def test_connections_past_the_cap_are_closed_at_once_and_the_real_sender_gets_through(departure, monkeypatch):
     """Idle connections past PENDING_HELLOS_MIN: the oldest go at once (the deadline is far away),
     the newest keep their places, and the real sender, later still, takes one."""
-    import spotguard.checkpoint.handoff as handoff
+    from spotguard.checkpoint.handoff import doorway
 
-    monkeypatch.setattr(handoff, "HELLO_DEADLINE_S", 60.0)  # only the cap closes anything here
+    monkeypatch.setattr(doorway, "HELLO_DEADLINE_S", 60.0)  # only the cap closes anything here
     survivor = Survivor(departure)
     host, port, _ = address(departure)
-    cap, extra = handoff.PENDING_HELLOS_MIN, 20
+    cap, extra = doorway.PENDING_HELLOS_MIN, 20
     idle = [socket.create_connection((host, port)) for _ in range(cap + extra)]
     try:
         assert wait_closed(idle, within_s=1.5) == [True] * extra + [False] * cap

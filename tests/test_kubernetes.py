@@ -2,7 +2,6 @@
 podFailurePolicy ignores exactly spotguard's "restart me" exit codes, and its torchrun wrapper
 exits with the code the node leader wrote to the exit file."""
 
-import inspect
 import json
 import os
 import subprocess
@@ -12,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from spotguard.guard import DEFAULT_EXIT_CODE, DEFAULT_LOST_EXIT_CODE, EXIT_FILE_ENV, Guard
+from spotguard.exit_policy import DEFAULT_EXIT_CODE, DEFAULT_LOST_EXIT_CODE, EXIT_FILE_ENV
+from spotguard.options import NoticeOptions
 from tests.checkov import assert_checkov_passes, needs_checkov
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,7 +31,7 @@ def test_reclaimed_pods_are_ignored_and_given_time_to_save():
     assert any(c["type"] == "DisruptionTarget" for r in rules for c in r.get("onPodConditions", []))
     pod = spec["template"]["spec"]
     assert pod["restartPolicy"] == "Never"  # podFailurePolicy requires it
-    grace_s = inspect.signature(Guard).parameters["grace_s"].default
+    grace_s = NoticeOptions().grace_s
     assert pod["terminationGracePeriodSeconds"] > grace_s
     (trainer,) = pod["containers"]
     assert {"name": EXIT_FILE_ENV, "value": "/tmp/spotguard/exit.json"} in trainer["env"]

@@ -57,3 +57,39 @@ def test_the_guard_and_the_cli_load_no_emulator():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_the_checkpoint_layer_never_imports_the_guards_modules():
+    """spotguard.checkpoint stands on cloud_adapters and the store helpers (spotguard.kvstore, itself a
+    leaf); the guard, its coordination, timeline and ledger build on it, never the other way."""
+    graph = imports()
+    allowed = ("spotguard.checkpoint", "spotguard.kvstore")
+    upward = {
+        (module, found)
+        for module, names in graph.items()
+        if module.startswith("spotguard.checkpoint")
+        for found in names
+        if found.startswith("spotguard") and not found.startswith(allowed) and found != "spotguard"  # its version
+    }
+    assert not upward
+    assert not {i for i in graph["spotguard.kvstore"] if i.startswith("spotguard")}
+
+
+def test_spotguard_checkpoint_exports_only_its_public_names():
+    import spotguard
+    import spotguard.checkpoint
+
+    assert set(spotguard.checkpoint.__all__) - {"state_digest"} <= set(spotguard.__all__)
+
+
+def test_names_spotguard_checkpoint_exported_before_still_import_with_a_warning():
+    import warnings
+
+    from spotguard.checkpoint.layout import step_dir_name
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        from spotguard.checkpoint import step_dir_name as moved
+    assert moved is step_dir_name
+    assert any(issubclass(w.category, DeprecationWarning) and "spotguard.checkpoint.layout" in str(w.message)
+               for w in caught)  # fmt: skip

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spotguard.checkpoint import Checkpointer, CheckpointError, shard_read, step_dir_name
+from spotguard.checkpoint import Checkpointer, CheckpointError, shard_read
 from spotguard.checkpoint import manifest as manifest_module
+from spotguard.checkpoint.layout import step_dir_name
 from tests.ckpt_workers import assert_same
 from tests.test_checkpoint import flip_byte, resume_fresh, save_steps
 

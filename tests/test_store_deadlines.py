@@ -80,6 +80,33 @@ def test_calls_until_brings_the_deadline_of_calls_in_its_scope_forward(proxied):
     assert time.monotonic() - started < 2.0 + SLACK_S
 
 
+def test_a_deadline_brought_forward_reaches_the_store_calls_already_running(proxied):
+    """An emergency takes the window over from a background save: bringing the save's Deadline forward
+    ends the store calls it has in flight (on other threads too), not only the ones it makes next."""
+    import threading
+
+    from cloud_adapters.deadline import Deadline
+
+    _, store, proxy = proxied
+    proxy.blackhole = True
+    deadline = Deadline.after(60.0)
+    ended: list[float] = []
+
+    def background_save() -> None:
+        with calls_until(deadline), pytest.raises(Unreachable):
+            store.list()
+        ended.append(time.monotonic())
+
+    thread = threading.Thread(target=background_save, daemon=True)
+    thread.start()
+    time.sleep(1.0)  # the call is in flight, blocked on the blackhole
+    taken_over = time.monotonic()
+    deadline.bring_forward(taken_over)
+    thread.join(20)
+    assert ended and ended[0] - taken_over < SLACK_S
+    assert store.retry_deadline_s == 60.0  # the store's own limit was never touched
+
+
 def test_a_slow_upload_that_keeps_moving_outlives_its_deadline(storage_servers, monkeypatch, tmp_path):
     from tests.conftest import backend_for
 
@@ -99,3 +126,17 @@ def test_a_slow_upload_that_keeps_moving_outlives_its_deadline(storage_servers, 
     finally:
         proxy.close()
     assert took > 4.0, f"took {took:.1f} s: too fast to show that progress extends the deadline"
+
+
+def test_a_call_raced_against_a_deadline_keeps_the_store_deadline_of_its_scope(proxied):
+    """The Uploader races single calls (the manifest, an exists) with `within`, on a thread of its own:
+    the save's store deadline (`calls_until`) must hold on that thread too, not the store's 60 s."""
+    from cloud_adapters.deadline import Deadline
+    from spotguard.checkpoint.transfer import within
+
+    _, store, proxy = proxied
+    proxy.blackhole = True
+    started = time.monotonic()
+    with calls_until(Deadline.after(2.0)), pytest.raises(Unreachable):
+        within(store.list, Deadline.after(30.0))
+    assert time.monotonic() - started < 2.0 + SLACK_S

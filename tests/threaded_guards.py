@@ -56,7 +56,7 @@ class Job:
                 checkpoint_dir,
                 cloud="aws" if emulator is not None and leader else "none",
                 metadata_url=emulator.url if emulator is not None and leader else None,
-                poll_interval=0.1,
+                poll_interval_s=0.1,
                 store=counting_store(own, self.counts[rank]),
                 rank=rank,
                 world_size=world,

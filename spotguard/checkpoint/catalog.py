@@ -19,7 +19,7 @@ from cloud_adapters.stores import open_store
 from spotguard.checkpoint.auth import signature_problem
 from spotguard.checkpoint.layout import MANIFEST_NAME, manifest_key, parse_step_dir, step_dir_name
 from spotguard.checkpoint.manifest import Manifest, ManifestError, check_file
-from spotguard.progress import TransferProgress
+from spotguard.checkpoint.progress import TransferProgress
 
 log = logging.getLogger(__name__)
 

@@ -1,80 +1,58 @@
-"""Checkpointer: the save/resume object the Guard drives.
+"""Checkpointer: the save/resume object the Guard drives, a facade over the pieces of `checkpoint`.
 
-A save is one protocol on every rank, in the same order:
-  1. DCP writes the shards into a fresh hidden sibling `.step-N.tmp-<random>` (`save`);
-  2. every rank checksums its own files and sends the records to rank 0;
-  3. rank 0 writes the manifest last and renames the sibling to `step-N` (`commit`; `runs.RunClaim`
-     says whether an existing step of that number is kept or replaced);
-  4. for an object store, every rank uploads its own files, then rank 0 uploads the manifest
-     last, create-only (`durable`; with S3 / Azure / GCS each shard file streams up while step 1
-     writes it, `streaming`: this step then only waits for those uploads and sends what did not);
-  5. retention (`retention.after_commit`; not in a save with a deadline: the next save cleans up).
+A save runs `protocol.SaveProtocol` (write, checksum, commit, upload, retention) on every rank.
 Async saves (wait=False) copy the state into host buffers reused from save to save
-(`staging.Stager`: the training thread pays a memcpy) and run the same protocol on one
-background thread, one save at a time.
-An emergency in which only some nodes are reclaimed (a `Departure`) runs the protocol on the
-survivors alone (`departing`): a leaving rank only hands the shards that exist nowhere else to a
-survivor's memory, and is then free to go; the survivors write everything and commit. A save with
-a deadline (an emergency) takes over from a background save in flight: that one's upload is
-abandoned at once, its committed local copy kept, and it is waited for only until the deadline.
+(`staging.Stager`: the training thread pays a memcpy) and run the same protocol in the
+background (`background.BackgroundSaves`), one save at a time. An emergency in which only some
+nodes are reclaimed (a `Departure`) runs the protocol on the survivors alone (`departing`): a
+leaving rank only hands the shards that exist nowhere else to a survivor's memory, and is then
+free to go; the survivors write everything and commit. A save with a deadline (an emergency)
+takes over from a background save in flight: that one's upload is abandoned at once, its
+committed local copy kept, and it is waited for only until the deadline.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import logging
 import os
-import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, MutableMapping
-from concurrent.futures import Future, ThreadPoolExecutor
+import warnings
+from collections.abc import Mapping, MutableMapping
+from concurrent.futures import Future
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.checkpoint import SavePlanner
 
 from cloud_adapters import validation as check
-from cloud_adapters.notice import Notice, isoformat_z, utc_now
-from cloud_adapters.storage import LocalStore, ObjectStore, PartsStore
+from cloud_adapters.deadline import Deadline
+from cloud_adapters.notice import Notice, utc_now
+from cloud_adapters.storage import LocalStore, ObjectStore
 from cloud_adapters.stores import open_store
-from spotguard.checkpoint import departing, retention
-from spotguard.checkpoint.auth import KEY_ENV, CheckpointKey, resolve_key, sign
-from spotguard.checkpoint.comm import FAILURES, Comm, describe
-from spotguard.checkpoint.commit import commit_dir
+from spotguard.checkpoint import departing
+from spotguard.checkpoint.auth import CheckpointKey, resolve_key
+from spotguard.checkpoint.background import BackgroundSaves
+from spotguard.checkpoint.comm import Comm
 from spotguard.checkpoint.departure import Departure
 from spotguard.checkpoint.durable import Uploader
-from spotguard.checkpoint.errors import CheckpointError
 from spotguard.checkpoint.handoff import ReceivePool
-from spotguard.checkpoint.layout import manifest_key, sibling_name, step_dir_name
-from spotguard.checkpoint.manifest import REASONS, FileRecord, Manifest, versions
-from spotguard.checkpoint.outcome import LocalCommit, SaveEvents, SaveOutcomes, SaveReport, SurvivorsOutcome
+from spotguard.checkpoint.layout import step_dir_name
+from spotguard.checkpoint.manifest import REASONS
+from spotguard.checkpoint.outcome import SaveEvents, SaveOutcomes, SaveReport
+from spotguard.checkpoint.protocol import SaveProtocol
 from spotguard.checkpoint.resume import load_newest
-from spotguard.checkpoint.runs import RunClaim, SharedDirectory, new_run_id
-from spotguard.checkpoint.save import write_shards
+from spotguard.checkpoint.runs import RunClaim, new_run_id
 from spotguard.checkpoint.staging import Stager
 from spotguard.checkpoint.state import to_dcp
-from spotguard.checkpoint.streaming import ShardStreams
-from spotguard.checkpoint.transfer import Cutoff
-from spotguard.timeline import seconds
 
 log = logging.getLogger(__name__)
 
 # Kept free before a deadline: the manifest upload and the process exit happen in it.
 DEADLINE_RESERVE_S = 3.0
-
-
-@dataclasses.dataclass(frozen=True)
-class _InFlight:
-    """The background save running now."""
-
-    step: int
-    future: Future
-    cutoff: Cutoff
 
 
 class Checkpointer:
@@ -88,6 +66,8 @@ class Checkpointer:
     `checkpoint_key` (default: $SPOTGUARD_CHECKPOINT_KEY), saves are signed and resume
     loads only steps signed with it (`auth`); every node needs the same key. With
     `stream_uploads` and a store that takes parts (S3, Azure, GCS), shard files upload while they are written.
+    `transfer_threads`: parallel uploads, downloads and verifications per rank (formerly `thread_count`,
+    still accepted with a DeprecationWarning).
     """
 
     def __init__(
@@ -98,17 +78,22 @@ class Checkpointer:
         group: dist.ProcessGroup | None = None,
         keep_last: int | None = None,
         write_threads: int | None = None,
-        thread_count: int = 4,
+        transfer_threads: int = 4,
         on_event: SaveEvents | None = None,
         on_outcome: SaveOutcomes | None = None,
         checkpoint_key: CheckpointKey | None = None,
         stream_uploads: bool = True,
+        thread_count: int | None = None,
     ) -> None:
-        self.keep_last = check.optional(check.count, "keep_last", keep_last)
-        self.write_threads = check.optional(check.count, "write_threads", write_threads) or default_write_threads()
-        self.thread_count = check.count("thread_count", thread_count)
+        if thread_count is not None:
+            warnings.warn(
+                "Checkpointer(thread_count=...) is deprecated: use transfer_threads=", DeprecationWarning, stacklevel=2
+            )
+            transfer_threads = thread_count
+        keep_last = check.optional(check.count, "keep_last", keep_last)
+        self._write_threads = check.optional(check.count, "write_threads", write_threads) or default_write_threads()
+        self._transfer_threads = check.count("transfer_threads", transfer_threads)
         self.remote: ObjectStore = open_store(checkpoint_dir)
-        self.stream_uploads = stream_uploads
         self._key = resolve_key(checkpoint_key)
         self.comm = Comm(group)
         remote_root = Path(self.remote.url) if isinstance(self.remote, LocalStore) else None
@@ -131,21 +116,31 @@ class Checkpointer:
             _writable_dir(remote_root, "checkpoint_dir")
         if self.local_root is not None:
             _writable_dir(self.local_root, "local_dir")
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spotguard-ckpt")
-        self._pending: _InFlight | None = None
+        self._background = BackgroundSaves()
         self._stager = Stager()  # background saves copy into its buffers, reused from save to save
         self._receive_pool: ReceivePool | None = None  # set by expect_handoff, used by the next survivor save
         self.last_report: SaveReport | None = None  # of the last save that committed, background ones too
-        self._uploads_abandoned = False  # an emergency is coming: background saves commit locally only
         # This run's id (every rank the same: one start of the job), in each manifest it commits.
         self.run: str = self.comm.broadcast(new_run_id() if self.comm.is_coordinator else None)
         self._claim = RunClaim(self.run, utc_now(), self._key)  # judged on rank 0
         self._note_earlier_steps()
-        # The store's own retry limit; a save with a deadline lowers it for its duration.
-        self._retry_deadline_s: float | None = getattr(self.remote, "retry_deadline_s", None)
-        self.on_event = on_event
         self.on_outcome = on_outcome
-        self._uploader = Uploader(self.remote, self._claim, self.thread_count, on_event)
+        self._uploader = Uploader(self.remote, self._claim, self._transfer_threads, on_event)
+        self._protocol = SaveProtocol(
+            remote=self.remote,
+            stage_root=self.stage_root,
+            local_root=self.local_root,
+            comm=self.comm,
+            run_id=self.run,
+            claim=self._claim,
+            key=self._key,
+            uploader=self._uploader,
+            write_threads=self._write_threads,
+            transfer_threads=self._transfer_threads,
+            stream_uploads=stream_uploads,
+            keep_last=keep_last,
+            on_event=on_event,
+        )
 
     # -- public API -------------------------------------------------------------------------
 
@@ -195,18 +190,17 @@ class Checkpointer:
         called: float,
     ) -> SaveReport | None:
         """save()'s body: the report of a save waited for, None once a background one is on its way."""
-        cutoff = Cutoff()
+        cutoff = Deadline()
         if deadline is not None:
             cutoff.bring_forward(time.monotonic() + (deadline - utc_now()).total_seconds() - DEADLINE_RESERVE_S)
         elif departure is not None:  # the ranks wait on each other: never without a bound
             cutoff.bring_forward(time.monotonic() + departing.NO_DEADLINE_WAIT_S)
-        self._finish_pending(cutoff)
+        self._background.finish(cutoff)
         if reason == "emergency":
-            self._uploads_abandoned = False  # the emergency they made way for is here: later saves upload again
+            # the emergency they made way for is here: later saves upload again
+            self._background.uploads_abandoned = False
         state_dict = to_dcp(state)
         started_at = utc_now()
-        if not wait and self._uploads_abandoned:
-            cutoff.bring_forward(time.monotonic())
         if departure is not None and departure.survivors():
             if not wait:
                 raise ValueError("a save with a departure is an emergency: it needs wait=True")
@@ -226,7 +220,7 @@ class Checkpointer:
                     reason,
                     notice,
                     None,
-                    Cutoff(),
+                    Deadline(),
                     started_at,
                     comm=comm,
                     planner=planner,
@@ -240,11 +234,12 @@ class Checkpointer:
             return self._save(step, state_dict, reason, notice, deadline, cutoff, started_at)
         snapshot = self._stager.stage(state_dict)
         stall_s = time.monotonic() - called  # the training thread is free once the job is queued
-        future = self._worker.submit(
-            self._save, step, snapshot, reason, notice, deadline, cutoff, started_at, stall_s=stall_s
+        self._background.submit(
+            step,
+            lambda cut: self._save(step, snapshot, reason, notice, deadline, cut, started_at, stall_s=stall_s),
+            cutoff,
+            lambda done: self._tell_done(step, reason, done),
         )
-        future.add_done_callback(lambda done: self._tell_done(step, reason, done))
-        self._pending = _InFlight(step, future, cutoff)
         return None
 
     def _tell_done(self, step: int, reason: str, done: Future) -> None:
@@ -262,42 +257,32 @@ class Checkpointer:
     def expect_handoff(self, nbytes: int) -> None:
         """About `nbytes` of a leaving rank's shards will be handed to this rank in the coming
         emergency: touch that much memory for them now, on a thread of its own (any thread may call
-        this; see `handoff.ReceivePool`)."""
+        this; see `handoff.receive.ReceivePool`)."""
         self._receive_pool = ReceivePool(nbytes) if nbytes > 0 else None
 
     def abandon_background_uploads(self) -> None:
         """An emergency has been agreed (called from any thread, on every rank alike): the background
         save in flight, and any started before the emergency step, stop uploading at once and keep
         their local commit, so no upload stands between the notice and the emergency save."""
-        self._uploads_abandoned = True
-        pending = self._pending
-        if pending is not None and not pending.future.done():
-            log.warning("an emergency is coming: the background save of step %d stops uploading", pending.step)
-            pending.cutoff.bring_forward(time.monotonic())
-            self._limit_retries(pending.cutoff)
+        self._background.abandon_uploads()
 
     def wait(self, timeout: float | None = None) -> SaveReport | None:
         """Finish the in-flight async save; its report, or None when none was in flight.
 
         Raises CheckpointError if it failed, TimeoutError if it is still running after `timeout`.
         """
-        pending = self._pending
-        if pending is None:
-            return None
-        report = pending.future.result(timeout)
-        self._pending = None
-        return report
+        return self._background.wait(timeout)
 
     def resume(self, state: MutableMapping[str, Any]) -> int | None:
         """Load the newest good committed step into `state` (a collective); its step, or None."""
-        self._finish_pending()
+        self._background.finish()
         step = load_newest(
             state,
             remote=self.remote,
             local_root=self.local_root,
             comm=self.comm,
-            threads=self.thread_count,
-            read_threads=self.write_threads,  # files are read as many at a time as they are written
+            threads=self._transfer_threads,
+            read_threads=self._write_threads,  # files are read as many at a time as they are written
             key=self._key,
             bad=self._claim.rejected,
         )
@@ -315,8 +300,8 @@ class Checkpointer:
 
         Uploads abandoned at a deadline are not waited for.
         """
-        self._finish_pending()
-        self._worker.shutdown(wait=True)
+        self._background.finish()
+        self._background.shutdown()
         close_store = getattr(self.remote, "close", None)
         if callable(close_store):
             close_store()
@@ -332,257 +317,10 @@ class Checkpointer:
         """The upload rate measured on earlier saves (None before the first upload)."""
         return self._uploader.bytes_per_s
 
-    # -- the save protocol --------------------------------------------------------------------
-
-    def _finish_pending(self, cutoff: Cutoff | None = None) -> None:
-        """Let the previous async save finish first (its collectives must not interleave with ours).
-
-        When the next save has a deadline (`cutoff`), the background save's upload is
-        abandoned now, on every rank alike, so that it only runs its remaining
-        collectives, and it is waited for until `cutoff` at most: CheckpointError then.
-        """
-        pending = self._pending
-        if pending is None:
-            return
-        timeout = None
-        if cutoff is not None and cutoff.at is not None and not pending.future.done():
-            log.warning(
-                "a save with a deadline takes over from the background save of step %d: its upload stops now "
-                "(its committed local copy is kept)",
-                pending.step,
-            )
-            pending.cutoff.bring_forward(time.monotonic())
-            self._limit_retries(pending.cutoff)
-            timeout = max(0.0, cutoff.left())
-        try:
-            self.wait(timeout)
-        except TimeoutError as exc:  # still in its collectives: ours must not start (its own finally restores retries)
-            raise CheckpointError(
-                f"the background save of step {pending.step} was still finishing at the deadline; not saving again"
-            ) from exc
-        except Exception as exc:  # the next save goes ahead regardless
-            log.error("the previous background save failed: %s", exc)
-        self._pending = None
-        self._limit_retries(Cutoff())
-
-    def _limit_retries(self, cutoff: Cutoff) -> None:
-        """Let the store's retries end by `cutoff`; without one, restore the store's own limit."""
-        if self._retry_deadline_s is None:  # a store without retries (a filesystem)
-            return
-        left = cutoff.left()
-        self.remote.retry_deadline_s = (  # type: ignore[attr-defined]
-            self._retry_deadline_s if left is None else max(0.0, min(self._retry_deadline_s, left))
-        )
-
-    @contextlib.contextmanager
-    def _streams(self, step: int, cutoff: Cutoff) -> Iterator[ShardStreams | None]:
-        """This rank's streaming uploads for a save (None: the files go up after the commit only); stopped after."""
-        if (
-            not self.stream_uploads
-            or self.local_root is None
-            or not isinstance(self.remote, PartsStore)
-            or cutoff.passed()  # a background save whose uploads were abandoned before it began
-        ):
-            yield None
-            return
-        streams = ShardStreams(
-            self.remote, step_dir_name(step), manifest_key(step), threads=self.thread_count, cutoff=cutoff
-        )
-        try:
-            yield streams
-        finally:
-            streams.close()
-
-    @contextlib.contextmanager
-    def _retries_until(self, cutoff: Cutoff) -> Iterator[None]:
-        """The store's retries end by `cutoff` inside, and get their own limit back after."""
-        self._limit_retries(cutoff)
-        try:
-            yield
-        finally:
-            self._limit_retries(Cutoff())
-
-    def _save(
-        self,
-        step: int,
-        state_dict: dict[str, Any],
-        reason: str,
-        notice: Notice | None,
-        deadline: datetime | None,
-        cutoff: Cutoff,
-        started_at: datetime,
-        *,
-        comm: Comm | None = None,
-        planner: SavePlanner | None = None,
-        leaving: tuple[int, ...] = (),
-        on_commit: Callable[[SurvivorsOutcome], None] | None = None,
-        stall_s: float = 0.0,
-    ) -> SaveReport:
-        """The save protocol on `comm`'s ranks; `on_commit` hears of the local commit on its rank 0."""
-        with self._retries_until(cutoff), self._streams(step, cutoff) as streams:
-            comm = comm or self.comm
-            t0 = time.monotonic()
-            stage_name, refusal = comm.broadcast(
-                (sibling_name(step, "tmp"), self._claim.refusal) if comm.is_coordinator else None
-            )
-            if refusal:
-                raise SharedDirectory(refusal)
-            stage = self.stage_root / stage_name
-            records: list[FileRecord] = []
-            error = None
-            try:
-                stage.parent.mkdir(parents=True, exist_ok=True)
-                records = write_shards(
-                    stage,
-                    state_dict,
-                    comm,
-                    threads=self.write_threads,
-                    planner=planner,
-                    sha256=self._key is not None,
-                    tee=streams.open if streams is not None else None,
-                )
-            except FAILURES as exc:
-                error = describe(exc, comm.rank)
-            t_written = time.monotonic()
-            gathered = comm.gather((records, error))
-            commit = self._commit(step, reason, notice, stage, gathered, comm, leaving) if comm.is_coordinator else None
-            commit = comm.broadcast(commit)
-            t_committed = time.monotonic()
-            committed_at = utc_now()
-            try:
-                if commit.error:
-                    raise CheckpointError(f"checkpoint of step {step} failed, nothing committed: {commit.error}")
-                final = Path(commit.path)
-                if on_commit is not None and comm.is_coordinator:
-                    on_commit(
-                        SurvivorsOutcome(
-                            location=str(final),
-                            durable=self.local_root is None,
-                            bytes=commit.bytes,
-                            files=commit.files,
-                            committed_at=isoformat_z(committed_at),
-                        )
-                    )
-                self._emit(
-                    comm,
-                    "committed",
-                    step=step,
-                    at=str(final),
-                    mb=f"{commit.bytes / 1e6:.1f}",
-                    mb_per_s=f"{commit.bytes / 1e6 / max(t_written - t0, 1e-9):.0f}",
-                )
-                durable, upload_error, durable_at = self.local_root is None, None, committed_at
-                if self.local_root is not None:
-                    durable, upload_error, uploaded = self._uploader.upload(
-                        step, commit, records, stage, final, deadline, cutoff, comm, streams
-                    )
-                    durable_at = utc_now() if durable else None
-                    if uploaded:  # streamed uploads began with the write: their rate counts from there
-                        began = t0 if streams is not None and streams.streamed_bytes else t_committed
-                        self._uploader.bytes_per_s = commit.bytes / max(time.monotonic() - began, 1e-9)
-            finally:
-                # A copy that was not committed here (failed, or another node's partial copy) is abandoned.
-                if comm.is_node_leader and stage.exists():
-                    shutil.rmtree(stage, ignore_errors=True)
-            t_done = time.monotonic()
-            report = SaveReport(
-                step=step,
-                reason=reason,
-                bytes=commit.bytes,
-                files=commit.files,
-                write_s=t_written - t0,
-                commit_s=t_committed - t_written,
-                upload_s=t_done - t_committed if self.local_root is not None else 0.0,
-                location=f"{self.remote.url}/{step_dir_name(step)}" if durable else str(final),
-                durable=durable,
-                margin_s=(deadline - durable_at).total_seconds() if deadline and durable_at else None,
-                started_at=started_at,
-                committed_at=committed_at,
-                durable_at=durable_at,
-                local_location=str(final) if self.local_root is not None else None,
-                error=upload_error,
-                stall_s=stall_s,
-                streamed_bytes=streams.streamed_bytes if streams is not None else 0,
-            )
-            if report.durable:
-                self._emit(comm, "durable", step=step, at=report.location, margin_s=seconds(report.margin_s))
-            else:
-                self._emit(comm, "not-durable", step=step, local_copy=str(final), why=upload_error)
-            if reason == "emergency" or cutoff.at is not None:
-                log.debug("no retention within a deadline: the next save cleans up")
-            else:
-                retention.after_commit(
-                    step,
-                    self.remote,
-                    self.local_root,
-                    comm,
-                    keep=self.keep_last,
-                    key=self._key,
-                    claim=self._claim,
-                )
-            if comm.is_coordinator:
-                log.info(
-                    "checkpoint step %d (%s) %s: %.1f MB in %d files, write %.2fs commit %.2fs upload %.2fs "
-                    "(rank 0 streamed %.1f MB during the write)%s",
-                    step,
-                    reason,
-                    "durable at " + report.location if durable else "committed locally only at " + str(final),
-                    report.bytes / 1e6,
-                    report.files,
-                    report.write_s,
-                    report.commit_s,
-                    report.upload_s,
-                    report.streamed_bytes / 1e6,
-                    f", {report.margin_s:.1f}s before the deadline" if report.margin_s is not None else "",
-                )
-            self.last_report = report
-            return report
-
-    def _commit(
-        self,
-        step: int,
-        reason: str,
-        notice: Notice | None,
-        stage: Path,
-        gathered: list,
-        comm: Comm,
-        leaving: tuple[int, ...],
-    ) -> LocalCommit:
-        """The saving group's rank 0: write the manifest last and rename the staging directory into place."""
-        errors = [err for _, err in gathered if err]
-        if self._key is not None:  # a rank without the key left its files unhashed: signing would vouch for them blind
-            errors += [
-                f"rank {comm.members[i]}: no checkpoint key (set {KEY_ENV} on every node)"
-                for i, (recs, _) in enumerate(gathered)
-                if any(r.sha256 is None for r in recs)
-            ]
-        if errors:
-            return LocalCommit(error="; ".join(errors))
-        try:
-            manifest = Manifest(
-                step=step,
-                reason=reason,
-                world_size=self.comm.world_size,
-                created_at=isoformat_z(utc_now()),
-                files=tuple(sorted((r for recs, _ in gathered for r in recs), key=lambda r: r.name)),
-                notice=notice.to_json() if isinstance(notice, Notice) else notice,
-                versions=versions(),
-                saved_by=tuple(comm.members),
-                leaving=leaving,
-                run=self.run,
-            )
-            final, created = commit_dir(
-                stage, sign(manifest, self._key) if self._key is not None else manifest, self._claim
-            )
-        except SharedDirectory as exc:
-            return LocalCommit(error=str(exc))
-        except Exception as exc:  # returned, not raised: every rank waits for this outcome
-            return LocalCommit(error=f"commit: {type(exc).__name__}: {exc}")
-        return LocalCommit(path=str(final), created=created, bytes=manifest.total_bytes, files=len(manifest.files))
-
-    def _emit(self, comm: Comm, event: str, **detail: Any) -> None:
-        if self.on_event is not None and comm.is_coordinator:
-            self.on_event(event, **detail)
+    def _save(self, step: int, state_dict: dict[str, Any], reason: str, *args: Any, **kwargs: Any) -> SaveReport:
+        report = self._protocol.run(step, state_dict, reason, *args, **kwargs)
+        self.last_report = report
+        return report
 
 
 def _writable_dir(path: Path, argument: str) -> None:

@@ -13,12 +13,15 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
-from spotguard.topology import local_rank
-
 # DCP reports failures as CheckpointException, a BaseException: catch both.
 FAILURES = (Exception, CheckpointException)
 LAZY_GLOO_ENV = "TORCH_GLOO_LAZY_INIT"
 _env_lock = threading.Lock()
+
+
+def local_rank(rank: int) -> int:
+    """This process's rank on its node: torchrun's LOCAL_RANK, else `rank` (one process per node)."""
+    return int(os.environ.get("LOCAL_RANK", rank))
 
 
 def new_gloo_group(ranks: Sequence[int] | None = None, **kwargs: Any) -> dist.ProcessGroup:

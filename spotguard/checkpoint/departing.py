@@ -13,6 +13,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint import SavePlanner
 
+from cloud_adapters.deadline import Deadline
 from cloud_adapters.notice import parse_iso8601
 from spotguard.checkpoint.comm import FAILURES, Comm, describe, new_gloo_group
 from spotguard.checkpoint.departure import Departure
@@ -20,7 +21,6 @@ from spotguard.checkpoint.errors import CheckpointError
 from spotguard.checkpoint.handoff import ReceivePool, Receiver, send_shards
 from spotguard.checkpoint.outcome import SaveReport, SurvivorsOutcome
 from spotguard.checkpoint.ownership import SurvivorPlanner, expects_handoff, flat, unique_shards
-from spotguard.checkpoint.transfer import Cutoff
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ SurvivorSave = Callable[[Comm, SavePlanner, Callable[[SurvivorsOutcome], None]],
 
 
 def leave(
-    step: int, state_dict: dict[str, Any], departure: Departure, cutoff: Cutoff, started_at: datetime
+    step: int, state_dict: dict[str, Any], departure: Departure, cutoff: Deadline, started_at: datetime
 ) -> SaveReport:
     """A leaving rank: hand over what only it holds, then learn the survivors' outcome.
 
@@ -102,7 +102,7 @@ def survive(
     step: int,
     state_dict: dict[str, Any],
     departure: Departure,
-    cutoff: Cutoff,
+    cutoff: Deadline,
     pool: ReceivePool | None,
     save: SurvivorSave,
 ) -> SaveReport:
@@ -141,7 +141,7 @@ def survive(
 
 
 def _receive_handoffs(
-    step: int, state_dict: dict[str, Any], departure: Departure, cutoff: Cutoff, pool: ReceivePool | None
+    step: int, state_dict: dict[str, Any], departure: Departure, cutoff: Deadline, pool: ReceivePool | None
 ) -> tuple[list, str | None]:
     """(the shards handed to this survivor, or why not). Every rank infers from its own state who
     must hand over what; a leaving rank that declares shards this survivor did not expect (state

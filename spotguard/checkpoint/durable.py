@@ -8,16 +8,16 @@ import logging
 from datetime import datetime
 from pathlib import Path
 
+from cloud_adapters.deadline import Deadline
 from cloud_adapters.storage import AlreadyExists, ObjectStore
 from spotguard.checkpoint.comm import Comm
 from spotguard.checkpoint.layout import MANIFEST_NAME, manifest_key, step_dir_name
 from spotguard.checkpoint.manifest import FileRecord, Manifest
 from spotguard.checkpoint.outcome import LocalCommit, SaveEvents
+from spotguard.checkpoint.progress import TransferProgress, seconds
 from spotguard.checkpoint.runs import RunClaim
 from spotguard.checkpoint.streaming import ShardStreams
-from spotguard.checkpoint.transfer import Cutoff, upload, within
-from spotguard.progress import TransferProgress
-from spotguard.timeline import seconds
+from spotguard.checkpoint.transfer import upload, within
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class Uploader:
         self._on_event = on_event  # not a method of the Checkpointer's: no reference cycle keeps it alive
         self.bytes_per_s: float | None = None  # measured on earlier uploads, for the deadline plan
 
-    def _remote_has(self, step: int, cutoff: Cutoff) -> bool | str:
+    def _remote_has(self, step: int, cutoff: Deadline) -> bool | str:
         """Whether `step` is already committed in the object store (never upload over a committed step),
         or why this run must not upload it (another run committed it).
 
@@ -54,7 +54,7 @@ class Uploader:
             log.warning("could not check %s for an existing step %d: %s", self.remote.url, step, exc)
             return False
 
-    def _kept_or_refused(self, step: int, cutoff: Cutoff) -> str | None:
+    def _kept_or_refused(self, step: int, cutoff: Deadline) -> str | None:
         """`step` was committed in the object store while this run uploaded it: keep that copy when
         it is this run's and loadable (None), else say why not."""
         try:
@@ -66,7 +66,7 @@ class Uploader:
             return None
         return refusal or f"step {step} was committed in {self.remote.url} meanwhile; resume would not load it ({why})"
 
-    def _judge_remote(self, step: int, cutoff: Cutoff) -> tuple[str | None, str | None]:
+    def _judge_remote(self, step: int, cutoff: Deadline) -> tuple[str | None, str | None]:
         """For the committed `step` in the object store: (why this run must not upload it, why
         resume would not load the copy there); both None: it is kept."""
         data = within(lambda: self.remote.get_bytes(manifest_key(step)), cutoff)
@@ -84,7 +84,7 @@ class Uploader:
         stage: Path,
         final: Path,
         deadline: datetime | None,
-        cutoff: Cutoff,
+        cutoff: Deadline,
         comm: Comm,
         streams: ShardStreams | None = None,
     ) -> tuple[bool, str | None, bool]:

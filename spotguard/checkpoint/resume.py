@@ -34,6 +34,7 @@ from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.futures import Future
 
+from cloud_adapters.deadline import Deadline
 from cloud_adapters.retry import calls_until
 from cloud_adapters.storage import (
     LocalStore,
@@ -54,7 +55,7 @@ from spotguard.checkpoint.manifest import Manifest, ManifestError, checksum_byte
 from spotguard.checkpoint.safe_pickle import WeightsOnlyLoadPlanner, load_metadata
 from spotguard.checkpoint.shard_read import Damaged, read_checked
 from spotguard.checkpoint.state import load_from_dcp, optional_keys, to_dcp
-from spotguard.checkpoint.transfer import Cutoff, DeadlineExceeded, download
+from spotguard.checkpoint.transfer import DeadlineExceeded, download
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +154,7 @@ def load_newest(
     with calls_until(until):
         while isinstance(
             outcome := _load_newest_once(
-                state, remote, local_root, comm, (threads, read_threads), key, Cutoff(until), bad, unloadable
+                state, remote, local_root, comm, (threads, read_threads), key, Deadline(until), bad, unloadable
             ),
             _Unavailable,
         ):
@@ -198,7 +199,7 @@ def _load_newest_once(
     comm: Comm,
     threads_for: tuple[int, int],
     key: bytes | None,
-    cutoff: Cutoff,
+    cutoff: Deadline,
     bad: set[int],
     unloadable: list[str],
 ) -> int | None | _Unavailable:
@@ -297,7 +298,7 @@ def _prepare(
     comm: Comm,
     threads: int,
     key: bytes | None,
-    cutoff: Cutoff,
+    cutoff: Deadline,
 ) -> tuple[str | None, str | None]:
     """(where this rank can read `step` from, or None (a bad step) or UNAVAILABLE with the reason)."""
     if local_root is None:
@@ -325,7 +326,7 @@ def _verify(step_dir: Path, step: int, threads: int, key: bytes | None, *, conte
 
 
 def _ensure_local(
-    step: int, remote: ObjectStore, local_root: Path, host: str, threads: int, key: bytes | None, cutoff: Cutoff
+    step: int, remote: ObjectStore, local_root: Path, host: str, threads: int, key: bytes | None, cutoff: Deadline
 ) -> tuple[str | None, str | None]:
     """Make `local_root/step-N` a copy to load, downloading it from `remote` when it is missing or damaged.
 

@@ -27,8 +27,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import cast
 
+from cloud_adapters.deadline import Deadline
 from cloud_adapters.storage import ObjectStore, PartsStore, PartUpload, Progress
-from spotguard.checkpoint.transfer import Cutoff
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,9 @@ _CHECK_EVERY_S = 0.2  # how often a waiting caller looks at its cutoff
 class ShardStreams:
     """One save's streaming uploads on one rank: `open` is the tee `ChecksummingFileSystem` calls per file."""
 
-    def __init__(self, store: ObjectStore, step_dir: str, committed_key: str, *, threads: int, cutoff: Cutoff) -> None:
+    def __init__(
+        self, store: ObjectStore, step_dir: str, committed_key: str, *, threads: int, cutoff: Deadline
+    ) -> None:
         self.store = store
         self.parts = cast(PartsStore, store)
         self.step_dir = step_dir

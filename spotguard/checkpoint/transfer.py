@@ -1,15 +1,15 @@
-"""Move step files between local disk and an ObjectStore, many at a time, within a cutoff."""
+"""Move step files between local disk and an ObjectStore, many at a time, by a deadline (`cutoff`)."""
 
 from __future__ import annotations
 
 import contextvars
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
+from cloud_adapters.deadline import Deadline
 from cloud_adapters.storage import Abandoned, ObjectStore, Progress
 
 # How often a waiting transfer checks whether its cutoff was brought forward.
@@ -23,41 +23,7 @@ class DeadlineExceeded(OSError):
     """The transfers did not finish in the time allowed; those still running are abandoned."""
 
 
-class Cutoff:
-    """A time.monotonic() moment after which transfers are abandoned (None: no limit yet).
-
-    It can be brought forward while transfers run against it: an emergency save takes
-    the window over from a background save in flight.
-    """
-
-    def __init__(self, at: float | None = None) -> None:
-        self._at = at
-        self._lock = threading.Lock()
-
-    @property
-    def at(self) -> float | None:
-        return self._at
-
-    def left(self) -> float | None:
-        """Seconds until the cutoff (negative once passed), or None without one."""
-        at = self._at
-        return None if at is None else at - time.monotonic()
-
-    def passed(self) -> bool:
-        left = self.left()
-        return left is not None and left <= 0
-
-    def check_within(self, most_s: float) -> float:
-        """How long to wait before looking at the cutoff again: `most_s` at most, 0 once passed."""
-        left = self.left()
-        return most_s if left is None else max(0.0, min(left, most_s))
-
-    def bring_forward(self, at: float) -> None:
-        with self._lock:
-            self._at = at if self._at is None else min(self._at, at)
-
-
-def _run_all(jobs: list[Job], threads: int, cutoff: Cutoff, progress: Progress | None) -> None:
+def _run_all(jobs: list[Job], threads: int, cutoff: Deadline, progress: Progress | None) -> None:
     """Run every job on `threads` daemon threads; at the first failure, or once `cutoff` passes, start
     no more and raise at once.
 
@@ -118,7 +84,7 @@ def upload(
     items: Iterable[tuple[Path, str]],
     *,
     threads: int,
-    cutoff: Cutoff | None = None,
+    cutoff: Deadline | None = None,
     progress: Progress | None = None,
 ) -> None:
     """Upload each (local file, key) pair in parallel, by `cutoff` if given.
@@ -128,7 +94,7 @@ def upload(
     """
     jobs = [lambda report, p=path, k=key: store.put_file(p, k, progress=report) for path, key in items]
     try:
-        _run_all(jobs, threads, cutoff or Cutoff(), progress)
+        _run_all(jobs, threads, cutoff or Deadline(), progress)
     except OSError:  # at the cutoff, or after a failure: what still runs is of no use
         cancel = getattr(store, "cancel_transfers", None)
         if cancel is not None:
@@ -141,17 +107,18 @@ def download(
     items: Iterable[tuple[str, Path]],
     *,
     threads: int,
-    cutoff: Cutoff | None = None,
+    cutoff: Deadline | None = None,
     progress: Progress | None = None,
 ) -> None:
     """Download each (key, local file) pair in parallel, by `cutoff` if given."""
     jobs = [lambda report, k=key, p=path: store.get_file(k, p, progress=report) for key, path in items]
-    _run_all(jobs, threads, cutoff or Cutoff(), progress)
+    _run_all(jobs, threads, cutoff or Deadline(), progress)
 
 
-def within(call: Callable[[], T], cutoff: Cutoff) -> T:
+def within(call: Callable[[], T], cutoff: Deadline) -> T:
     """`call()`'s result (or its exception), waited for until `cutoff`: DeadlineExceeded then, and
-    the call is abandoned on its daemon thread, as `_run_all` abandons transfers."""
+    the call is abandoned on its daemon thread, as `_run_all` abandons transfers. The thread runs in
+    a copy of the caller's context: store deadlines set with `calls_until` hold there too."""
     box: dict[str, object] = {}
     done = threading.Event()
 
@@ -165,7 +132,8 @@ def within(call: Callable[[], T], cutoff: Cutoff) -> T:
 
     if cutoff.passed():
         raise DeadlineExceeded("no time was left before the deadline")
-    threading.Thread(target=run, name="spotguard-xfer", daemon=True).start()
+    context = contextvars.copy_context()
+    threading.Thread(target=context.run, args=(run,), name="spotguard-xfer", daemon=True).start()
     while not done.wait(cutoff.check_within(_CHECK_EVERY_S)):
         if cutoff.passed():
             raise DeadlineExceeded("no answer before the deadline")

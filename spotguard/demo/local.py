@@ -171,7 +171,7 @@ def _worker(ckpt_dir: str, cloud: str, metadata_url: str, result: str) -> None:
     ddp(torch.zeros(1, 32)).sum().backward()
     optimizer.zero_grad(set_to_none=True)  # no step taken; DCP's optimizer loading needs grads unset
     state = {"model": ddp, "optim": optimizer}
-    with spotguard.Guard(ckpt_dir, cloud=cloud, metadata_url=metadata_url, poll_interval=0.1) as guard:
+    with spotguard.Guard(ckpt_dir, cloud=cloud, metadata_url=metadata_url, poll_interval_s=0.1) as guard:
         start = guard.resume(state)
         for step in range(start, STEPS):
             g = torch.Generator().manual_seed(step * 1000 + rank)  # the data of a step never changes

@@ -24,7 +24,7 @@ from spotguard.integrations.loop import EpochBatches, GuardedLoop, guarded_loop
 def guarded(
     accelerator: Accelerator,
     checkpoint_dir: str,
-    cloud: str = "auto",
+    cloud: str | None = None,
     *,
     models: Sequence[torch.nn.Module],
     optimizers: Sequence[torch.optim.Optimizer] = (),

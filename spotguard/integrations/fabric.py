@@ -30,7 +30,7 @@ from spotguard.integrations.loop import GuardedLoop, guarded_loop
 def guarded(
     fabric: Fabric,
     checkpoint_dir: str,
-    cloud: str = "auto",
+    cloud: str | None = None,
     *,
     models: Sequence[torch.nn.Module],
     optimizers: Sequence[torch.optim.Optimizer] = (),

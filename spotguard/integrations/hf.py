@@ -51,7 +51,7 @@ class SpotGuardTrainerCallback(TrainerCallback):
     committed); with `exit_code=None` it returns and `emergency_saved` tells.
     """
 
-    def __init__(self, checkpoint_dir: str, cloud: str = "auto", **options: Any) -> None:
+    def __init__(self, checkpoint_dir: str, cloud: str | None = None, **options: Any) -> None:
         self.guard = Guard(checkpoint_dir, cloud, **options)  # bad arguments fail here, not mid-training
         self._state: dict[str, Any] | None = None
         self._restored: dict[str, Any] = {}  # what resume read that the Trainer has no place for yet

@@ -34,7 +34,7 @@ class SpotGuardCallback(Callback):
     `exit_code=None`, `fit` returns normally and `emergency_saved` tells.
     """
 
-    def __init__(self, checkpoint_dir: str, cloud: str = "auto", **options: Any) -> None:
+    def __init__(self, checkpoint_dir: str, cloud: str | None = None, **options: Any) -> None:
         self.guard = Guard(checkpoint_dir, cloud, **options)  # bad arguments fail here, not mid-fit
         self._state: dict[str, Any] = {}
         self._resumed = False

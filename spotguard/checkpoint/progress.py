@@ -1,4 +1,5 @@
-"""Progress of long transfers: bytes done, rate and percentage, reported at most every few seconds."""
+"""Progress of long transfers (bytes done, rate and percentage, reported at most every few seconds),
+and durations as the timeline shows them."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ import time
 from typing import TextIO
 
 log = logging.getLogger(__name__)
+
+
+def seconds(value: float | None) -> str:
+    """A duration for a timeline entry: `12.3`, or `n/a` when unknown."""
+    return "n/a" if value is None else f"{value:.1f}"
 
 
 class TransferProgress:

@@ -1,0 +1,112 @@
+"""The emergency coordination of one rank: events through the store, agreement on a step, and
+where leaving ranks and survivors meet.
+
+An interruption notice (or a save request) is published through the store (`broadcast`); every
+rank's listener thread runs the agreement round on it (`agreement`) and hands the decision back
+to the guard, whose training loop acts when it reaches the agreed step. When only some nodes are
+reclaimed, an `EmergencyPlan` says who leaves and how the survivors meet the leaving ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch.distributed as dist
+
+from cloud_adapters.notice import Notice
+from spotguard.agreement import Decision, StepAgreement
+from spotguard.broadcast import EMERGENCY, Broadcast
+from spotguard.checkpoint.departure import Departure
+from spotguard.kvstore import Connection
+from spotguard.topology import Topology
+
+log = logging.getLogger(__name__)
+
+MIN_AGREEMENT_S = 2.0  # the shortest agreement round a notice's deadline may leave
+
+
+@dataclasses.dataclass(frozen=True)
+class EmergencyPlan:
+    """What every rank does at an agreed emergency step (the same on every rank)."""
+
+    notice: Notice  # the earliest deadline among the interruptions due at the step
+    notices: tuple[Notice, ...]
+    leaving: frozenset[int]  # the ranks of the reclaimed nodes
+    departure: Departure | None  # None: the whole job stops (no survivors to commit without them)
+
+
+class Coordination:
+    """`on_agreed(event, decision, notice)` runs on the listener thread after every round
+    (`decision` None: aborted; `notice`: the interruption, for an emergency)."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        prefix: str,
+        topology: Topology,
+        *,
+        timeout_s: float,
+        on_agreed: Callable[[dict[str, Any], Decision | None, Notice | None], None],
+    ) -> None:
+        self.store = store
+        self.prefix = prefix
+        self.topology = topology
+        self.timeout_s = timeout_s
+        self.on_agreed = on_agreed
+        self.notice: Notice | None = None  # the last interruption announced to this rank
+        listen = Connection.of(store)  # the listener blocks on it; the agreement runs on the listener thread too
+        self.broadcast = Broadcast(store, prefix, self._on_event, rank=topology.rank, connection=listen)
+        self.agreement = StepAgreement(listen, prefix, topology.rank, topology.world_size, node=topology.node)
+        self._meeting: Connection | None = None
+        # The training thread's hot path, bound once: a lock and a comparison per step, no extra call.
+        self.reached: Callable[[int], list[Decision]] = self.agreement.reached
+
+    def start(self) -> None:
+        self.broadcast.start()
+
+    def stop(self) -> None:
+        self.broadcast.stop()
+
+    # -- the training thread --------------------------------------------------------------------
+    def reset(self, last_step: int) -> None:
+        self.agreement.reset(last_step)
+
+    def plan(self, emergencies: list[Decision]) -> EmergencyPlan:
+        """Several nodes' interruptions due at one step: all of them leave, and the save keeps to the
+        earliest deadline."""
+        notices = tuple(Notice.from_json(d.event["notice"]) for d in emergencies)
+        notice = min(notices, key=lambda n: (n.deadline is None, n.deadline or n.detected_at))
+        leaving = frozenset(r for d in emergencies for r in d.leaving)
+        departure = None
+        world = self.topology.world_size
+        if leaving and len(leaving) < world:
+            if self._meeting is None:  # where leaving ranks and survivors meet, on a connection made at first use
+                self._meeting = Connection.of(self.store, lazy=True)
+            departure = Departure(leaving, self._meeting, f"{self.prefix}emergency/{emergencies[0].round}/", world)
+        return EmergencyPlan(notice, notices, leaving, departure)
+
+    # -- any thread -----------------------------------------------------------------------------
+    def publish_interruption(self, notice: Notice) -> bool:
+        return self.broadcast.publish_interruption(notice)
+
+    def request_checkpoint(self, reason: str) -> None:
+        self.broadcast.request_checkpoint(reason)
+
+    # -- the listener thread --------------------------------------------------------------------
+    def _on_event(self, index: int, event: dict[str, Any]) -> None:
+        """Agree with every rank on the step to act at."""
+        timeout = self.timeout_s
+        leaving = None
+        notice = None
+        if event["type"] == EMERGENCY:
+            self.notice = notice = Notice.from_json(event["notice"])
+            left = notice.seconds_left()
+            if left is not None:  # leave most of the window for the save itself
+                timeout = min(timeout, max(MIN_AGREEMENT_S, left / 4))
+            leaving = self.broadcast.claimed_nodes
+            log.warning("node %s is being reclaimed (%s)", notice.node, notice.source)
+        decision = self.agreement.agree(index, event, timeout, leaving, round_keys=[self.broadcast.log.slot(index)])
+        self.on_agreed(event, decision, notice)

@@ -1,0 +1,92 @@
+"""How a guarded process ends after an emergency: the exit code, the exit file, the agent.
+
+Leaving the `with` block after an emergency exits with `exit_code` (143) when its checkpoint was
+committed where a new VM finds it, `lost_exit_code` (75) when not; `UNAVAILABLE_EXIT_CODE` (69)
+when committed checkpoints exist but cannot be read at resume. Launchers such as torchrun replace
+the workers' exit codes with their own, so the node leader also writes why the job ended to
+`$SPOTGUARD_EXIT_FILE` for a startup script to read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+from cloud_adapters.notice import isoformat_z, utc_now
+from cloud_adapters.storage import write_durably
+from spotguard import elastic
+
+log = logging.getLogger(__name__)
+
+DEFAULT_EXIT_CODE = 143  # 128 + SIGTERM: what schedulers read as "terminated, restart me"
+DEFAULT_LOST_EXIT_CODE = 75  # EX_TEMPFAIL: interrupted, and no new checkpoint was committed
+UNAVAILABLE_EXIT_CODE = 69  # EX_UNAVAILABLE: committed checkpoints exist but cannot be read now
+EXIT_FILE_ENV = "SPOTGUARD_EXIT_FILE"
+
+
+class ExitPolicy:
+    """The end of one guard's run, on one rank. `node_leader`: this rank speaks for its node (the
+    exit file, the elastic agent)."""
+
+    def __init__(self, exit_code: int | None, lost_exit_code: int, *, node: str, node_leader: bool) -> None:
+        self.exit_code = exit_code
+        self.lost_exit_code = lost_exit_code
+        self.node = node
+        self.node_leader = node_leader
+        self.withdrawal: str | None = None  # why this node's torchrun agent must not restart it
+
+    def code(self, *, interrupted: bool, saved: bool, error: BaseException | None) -> int | None:
+        """The code to exit with when the guard closes, or None to return to the caller: no emergency,
+        `exit_code=None`, or the training ended with an exception of its own (it propagates)."""
+        if not interrupted or self.exit_code is None or error is not None:
+            return None
+        return self.exit_code if saved else self.lost_exit_code
+
+    def record(self, code: int, *, committed: bool, step: int | None, leaving: bool) -> None:
+        """Write $SPOTGUARD_EXIT_FILE (node leader): why this node's job is about to exit."""
+        path = os.environ.get(EXIT_FILE_ENV)
+        if not path or not self.node_leader:
+            return
+        record = {
+            "exit_code": code,
+            "committed": committed,
+            "step": step if committed else None,
+            "leaving": leaving,
+            "node": self.node,
+            "at": isoformat_z(utc_now()),
+        }
+        try:
+            write_durably(Path(path), (json.dumps(record) + "\n").encode())
+        except OSError as exc:
+            log.warning("could not write %s=%s: %s", EXIT_FILE_ENV, path, exc)
+
+    def leave_agent(self) -> None:
+        """Before exiting: stop this node's elastic agent from restarting it, where it must not."""
+        if self.withdrawal and self.node_leader:
+            elastic.withdraw_agent(self.withdrawal)
+
+    def keep_sigterm_away(self) -> None:
+        """Once the watcher gave the signal handlers back: a withdrawn agent passes its SIGTERM on to
+        the workers, who are exiting anyway."""
+        if self.withdrawal and self.node_leader:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+    @staticmethod
+    def exit_now(code: int) -> None:
+        """Leave at once, without closing anything: an upload abandoned at the deadline still has SDK
+        threads sending it, which closing the stores would wait for, and the VM is going away."""
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    def exit(self, code: int, *, saved: bool) -> None:
+        if saved:
+            log.warning("emergency checkpoint committed; exiting with code %d so the job is restarted", code)
+        else:
+            log.error("interrupted without a new checkpoint; exiting with code %d so the job is restarted", code)
+        sys.exit(code)

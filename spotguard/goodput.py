@@ -1,0 +1,130 @@
+"""What a guard records for the goodput report, and the adaptive save cadence fed by it.
+
+Global rank 0 writes the ledger (`spotguard.ledger`) and runs the interval timer, so its cadence
+(`save_interval_s="auto"`) is the one that learns from the saves measured; every other rank records
+nothing. The records are the typed ones of `spotguard.ledger_records`, which `spotguard report` reads.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from cloud_adapters.notice import REBALANCE, Notice, isoformat_z
+from cloud_adapters.storage import ObjectStore
+from spotguard import ledger_records as records
+from spotguard.cadence import Cadence, Choice
+from spotguard.checkpoint import SaveReport
+from spotguard.exit_policy import UNAVAILABLE_EXIT_CODE
+from spotguard.ledger import Ledger, LedgerContents
+from spotguard.report import INTERRUPTED, summarize
+
+log = logging.getLogger(__name__)
+
+# The reasons of background saves whose stall the cadence weighs (an emergency's is not a choice).
+CADENCE_SAVES = ("periodic", "interval", "rebalance")
+
+
+class GoodputRecorder:
+    """One guard's ledger records (once `open` has made the ledger: rank 0) and its cadence."""
+
+    def __init__(self, cadence: Cadence | None) -> None:
+        self.cadence = cadence
+        self._ledger: Ledger | None = None
+        self._history_read = False
+        if cadence is not None:
+            cadence.on_change = self._on_cadence
+
+    def open(self, store: ObjectStore, progress: Callable[[], int | None], start: records.Start) -> None:
+        self._ledger = Ledger(store, progress=progress)
+        self._ledger.record(start)
+
+    def reset(self) -> None:
+        """A guard started again: a new segment, whose ledger `open` makes; its history is read afresh."""
+        self._ledger = None
+        self._history_read = False
+
+    def resumed(self, step: int | None, next_step: int, resume_s: float, run: str | None) -> None:
+        self._record(records.Resume(step=step, next_step=next_step, resume_s=resume_s, run=run))
+
+    def saved(self, step: int, reason: str, report: SaveReport | None, error: str | None) -> None:
+        """After every save (any thread): its measurements into the ledger and the cadence."""
+        if self._ledger is None:
+            return
+        measured: dict[str, Any] = {}
+        if report is not None:
+            measured = {
+                "bytes": report.bytes,
+                "stall_s": report.stall_s,
+                "write_s": report.write_s,
+                "commit_s": report.commit_s,
+                "upload_s": report.upload_s,
+                "streamed_bytes": report.streamed_bytes,
+                "durable": report.durable,
+            }
+        self._ledger.record(records.Save(step=step, reason=reason, ok=report is not None, error=error, **measured))
+        if self.cadence is not None and report is not None and reason in CADENCE_SAVES:
+            self.cadence.observe_save(report.stall_s)
+
+    def notice(self, notice: Notice, **outcome: Any) -> None:
+        """An interruption and what became of it (`agreed_step=None`: no agreement)."""
+        self._record(
+            records.NoticeSeen(
+                kind=notice.kind,
+                cloud=notice.cloud,
+                action=notice.action,
+                source=notice.source,
+                node=notice.node,
+                deadline=isoformat_z(notice.deadline) if notice.deadline else None,
+                detected_at=isoformat_z(notice.detected_at),
+                **outcome,
+            )
+        )
+
+    def rebalance(self, agreed_step: int | None) -> None:
+        self._record(records.NoticeSeen(kind=REBALANCE, agreed_step=agreed_step))
+        if self.cadence is not None:
+            self.cadence.observe_interruption()
+
+    def ended(
+        self,
+        code: int | None,
+        error: BaseException | None,
+        *,
+        interrupted: bool,
+        committed: bool,
+        last_step: int | None,
+    ) -> None:
+        """The segment's last record: why it ends, and the exit code spotguard ends it with (None: it
+        returns to the caller)."""
+        why = INTERRUPTED if interrupted else "finished" if error is None else f"error: {type(error).__name__}"
+        if isinstance(error, SystemExit):
+            code = error.code if isinstance(error.code, int) else 1
+            why = "storage unavailable" if code == UNAVAILABLE_EXIT_CODE else "exit"
+        self._record(records.Exit(code=code, why=why, committed=committed, last_step=last_step))
+
+    def next_interval(self, run_hours: float) -> float:
+        """The adaptive cadence's interval now, having weighed the ledger's history once it is read."""
+        assert self.cadence is not None
+        history = self._ledger.history() if self._ledger is not None and not self._history_read else None
+        if history is not None:
+            self._history_read = True
+            try:
+                done = summarize(LedgerContents(history, 0))
+                running_h = sum(s["wall_s"] for s in done.get("segment_details", [])) / 3600
+                self.cadence.observe_history(done["interruptions"], running_h)
+            except Exception as exc:  # noqa: BLE001 - a ledger this version cannot read: the prior alone decides
+                log.warning("the save interval (auto) ignores the ledger's history: %s: %s", type(exc).__name__, exc)
+        return self.cadence.interval(run_hours)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        if self._ledger is not None:
+            self._ledger.close(timeout_s=timeout_s)
+
+    def _on_cadence(self, choice: Choice) -> None:
+        self._record(records.CadenceChange(**choice.to_json()))
+
+    def _record(self, record: records.Record) -> None:
+        if self._ledger is not None:
+            self._ledger.record(record)

@@ -1,0 +1,339 @@
+"""The Guard's settings: typed, frozen, grouped by concern, each value checked once, here.
+
+    Guard("s3://bucket/run")                                   # the common case
+    Guard("s3://bucket/run", keep_last=3, save_interval_s=600)  # keyword shortcuts: any field below
+    Guard("s3://bucket/run", saving=SaveOptions(keep_last=3))   # or whole groups
+
+Every field of every group is also a keyword of `Guard(...)`, so a group is only needed to
+build settings once and share them. Seconds are `*_s` everywhere. The configuration reference
+in the docs is generated from these classes (`describe()`), so it cannot drift from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import warnings
+from typing import Any
+
+import torch.distributed as dist
+
+from cloud_adapters import validation as check
+from cloud_adapters.endpoints import normalise_base_url
+from cloud_adapters.signals import parse_signal
+from cloud_adapters.sources import CLOUDS
+from spotguard import elastic
+from spotguard.cadence import DEFAULT_MAX_S, DEFAULT_MIN_S, Cadence
+from spotguard.checkpoint.auth import resolve_key
+from spotguard.exit_policy import DEFAULT_EXIT_CODE, DEFAULT_LOST_EXIT_CODE
+
+CLOUD_CHOICES = CLOUDS + ("none", "auto")
+# Keyword names of earlier versions: still accepted, with a DeprecationWarning.
+RENAMED = {"poll_interval": "poll_interval_s", "thread_count": "transfer_threads"}
+
+
+def _option(default: Any, doc: str, *, shown: str | None = None, repr: bool = True) -> Any:  # noqa: A002
+    """A field with its documentation (and how the docs show its default, where None means "computed")."""
+    return dataclasses.field(default=default, repr=repr, metadata={"doc": doc, "shown": shown})
+
+
+@dataclasses.dataclass(frozen=True)
+class NoticeOptions:
+    """Where interruption notices come from."""
+
+    cloud: str = _option(
+        "auto", "`aws`, `gcp`, `azure`, `none` (signals only) or `auto` (DMI files, then a 0.3 s metadata probe)"
+    )
+    metadata_url: str | None = _option(
+        None,
+        "the metadata service, e.g. an emulator (`http://HOST[:PORT]`)",
+        shown="`$SPOTGUARD_METADATA_URL`, then the cloud's own variables, then the real address",
+    )
+    poll_interval_s: float = _option(1.0, "seconds between metadata polls (AWS, Azure; GCP uses a hanging GET)")
+    signals: tuple[str | int, ...] = _option(
+        ("SIGTERM",), 'signals that mean "you are being stopped"; add `"SIGUSR1"` for Slurm `--signal`'
+    )
+    grace_s: float = _option(25.0, "deadline after a signal (torchrun SIGKILLs workers 30 s after SIGTERM)")
+    save_on_rebalance: bool = _option(True, "an AWS rebalance recommendation triggers a background save")
+
+    def __post_init__(self) -> None:
+        if self.cloud not in CLOUD_CHOICES:
+            raise ValueError(f"cloud must be one of {CLOUD_CHOICES}, not {self.cloud!r}")
+        if self.metadata_url is not None:
+            _set(self, "metadata_url", normalise_base_url(self.metadata_url))
+        _set(self, "poll_interval_s", check.seconds("poll_interval_s", self.poll_interval_s))
+        if isinstance(self.signals, (str, int)):
+            raise TypeError(f'signals must be a sequence of signals, e.g. ("SIGTERM",), not {self.signals!r}')
+        _set(self, "signals", tuple(parse_signal(s) for s in self.signals))
+        _set(self, "grace_s", check.seconds("grace_s", self.grace_s))
+        _set(self, "save_on_rebalance", _boolean("save_on_rebalance", self.save_on_rebalance))
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveOptions:
+    """When to save besides an interruption, and how many saves to keep."""
+
+    save_interval_s: float | str | None = _option(
+        None,
+        'a background save every this many seconds (agreed like a notice); `"auto"`: at the interval that '
+        "costs least in save stalls plus expected lost work (see [Adaptive save cadence](../guide/goodput.md))",
+        shown="none",
+    )
+    min_save_interval_s: float | None = _option(
+        None, 'the lower bound of the `"auto"` interval (an error without `save_interval_s="auto"`)', shown="60"
+    )
+    max_save_interval_s: float | None = _option(None, 'the upper bound of the `"auto"` interval', shown="3600")
+    interruptions_per_hour: float | None = _option(
+        None,
+        '`"auto"` only: the prior interruption rate, e.g. from the AWS Spot Advisor\'s frequency band (less '
+        "than 5 % a month: under 0.00007/h); the ledger's history outweighs it after a few hours of running",
+        shown="one a day",
+    )
+    save_every: int | None = _option(
+        None,
+        "a background save every this many steps (a step reported again, as at each micro-batch of a "
+        "gradient accumulation, is not saved again)",
+        shown="none",
+    )
+    keep_last: int | None = _option(
+        None, "the highest committed steps to keep; the step just saved is never deleted", shown="all"
+    )
+
+    def __post_init__(self) -> None:
+        interval = self.save_interval_s
+        if interval == "auto":
+            low = check.optional(check.seconds, "min_save_interval_s", self.min_save_interval_s)
+            high = check.optional(check.seconds, "max_save_interval_s", self.max_save_interval_s)
+            if (low or DEFAULT_MIN_S) > (high or DEFAULT_MAX_S):
+                raise ValueError(
+                    f"min_save_interval_s ({low or DEFAULT_MIN_S:g}) must not exceed "
+                    f"max_save_interval_s ({high or DEFAULT_MAX_S:g})"
+                )
+            _set(self, "min_save_interval_s", low)
+            _set(self, "max_save_interval_s", high)
+            prior = check.optional(check.positive, "interruptions_per_hour", self.interruptions_per_hour)
+            _set(self, "interruptions_per_hour", prior)
+        else:
+            if isinstance(interval, str):
+                raise ValueError(f'save_interval_s must be a number of seconds or "auto", not {interval!r}')
+            _set(self, "save_interval_s", check.optional(check.seconds, "save_interval_s", interval))
+            given = [n for n in ("min_save_interval_s", "max_save_interval_s", "interruptions_per_hour")
+                     if getattr(self, n) is not None]  # fmt: skip
+            if given:
+                raise ValueError(f'{" and ".join(given)}: only with save_interval_s="auto"')
+        _set(self, "save_every", check.optional(check.count, "save_every", self.save_every))
+        _set(self, "keep_last", check.optional(check.count, "keep_last", self.keep_last))
+
+    def cadence(self) -> Cadence | None:
+        """The adaptive cadence for `save_interval_s="auto"` (a new one per Guard), else None."""
+        if self.save_interval_s != "auto":
+            return None
+        low = DEFAULT_MIN_S if self.min_save_interval_s is None else self.min_save_interval_s
+        high = DEFAULT_MAX_S if self.max_save_interval_s is None else self.max_save_interval_s
+        return Cadence(low, high, self.interruptions_per_hour)
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageOptions:
+    """How saves are written, moved and signed."""
+
+    local_dir: str | None = _option(
+        None,
+        "fast local disk to stage in before uploading to an object store",
+        shown="object store: `$TMPDIR/spotguard-staging/<hash>`; path: none (staged in `checkpoint_dir`)",
+    )
+    write_threads: int | None = _option(
+        None,
+        "files each rank writes in parallel when saving, and reads in parallel when resuming "
+        "(`LOCAL_WORLD_SIZE` ranks share `os.cpu_count()` cores; 2 on a 2-core machine, where it was fastest; "
+        "16 on a 16-core H100 VM, 0.3 s faster than 8 for 8 GB)",
+        shown="cores / ranks per node, 2 to 16",
+    )
+    transfer_threads: int = _option(
+        4,
+        "parallel uploads, downloads and verifications per rank (and a save's streaming upload threads); "
+        "formerly `thread_count`",
+    )
+    stream_uploads: bool = _option(
+        True,
+        "with an `s3://`, `az://` or `gs://` `checkpoint_dir`, each shard file goes up part by part while it is "
+        "written, not after the local commit (see [Streaming to the bucket while writing]"
+        "(../guide/checkpoints.md)); paths ignore it",
+    )
+    checkpoint_key: bytes | str | None = _option(
+        None,
+        "a secret: saves are signed with it and resume loads only steps signed with it (see [What the "
+        "checksums protect against](../guide/checkpoints.md#what-the-checksums-protect-against)); never shown "
+        "in reprs or logs",
+        shown="`$SPOTGUARD_CHECKPOINT_KEY`, else none",
+        repr=False,
+    )
+
+    def __post_init__(self) -> None:
+        _set(self, "write_threads", check.optional(check.count, "write_threads", self.write_threads))
+        _set(self, "transfer_threads", check.count("transfer_threads", self.transfer_threads))
+        _set(self, "stream_uploads", _boolean("stream_uploads", self.stream_uploads))
+        if self.checkpoint_key is not None:
+            resolve_key(self.checkpoint_key)  # its type and emptiness; the environment is read at Guard()
+
+
+@dataclasses.dataclass(frozen=True)
+class ExitOptions:
+    """How the process ends after an emergency."""
+
+    exit_code: int | None = _option(
+        DEFAULT_EXIT_CODE,
+        "exit code after an emergency whose checkpoint was committed; `None` to return normally "
+        "(`guard.emergency_saved` tells)",
+    )
+    lost_exit_code: int = _option(
+        DEFAULT_LOST_EXIT_CODE, "exit code after an emergency whose checkpoint was **not** committed (EX_TEMPFAIL)"
+    )
+    min_nodes: int | None = _option(
+        None,
+        "under an elastic torchrun, its MIN: survivors fewer than this stop their agents after committing "
+        "(see [Elastic training](../guide/elastic.md))",
+        shown="`$SPOTGUARD_MIN_NODES`, else 1",
+    )
+
+    def __post_init__(self) -> None:
+        _set(self, "exit_code", check.optional(check.exit_status, "exit_code", self.exit_code))
+        _set(self, "lost_exit_code", check.exit_status("lost_exit_code", self.lost_exit_code))
+        if self.min_nodes is not None:
+            elastic.min_nodes(self.min_nodes)
+
+
+@dataclasses.dataclass(frozen=True)
+class CoordinationOptions:
+    """Where this process sits in the job, and how long the ranks wait for each other."""
+
+    store: dist.Store | None = _option(
+        None, "the `torch.distributed` Store to broadcast through", shown="the default group's"
+    )
+    rank: int | None = _option(
+        None,
+        "this process's place in the job, stated as `init_process_group(store=, rank=, world_size=)` takes it "
+        "(with `store` and `world_size`): the guard then coordinates through `store` alone and needs a process "
+        "group only when it saves or resumes, so several guards can live in one process; the k-th guard each "
+        "rank enters on one store is one guard, so give each job attempt a store of its own",
+        shown="the default group's",
+    )
+    world_size: int | None = _option(None, "the job's number of ranks, with `rank`", shown="the default group's")
+    local_rank: int | None = _option(
+        None,
+        "with `rank`: this process's rank on its node (local rank 0 watches the cloud)",
+        shown="`LOCAL_RANK`, else `rank`",
+    )
+    node: str | None = _option(
+        None,
+        "with `rank`: a name for this process's node (a notice makes every rank of its node leave)",
+        shown="the host name and `GROUP_RANK`",
+    )
+    agreement_timeout_s: float = _option(30.0, "longest wait for every rank in an agreement round")
+
+    def __post_init__(self) -> None:
+        _set(self, "agreement_timeout_s", check.seconds("agreement_timeout_s", self.agreement_timeout_s))
+        if self.rank is None and self.world_size is None:
+            if self.local_rank is not None or self.node is not None:
+                raise ValueError("local_rank and node need rank and world_size too")
+            return
+        if self.rank is None or self.world_size is None:
+            raise ValueError("rank and world_size go together")
+        if self.store is None and self.world_size > 1:
+            raise ValueError("a stated rank and world_size need the store the ranks share (store=)")
+
+    @property
+    def stated(self) -> tuple[int, int, int | None, str | None] | None:
+        """The topology the caller states (checked when the guard starts), or None to read the process group's."""
+        if self.rank is None or self.world_size is None:
+            return None
+        return self.rank, self.world_size, self.local_rank, self.node
+
+
+GROUPS: dict[str, type] = {
+    "notices": NoticeOptions,
+    "saving": SaveOptions,
+    "storage": StorageOptions,
+    "exiting": ExitOptions,
+    "coordination": CoordinationOptions,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardOptions:
+    """All of a Guard's settings, one group per concern."""
+
+    notices: NoticeOptions = dataclasses.field(default_factory=NoticeOptions)
+    saving: SaveOptions = dataclasses.field(default_factory=SaveOptions)
+    storage: StorageOptions = dataclasses.field(default_factory=StorageOptions)
+    exiting: ExitOptions = dataclasses.field(default_factory=ExitOptions)
+    coordination: CoordinationOptions = dataclasses.field(default_factory=CoordinationOptions)
+
+    @classmethod
+    def build(cls, groups: dict[str, Any], shortcuts: dict[str, Any]) -> GuardOptions:
+        """Groups given whole, with keyword shortcuts (any field's name) applied on top of them.
+
+        A name that is no field's is a TypeError naming it, as Python's own for a wrong keyword; a
+        renamed one is accepted with a DeprecationWarning; a field set both ways is an error.
+        """
+        made: dict[str, Any] = {}
+        for name, kind in GROUPS.items():
+            given = groups.get(name)
+            if given is not None and not isinstance(given, kind):
+                raise TypeError(f"{name} must be a {kind.__name__}, not {type(given).__name__}")
+            made[name] = given
+        by_field = {f.name: group for group, kind in GROUPS.items() for f in dataclasses.fields(kind)}
+        changes: dict[str, dict[str, Any]] = {name: {} for name in GROUPS}
+        for key, value in shortcuts.items():
+            if key in RENAMED:
+                warnings.warn(
+                    f"Guard({key}=...) is deprecated: use {RENAMED[key]}=",
+                    DeprecationWarning,
+                    stacklevel=caller_stacklevel(),
+                )
+                if RENAMED[key] in shortcuts:
+                    raise TypeError(f"give {RENAMED[key]} or its old name {key}, not both")
+                key = RENAMED[key]
+            if key not in by_field:
+                raise TypeError(f"Guard() got an unexpected keyword argument {key!r}")
+            group = by_field[key]
+            if made[group] is not None:
+                raise TypeError(f"{key} is given twice: as a keyword and in {group}=")
+            changes[group][key] = value
+        return cls(**{name: made[name] or GROUPS[name](**changes[name]) for name in GROUPS})
+
+
+def describe() -> list[tuple[str, str, list[tuple[str, str, str]]]]:
+    """(group name, class name and what it is for, [(field, default as the docs show it, meaning)])."""
+    out = []
+    for group, kind in GROUPS.items():
+        rows = []
+        for f in dataclasses.fields(kind):
+            shown = f.metadata["shown"] or f"`{f.default!r}`"
+            rows.append((f.name, shown, f.metadata["doc"]))
+        out.append((group, f"{kind.__name__}: {(kind.__doc__ or '').strip()}", rows))
+    return out
+
+
+def caller_stacklevel() -> int:
+    """The `stacklevel` of a warning that points at the first frame outside spotguard: the user's line,
+    also when an integration (the Lightning callback, `guarded(...)`) made the Guard for them."""
+    package = os.path.dirname(os.path.abspath(__file__))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package + os.sep):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _set(obj: Any, name: str, value: Any) -> None:
+    """Store the checked (normalised) value in a frozen instance."""
+    object.__setattr__(obj, name, value)
+
+
+def _boolean(name: str, value: Any) -> bool:
+    """True or False (also 1, 0 and numpy's booleans, which compare equal to them); a string, None or
+    anything else is refused: `"false"` would be true."""
+    if isinstance(value, (str, bytes, float)) or value is None or value not in (True, False):
+        raise TypeError(f"{name} must be True or False, not {value!r}")
+    return bool(value)
