@@ -25,7 +25,8 @@ measured in the same run: the store's fan-out floor, one `set` waking N ranks bl
 on the same processes and connections: no protocol in which every rank learns of the notice
 through the store can be faster.
 
-    python bench/scale.py [--ranks 16,64,128,256,512,1024] [--trials 5] [--procs 4] [--json] [--plot FILE]
+    python bench/scale.py [--ranks 16,64,128,256,512,1024] [--trials 5] [--procs 4 | --ranks-per-proc 64]
+                          [--json] [--plot FILE]
 """
 
 from __future__ import annotations
@@ -127,7 +128,7 @@ class Worker:
                 self.checkpoint_dir,
                 cloud="aws" if doomed else "none",
                 metadata_url=self.emulator.url if doomed else None,
-                poll_interval=0.2,
+                poll_interval_s=0.2,
                 store=counting_store(own, self.counts, spares=[spare]),
                 rank=rank,
                 world_size=self.world,
@@ -354,6 +355,10 @@ def main() -> int:
     parser.add_argument("--ranks", default="16,64,128,256,512,1024")
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--procs", type=int, default=4)
+    parser.add_argument(
+        "--ranks-per-proc", type=int, default=None,
+        help="instead of --procs: this many ranks (threads) per process, processes added as N grows",
+    )  # fmt: skip
     parser.add_argument("--step-ms", type=float, default=None, help="fake step (default: 0.1 ms per rank, >= 10)")
     parser.add_argument("--kinds", default="interruption,request")
     parser.add_argument("--json", action="store_true", help="one JSON document with every trial")
@@ -369,7 +374,8 @@ def main() -> int:
     try:
         for world in [int(n) for n in args.ranks.split(",")]:
             step_s = (args.step_ms or max(10.0, 0.1 * world)) / 1000
-            job = Job(world, min(args.procs, world), port)
+            procs = -(-world // args.ranks_per_proc) if args.ranks_per_proc else args.procs
+            job = Job(world, min(procs, world), port)
             try:
                 floors[world] = [fan_out_floor(job, base, f"floor/{world}/{t}") for t in range(args.trials)]
                 for kind in args.kinds.split(","):
