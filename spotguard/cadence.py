@@ -142,3 +142,25 @@ class Cadence:
                 self.on_change(choice)
         self.last = choice
         return value
+
+
+class IntervalTimer:
+    """Asks for a save every `interval()` seconds (asked again after each wait, so an adaptive cadence
+    takes effect at the next one) on a daemon thread, until stopped. A failed request (a store hiccup)
+    skips one save, not all of them."""
+
+    def __init__(self, interval: Callable[[], float], request: Callable[[], None]) -> None:
+        self._interval = interval
+        self._request = request
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, name="spotguard-interval", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval()):
+            try:
+                self._request()
+            except Exception as exc:  # noqa: BLE001 - logged; the next interval tries again
+                log.warning("could not request an interval checkpoint: %s", exc)

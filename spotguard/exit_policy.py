@@ -76,9 +76,17 @@ class ExitPolicy:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     @staticmethod
-    def exit_now(code: int) -> None:
-        """Leave at once, without closing anything: an upload abandoned at the deadline still has SDK
-        threads sending it, which closing the stores would wait for, and the VM is going away."""
+    def exit_now(code: int, *, saved: bool, why: str | None) -> None:
+        """Leave at once, without closing anything: an upload abandoned at the deadline (`why`) still has
+        SDK threads sending it, which closing the stores would wait for, and the VM is going away."""
+        if saved:  # leaving: the survivors committed it and upload it
+            log.warning("emergency checkpoint committed, not by this node (%s); exiting with code %d now", why, code)
+        else:
+            log.error(
+                "interrupted without a new checkpoint; exiting with code %d now (only this VM's disk has it: %s)",
+                code,
+                why,
+            )
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -82,6 +82,20 @@ class GoodputRecorder:
             )
         )
 
+    def emergency(self, notice: Notice, step: int, report: SaveReport | None, leaving: frozenset[int]) -> None:
+        """An interruption acted on at `step`, and its save's outcome (`report` None: nothing committed)."""
+        margin_s = None  # seconds left before the deadline when it was safe (None: lost, or no deadline)
+        if report is not None and notice.deadline is not None:
+            margin_s = report.margin_s if report.margin_s is not None else notice.seconds_left()
+        self.notice(
+            notice,
+            agreed_step=step,
+            committed=report is not None,
+            durable=report is not None and report.durable,
+            margin_s=margin_s,
+            leaving=tuple(sorted(leaving)),
+        )
+
     def rebalance(self, agreed_step: int | None) -> None:
         self._record(records.NoticeSeen(kind=REBALANCE, agreed_step=agreed_step))
         if self.cadence is not None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping, MutableMapping
@@ -30,20 +29,17 @@ from typing import Any
 import torch.distributed as dist
 
 from cloud_adapters import validation as check
-from cloud_adapters.detect import detect_cloud
 from cloud_adapters.notice import INTERRUPTION, REBALANCE, Notice
-from cloud_adapters.signals import SignalSource
-from cloud_adapters.sources import cloud_sources
 from cloud_adapters.stores import check_location
 from spotguard import __version__, elastic, topology
 from spotguard import ledger_records as records
 from spotguard.agreement import Decision
 from spotguard.broadcast import EMERGENCY
+from spotguard.cadence import IntervalTimer
 from spotguard.checkpoint import Checkpointer, CheckpointError, CheckpointUnavailable, SaveReport
 from spotguard.checkpoint.auth import resolve_key
 from spotguard.checkpoint.comm import new_gloo_group
-from spotguard.checkpoint.departure import Departure, senders_to
-from spotguard.checkpoint.handoff import sharded_nbytes
+from spotguard.checkpoint.departure import Departure
 from spotguard.checkpoint.progress import seconds
 from spotguard.coordination import Coordination, EmergencyPlan
 from spotguard.exit_policy import (  # noqa: F401 - re-exported: where these lived before
@@ -65,7 +61,7 @@ from spotguard.options import (
     StorageOptions,
 )
 from spotguard.timeline import Timeline
-from spotguard.watcher import Watcher
+from spotguard.watcher import Watcher, add_sources
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +116,6 @@ class Guard:
         self._ckpt: Checkpointer | None = None
         self._last_step: int | None = None  # the last step the loop reported (for the ledger)
         self._last_state: Mapping[str, Any] | None = None  # the state the loop last passed to step()
-        self._stop_timer = threading.Event()
         self._coordination: Coordination | _NotStarted = _NotStarted()
 
     def __getattr__(self, name: str) -> Any:
@@ -154,7 +149,7 @@ class Guard:
             node=self.topology.node,
             node_leader=self.topology.is_node_leader,
         )
-        self._group = self._ckpt = self._watcher = None
+        self._group = self._ckpt = self._watcher = self._timer = None
         self._coordination = _NotStarted()
         self._goodput.reset()
         self._started_at = time.monotonic()
@@ -190,10 +185,10 @@ class Guard:
         self._watcher = Watcher(
             [], self._on_notice, interval_s=notices.poll_interval_s, on_update=self._on_notice_update
         )
-        self._add_sources(self._watcher.sources)
+        add_sources(self._watcher.sources, notices, node_leader=self.topology.is_node_leader)
         self._watcher.start()
         if self.options.saving.save_interval_s and self.topology.is_coordinator:
-            threading.Thread(target=self._interval_timer, name="spotguard-interval", daemon=True).start()
+            self._timer = IntervalTimer(self._interval, lambda: self._request("interval"))
 
     def _checkpointer(self) -> Checkpointer:
         """The Checkpointer (and rank 0's ledger), made at the first need: with a stated topology and no
@@ -249,24 +244,11 @@ class Guard:
         if code is not None:
             step = self.last_save.step if self.last_save else None
             self._exit.record(code, committed=self.emergency_saved, step=step, leaving=self.leaving)
-        if code is not None and self._upload_abandoned:
-            # The upload was abandoned at the deadline: closing the stores would wait for SDK
-            # threads still sending it, and the VM is going away. Leave now.
-            why = self.last_save.error if self.last_save is not None else None
-            if self.emergency_saved:  # leaving: the survivors committed it and upload it
-                log.warning(
-                    "emergency checkpoint committed, not by this node (%s); exiting with code %d now", why, code
-                )
-            else:
-                log.error(
-                    "interrupted without a new checkpoint; exiting with code %d now (only this VM's disk has it: %s)",
-                    code,
-                    why,
-                )
+        if code is not None and self._upload_abandoned:  # closing the stores would wait for its SDK threads
             self._ended(code, error)
             self._goodput.close(timeout_s=2.0)
             self._exit.leave_agent()
-            self._exit.exit_now(code)
+            self._exit.exit_now(code, saved=self.emergency_saved, why=self.last_save.error if self.last_save else None)
         if code is not None:  # before the teardown: meanwhile the agent could restart this node into the next round
             self._exit.leave_agent()
         self._teardown(lambda: self._ended(code, error))
@@ -280,7 +262,8 @@ class Guard:
 
     def _teardown(self, saves_done: Callable[[], None] = lambda: None) -> None:
         """Stop everything the guard started; `saves_done` runs once the last save has ended."""
-        self._stop_timer.set()
+        if self._timer is not None:
+            self._timer.stop()
         if self._watcher is not None:
             self._watcher.stop()  # also restores the signal handlers
             self._exit.keep_sigterm_away()
@@ -296,19 +279,6 @@ class Guard:
             self._ckpt.close()
         if self._group is not None:
             dist.destroy_process_group(self._group)
-
-    def _add_sources(self, sources: list[Any]) -> None:
-        """Fill `sources` as each is made, so a failure half-way still lets teardown close them all."""
-        notices = self.options.notices
-        if threading.current_thread() is threading.main_thread():
-            signals = SignalSource(notices.signals, grace_s=notices.grace_s)
-            sources.append(signals)
-            signals.install()
-        else:
-            warnings.warn("Guard started outside the main thread: signals are not watched", stacklevel=4)
-        if self.topology.is_node_leader:
-            cloud = detect_cloud(notices.metadata_url) if notices.cloud == "auto" else notices.cloud
-            sources += cloud_sources(cloud, notices.metadata_url)
 
     @property
     def last_save(self) -> SaveReport | None:
@@ -348,7 +318,7 @@ class Guard:
         again = step == self._last_step
         due = self._coordination.reached(step)
         self._last_step = step
-        self._last_state = state  # for the listener thread to size a coming handoff (_expect_handoff)
+        self._last_state = state  # for the listener thread to size a coming handoff (Checkpointer.expect_handoff)
         if due:
             return self._run_due(step, state, due)
         every = self.options.saving.save_every
@@ -397,36 +367,13 @@ class Guard:
         return True
 
     def _emergency_outcome(self, step: int, plan: EmergencyPlan, report: SaveReport | None) -> None:
-        if report is None:
-            log.error(
-                "the emergency checkpoint of step %d was NOT committed (see the error above); stopping anyway: "
-                "the work since the last committed checkpoint is lost, and resume will start from that one",
-                step,
-            )
-        # Safe: durable in checkpoint_dir, or (leaving a job that goes on) committed by the survivors,
-        # who hold everything of this node's. A copy only in local_dir goes away with the VM.
-        safe = report is not None and (report.durable or plan.departure is not None)
-        if report is not None and not safe:
-            log.error(
-                "the emergency checkpoint of step %d is committed only in %s, which goes away with this VM (%s): "
-                "reporting it as not saved",
-                step,
-                report.local_location,
-                report.error,
-            )
+        safe = plan.is_safe(step, report)
         if self.topology.is_node_leader and safe:
             self._watcher.ack(plan.notice)  # Azure may proceed early only once the checkpoint is safe
         self.interrupted = True
         self.emergency_saved = safe
         self._upload_abandoned = report is not None and not report.durable
-        self._goodput.notice(
-            plan.notice,
-            agreed_step=step,
-            committed=report is not None,
-            durable=report is not None and report.durable,
-            margin_s=_margin(plan.notice, report),
-            leaving=tuple(sorted(plan.leaving)),
-        )
+        self._goodput.emergency(plan.notice, step, report, plan.leaving)
 
     def _save(
         self,
@@ -482,7 +429,8 @@ class Guard:
         """Listener thread, after a round: prepare for the save and record the outcome."""
         if decision is not None and notice is not None and self._ckpt is not None:
             self._ckpt.abandon_background_uploads()  # the training thread may be waiting on one
-            self._expect_handoff(decision.leaving)
+            if self._last_state is not None:
+                self._ckpt.expect_handoff(self._last_state, decision.leaving)
         if notice is not None and decision is None:
             self._goodput.notice(notice, agreed_step=None)
         if event.get("reason") == "rebalance":
@@ -496,34 +444,11 @@ class Guard:
                 **({"leaving": ",".join(map(str, decision.leaving))} if decision.leaving else {}),
             )
 
-    def _expect_handoff(self, leaving: tuple[int, ...]) -> None:
-        """Listener thread, at the agreement: a survivor that will take a leaving rank's shards sets
-        memory aside for them while the training step in flight still runs (sharded state only: a
-        replicated one hands nothing over). Sized from this rank's own shards: FSDP-style layouts
-        shard every tensor alike on every rank."""
-        rank, world = self.topology.rank, self.topology.world_size
-        state = self._last_state
-        if not leaving or rank in leaving or len(leaving) >= world or state is None or self._ckpt is None:
-            return
-        try:
-            nbytes = sharded_nbytes(state) * len(senders_to(leaving, rank, world))
-        except Exception:  # noqa: BLE001 - only a head start: the handoff allocates as it goes without it
-            log.debug("could not size the coming handoff", exc_info=True)
-            return
-        self._ckpt.expect_handoff(nbytes)
-
     def _interval(self) -> float:
         """The next wait of the interval timer: fixed, or the cadence's choice now."""
         if self._goodput.cadence is None:
             return self.options.saving.save_interval_s  # type: ignore[return-value]
         return self._goodput.next_interval((time.monotonic() - self._started_at) / 3600)
-
-    def _interval_timer(self) -> None:
-        while not self._stop_timer.wait(self._interval()):
-            try:
-                self._request("interval")
-            except Exception as exc:  # noqa: BLE001 - a store hiccup skips one interval save, not all of them
-                log.warning("could not request an interval checkpoint: %s", exc)
 
     def _require_started(self, what: str) -> None:
         if not self._started:
@@ -548,13 +473,6 @@ class _NotStarted:
 
     def reached(self, step: int) -> list[Decision]:
         raise RuntimeError(_not_started("step"))
-
-
-def _margin(notice: Notice, report: SaveReport | None) -> float | None:
-    """Seconds left before the deadline when the emergency checkpoint was safe (None: lost, or no deadline)."""
-    if report is None or notice.deadline is None:
-        return None
-    return report.margin_s if report.margin_s is not None else notice.seconds_left()
 
 
 def _as_step(step: Any) -> int:

@@ -15,13 +15,18 @@ import dataclasses
 import logging
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 from tenacity import RetryCallState, RetryError, Retrying, retry_if_exception_type, wait_exponential, wait_random
 
 from cloud_adapters import validation as check
+from cloud_adapters.detect import detect_cloud
 from cloud_adapters.notice import Notice, NoticeSource, isoformat_z, utc_now
+from cloud_adapters.signals import SignalSource
+from cloud_adapters.sources import cloud_sources
+from spotguard.options import NoticeOptions, caller_stacklevel
 
 log = logging.getLogger(__name__)
 
@@ -230,3 +235,18 @@ class _FailureLog:
             log.warning("%s recovered after %d failed polls", self.name, self.count)
             self.count = 0
             self.last = ""
+
+
+def add_sources(sources: list[NoticeSource], notices: NoticeOptions, *, node_leader: bool) -> None:
+    """A guard's notice sources: signals on every rank (from the main thread, where handlers can be
+    installed), the cloud's metadata on each node's leader. `sources` is filled as each is made, so a
+    failure half-way still lets teardown close them all."""
+    if threading.current_thread() is threading.main_thread():
+        signals = SignalSource(notices.signals, grace_s=notices.grace_s)
+        sources.append(signals)
+        signals.install()
+    else:
+        warnings.warn("Guard started outside the main thread: signals are not watched", stacklevel=caller_stacklevel())
+    if node_leader:
+        cloud = detect_cloud(notices.metadata_url) if notices.cloud == "auto" else notices.cloud
+        sources += cloud_sources(cloud, notices.metadata_url)

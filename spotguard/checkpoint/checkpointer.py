@@ -20,7 +20,7 @@ import os
 import tempfile
 import time
 import warnings
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping, Sequence
 from concurrent.futures import Future
 from datetime import datetime
 from pathlib import Path
@@ -37,9 +37,9 @@ from spotguard.checkpoint import departing
 from spotguard.checkpoint.auth import CheckpointKey, resolve_key
 from spotguard.checkpoint.background import BackgroundSaves
 from spotguard.checkpoint.comm import Comm
-from spotguard.checkpoint.departure import Departure
+from spotguard.checkpoint.departure import Departure, senders_to
 from spotguard.checkpoint.durable import Uploader
-from spotguard.checkpoint.handoff import ReceivePool
+from spotguard.checkpoint.handoff import ReceivePool, sharded_nbytes
 from spotguard.checkpoint.layout import step_dir_name
 from spotguard.checkpoint.manifest import REASONS
 from spotguard.checkpoint.outcome import SaveEvents, SaveOutcomes, SaveReport
@@ -254,10 +254,21 @@ class Checkpointer:
         except Exception:  # noqa: BLE001 - a listener's failure never fails a save
             log.exception("the save outcome listener failed")
 
-    def expect_handoff(self, nbytes: int) -> None:
-        """About `nbytes` of a leaving rank's shards will be handed to this rank in the coming
-        emergency: touch that much memory for them now, on a thread of its own (any thread may call
-        this; see `handoff.receive.ReceivePool`)."""
+    def expect_handoff(self, state: Mapping[str, Any], leaving: Sequence[int]) -> None:
+        """At the agreement of an emergency in which `leaving` ranks go (any thread, while the training
+        step in flight still runs): a survivor that will take a leaving rank's shards touches memory for
+        them now, on a thread of its own (`handoff.receive.ReceivePool`). Sharded state only (a
+        replicated one hands nothing over); sized from this rank's own shards of `state`: FSDP-style
+        layouts shard every tensor alike on every rank."""
+        rank = dist.get_rank() if self.comm.distributed else 0  # `leaving` names global ranks
+        world = dist.get_world_size() if self.comm.distributed else 1
+        if not leaving or rank in leaving or len(leaving) >= world:
+            return
+        try:
+            nbytes = sharded_nbytes(state) * len(senders_to(leaving, rank, world))
+        except Exception:  # noqa: BLE001 - only a head start: the handoff allocates as it goes without it
+            log.debug("could not size the coming handoff", exc_info=True)
+            return
         self._receive_pool = ReceivePool(nbytes) if nbytes > 0 else None
 
     def abandon_background_uploads(self) -> None:
