@@ -76,9 +76,10 @@ class ExitPolicy:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     @staticmethod
-    def exit_now(code: int, *, saved: bool, why: str | None) -> None:
-        """Leave at once, without closing anything: an upload abandoned at the deadline (`why`) still has
-        SDK threads sending it, which closing the stores would wait for, and the VM is going away."""
+    def leaving_now(code: int, *, saved: bool, why: str | None) -> None:
+        """Say, first, why the process is about to leave without closing anything (`exit_now`): an upload
+        abandoned at the deadline (`why`) still has SDK threads sending it, which closing the stores would
+        wait for, and the VM is going away."""
         if saved:  # leaving: the survivors committed it and upload it
             log.warning("emergency checkpoint committed, not by this node (%s); exiting with code %d now", why, code)
         else:
@@ -87,6 +88,9 @@ class ExitPolicy:
                 code,
                 why,
             )
+
+    @staticmethod
+    def exit_now(code: int) -> None:
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -245,10 +245,12 @@ class Guard:
             step = self.last_save.step if self.last_save else None
             self._exit.record(code, committed=self.emergency_saved, step=step, leaving=self.leaving)
         if code is not None and self._upload_abandoned:  # closing the stores would wait for its SDK threads
+            why = self.last_save.error if self.last_save else None
+            self._exit.leaving_now(code, saved=self.emergency_saved, why=why)
             self._ended(code, error)
             self._goodput.close(timeout_s=2.0)
             self._exit.leave_agent()
-            self._exit.exit_now(code, saved=self.emergency_saved, why=self.last_save.error if self.last_save else None)
+            self._exit.exit_now(code)
         if code is not None:  # before the teardown: meanwhile the agent could restart this node into the next round
             self._exit.leave_agent()
         self._teardown(lambda: self._ended(code, error))

@@ -132,6 +132,7 @@ def test_a_staged_emergency_save_whose_upload_failed_is_not_reported_saved(tmp_p
     record = json.loads(exit_file.read_text())
     assert (record["exit_code"], record["committed"], record["step"]) == (75, False, None)
     assert "committed only in" in proc.stderr and "goes away with this VM" in proc.stderr
+    assert "exiting with code 75 now (only this VM's disk has it" in proc.stderr  # said before leaving at once
     assert list(local.glob("step-*/spotguard.json"))  # kept, for a restart on the same VM
 
 
