@@ -59,15 +59,13 @@ _calls_until: ContextVar[tuple[Deadline, ...]] = ContextVar("spotguard_store_cal
 
 
 @contextlib.contextmanager
-def calls_until(deadline: Deadline | float) -> Iterator[None]:
-    """Store calls made inside end by `deadline` (a Deadline, or a time.monotonic() moment), whatever
-    their retry_deadline_s. A Deadline brought forward later reaches the calls already running.
+def calls_until(deadline: Deadline) -> Iterator[None]:
+    """Store calls made inside end by `deadline`, whatever their retry_deadline_s; brought forward
+    later, it reaches the calls already running.
 
     It holds in this thread and in threads run in a copy of its context (contextvars.copy_context());
     nested scopes keep the earlier moment.
     """
-    if not isinstance(deadline, Deadline):
-        deadline = Deadline(deadline)
     token = _calls_until.set((*_calls_until.get(), deadline))
     try:
         yield

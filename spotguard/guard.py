@@ -51,7 +51,7 @@ from spotguard.exit_policy import (  # noqa: F401 - re-exported: where these liv
 )
 from spotguard.goodput import GoodputRecorder
 from spotguard.options import (
-    GROUPS,
+    FIELD_GROUPS,
     RENAMED,
     CoordinationOptions,
     ExitOptions,
@@ -457,11 +457,14 @@ class Guard:
             raise RuntimeError(_not_started(what))
 
 
-# Guard attributes of earlier versions -> where the value lives now (guard.options.<group>.<field>).
+# The settings earlier versions kept as public Guard attributes -> where each lives now
+# (guard.options.<group>.<field>); the checkpoint key never was one.
 _FORMER_ATTRIBUTES = {
-    **{f.name: (group, f.name) for group, kind in GROUPS.items() for f in dataclasses.fields(kind)},
-    **{old: ("notices" if new == "poll_interval_s" else "storage", new) for old, new in RENAMED.items()},
-}
+    name: (FIELD_GROUPS[RENAMED.get(name, name)], RENAMED.get(name, name))
+    for name in ("cloud", "local_dir", "metadata_url", "poll_interval", "save_interval_s", "save_every", "keep_last",
+                 "signals", "grace_s", "exit_code", "lost_exit_code", "agreement_timeout_s", "save_on_rebalance",
+                 "write_threads", "thread_count", "stream_uploads", "min_nodes")
+}  # fmt: skip
 
 
 def _not_started(what: str) -> str:

@@ -251,15 +251,6 @@ class CoordinationOptions:
         return self.rank, self.world_size, self.local_rank, self.node
 
 
-GROUPS: dict[str, type] = {
-    "notices": NoticeOptions,
-    "saving": SaveOptions,
-    "storage": StorageOptions,
-    "exiting": ExitOptions,
-    "coordination": CoordinationOptions,
-}
-
-
 @dataclasses.dataclass(frozen=True)
 class GuardOptions:
     """All of a Guard's settings, one group per concern."""
@@ -283,7 +274,6 @@ class GuardOptions:
             if given is not None and not isinstance(given, kind):
                 raise TypeError(f"{name} must be a {kind.__name__}, not {type(given).__name__}")
             made[name] = given
-        by_field = {f.name: group for group, kind in GROUPS.items() for f in dataclasses.fields(kind)}
         changes: dict[str, dict[str, Any]] = {name: {} for name in GROUPS}
         for key, value in shortcuts.items():
             if key in RENAMED:
@@ -295,13 +285,18 @@ class GuardOptions:
                 if RENAMED[key] in shortcuts:
                     raise TypeError(f"give {RENAMED[key]} or its old name {key}, not both")
                 key = RENAMED[key]
-            if key not in by_field:
+            if key not in FIELD_GROUPS:
                 raise TypeError(f"Guard() got an unexpected keyword argument {key!r}")
-            group = by_field[key]
+            group = FIELD_GROUPS[key]
             if made[group] is not None:
                 raise TypeError(f"{key} is given twice: as a keyword and in {group}=")
             changes[group][key] = value
         return cls(**{name: made[name] or GROUPS[name](**changes[name]) for name in GROUPS})
+
+
+# The groups by name (GuardOptions' fields), and the group of every field.
+GROUPS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields(GuardOptions)}  # type: ignore[misc]
+FIELD_GROUPS: dict[str, str] = {f.name: group for group, kind in GROUPS.items() for f in dataclasses.fields(kind)}
 
 
 def describe() -> list[tuple[str, str, list[tuple[str, str, str]]]]:

@@ -54,7 +54,7 @@ def shards():
 
 
 def cutoff(s: float = 20.0) -> Deadline:
-    return Deadline(time.monotonic() + s)
+    return Deadline.after(s)
 
 
 class Survivor:

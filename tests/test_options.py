@@ -93,6 +93,8 @@ def test_settings_read_by_their_former_attribute_names_still_answer_with_a_warni
         assert guard.min_nodes == 2  # resolved from the environment, as before
     with pytest.raises(AttributeError, match="no attribute 'no_such_thing'"):
         guard.no_such_thing  # noqa: B018
+    with pytest.raises(AttributeError, match="no attribute 'checkpoint_key'"):
+        guard.checkpoint_key  # noqa: B018 - never an attribute: the secret stays out of reach
 
 
 def test_a_renamed_keyword_given_through_an_integration_warns_at_the_user_s_line(tmp_path):

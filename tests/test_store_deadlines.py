@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from cloud_adapters.deadline import Deadline
 from cloud_adapters.retry import calls_until
 from cloud_adapters.storage import Unreachable
 from tests.conftest import CLOUD_STORE_KINDS, Backend, start_server
@@ -71,11 +72,11 @@ def test_calls_until_brings_the_deadline_of_calls_in_its_scope_forward(proxied):
     assert store.retry_deadline_s == 60.0
     proxy.blackhole = True
     started = time.monotonic()
-    with calls_until(time.monotonic() + 2.0), pytest.raises(Unreachable):
+    with calls_until(Deadline.after(2.0)), pytest.raises(Unreachable):
         store.list()
     assert time.monotonic() - started < 2.0 + SLACK_S
     started = time.monotonic()  # GCS deletes on a pool of threads: the scope holds there too
-    with calls_until(time.monotonic() + 2.0), pytest.raises(Unreachable):
+    with calls_until(Deadline.after(2.0)), pytest.raises(Unreachable):
         store.delete(["step-1/a", "step-1/b"])
     assert time.monotonic() - started < 2.0 + SLACK_S
 
@@ -84,8 +85,6 @@ def test_a_deadline_brought_forward_reaches_the_store_calls_already_running(prox
     """An emergency takes the window over from a background save: bringing the save's Deadline forward
     ends the store calls it has in flight (on other threads too), not only the ones it makes next."""
     import threading
-
-    from cloud_adapters.deadline import Deadline
 
     _, store, proxy = proxied
     proxy.blackhole = True
@@ -131,7 +130,6 @@ def test_a_slow_upload_that_keeps_moving_outlives_its_deadline(storage_servers, 
 def test_a_call_raced_against_a_deadline_keeps_the_store_deadline_of_its_scope(proxied):
     """The Uploader races single calls (the manifest, an exists) with `within`, on a thread of its own:
     the save's store deadline (`calls_until`) must hold on that thread too, not the store's 60 s."""
-    from cloud_adapters.deadline import Deadline
     from spotguard.checkpoint.transfer import within
 
     _, store, proxy = proxied

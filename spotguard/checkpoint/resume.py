@@ -90,21 +90,21 @@ def load_newest(
     `threads` transfer and check downloads; `read_threads` read a step's files into the state.
     The steps found bad are added to `bad` (the caller's, when given).
     """
-    until = time.monotonic() + RESUME_TIMEOUT_S  # rank 0's clock decides when every rank gives up
+    deadline = Deadline.after(RESUME_TIMEOUT_S)  # rank 0's clock decides when every rank gives up
     bad = set() if bad is None else bad
     unloadable: list[str] = []
     pauses = itertools.chain(_RETRY_PAUSES_S, itertools.repeat(_RETRY_PAUSES_S[-1]))
     step_failure: _Unavailable | None = None  # the last step the store could not deliver
-    with calls_until(until):
+    with calls_until(deadline):
         while isinstance(
             outcome := _load_newest_once(
-                state, remote, local_root, comm, (threads, read_threads), key, Deadline(until), bad, unloadable
+                state, remote, local_root, comm, (threads, read_threads), key, deadline, bad, unloadable
             ),
             _Unavailable,
         ):
             step_failure = outcome if outcome.names_a_step else step_failure
             pause = next(pauses)
-            pause = comm.broadcast(pause if comm.is_coordinator and until - time.monotonic() > pause else None)
+            pause = comm.broadcast(pause if comm.is_coordinator and deadline.left() > pause else None)
             if pause is None:
                 # The deadline may cut a listing short: the step that kept failing is still the news.
                 why = outcome.why
@@ -115,9 +115,7 @@ def load_newest(
                     "not starting afresh: fix the store or the network, then restart"
                 )
             if comm.is_coordinator:
-                log.warning(
-                    "%s; trying again in %.0f s (for %.0f s more)", outcome.why, pause, until - time.monotonic()
-                )
+                log.warning("%s; trying again in %.0f s (for %.0f s more)", outcome.why, pause, deadline.left())
             time.sleep(pause)
     if outcome is not None:
         return outcome

@@ -21,6 +21,7 @@ import time
 from collections.abc import Container, Iterable
 from pathlib import Path
 
+from cloud_adapters.deadline import Deadline
 from cloud_adapters.retry import calls_until
 from cloud_adapters.storage import LocalStore, ObjectStore
 from spotguard.checkpoint.catalog import STEP_PREFIX, committed_manifests, scan, step_of_key
@@ -62,7 +63,7 @@ def keep_last(
     step just reported committed, is never deleted, even below `keep` higher ones (a job that
     started again at step 0 beside an older run's steps). A store error stops it all.
     """
-    with calls_until(time.monotonic() + timeout_s):
+    with calls_until(Deadline.after(timeout_s)):
         steps = scan(store)
         newest_first = [m.step for m in committed_manifests(store, steps, key=key) if m.step not in skip]
         doomed = [step for step in newest_first[keep:] if step != saved]
@@ -80,7 +81,7 @@ def remove_abandoned(store: ObjectStore, *, timeout_s: float = RETENTION_TIMEOUT
     """Right after a commit: delete uploads of uncommitted steps older than the newest committed one,
     and abort our unfinished multipart uploads (none of this job's is in flight then). Returns the
     steps deleted."""
-    with calls_until(time.monotonic() + timeout_s):
+    with calls_until(Deadline.after(timeout_s)):
         steps = scan(store)
         committed = [s for s, files in steps.items() if MANIFEST_NAME in files]
         newest = max(committed, default=-1)
