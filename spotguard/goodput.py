@@ -33,6 +33,8 @@ class GoodputRecorder:
         self.cadence = cadence
         self._ledger: Ledger | None = None
         self._history_read = False
+        self._history: tuple[int, float] | None = None  # (interruptions, hours) the ledger's history holds
+        self._followers: list[Cadence] = []  # the cadences fed with it (the saves' and the snapshots')
         if cadence is not None:
             cadence.on_change = self._on_cadence
 
@@ -45,8 +47,10 @@ class GoodputRecorder:
         self._ledger = None
         self._history_read = False
 
-    def resumed(self, step: int | None, next_step: int, resume_s: float, run: str | None) -> None:
-        self._record(records.Resume(step=step, next_step=next_step, resume_s=resume_s, run=run))
+    def resumed(
+        self, step: int | None, next_step: int, resume_s: float, run: str | None, tier: str | None = None
+    ) -> None:
+        self._record(records.Resume(step=step, next_step=next_step, resume_s=resume_s, run=run, tier=tier))
 
     def saved(self, step: int, reason: str, report: SaveReport | None, error: str | None) -> None:
         """After every save (any thread): its measurements into the ledger and the cadence."""
@@ -98,8 +102,8 @@ class GoodputRecorder:
 
     def rebalance(self, agreed_step: int | None) -> None:
         self._record(records.NoticeSeen(kind=REBALANCE, agreed_step=agreed_step))
-        if self.cadence is not None:
-            self.cadence.observe_interruption()
+        for cadence in {self.cadence, *self._followers} - {None}:
+            cadence.observe_interruption()
 
     def ended(
         self,
@@ -118,19 +122,27 @@ class GoodputRecorder:
             why = "storage unavailable" if code == UNAVAILABLE_EXIT_CODE else "exit"
         self._record(records.Exit(code=code, why=why, committed=committed, last_step=last_step))
 
-    def next_interval(self, run_hours: float) -> float:
-        """The adaptive cadence's interval now, having weighed the ledger's history once it is read."""
-        assert self.cadence is not None
+    def next_interval(self, run_hours: float, cadence: Cadence | None = None) -> float:
+        """The interval of an adaptive cadence (the saves', or `cadence`: the snapshots') now, having
+        weighed the ledger's history once it is read."""
+        cadence = cadence or self.cadence
+        assert cadence is not None
+        if cadence not in self._followers:
+            self._followers.append(cadence)
+            if self._history is not None:
+                cadence.observe_history(*self._history)
         history = self._ledger.history() if self._ledger is not None and not self._history_read else None
         if history is not None:
             self._history_read = True
             try:
                 done = summarize(LedgerContents(history, 0))
-                running_h = sum(s["wall_s"] for s in done.get("segment_details", [])) / 3600
-                self.cadence.observe_history(done["interruptions"], running_h)
+                hours = sum(s["wall_s"] for s in done.get("segment_details", [])) / 3600
+                self._history = (done["interruptions"], hours)
+                for follower in self._followers:
+                    follower.observe_history(*self._history)
             except Exception as exc:  # noqa: BLE001 - a ledger this version cannot read: the prior alone decides
-                log.warning("the save interval (auto) ignores the ledger's history: %s: %s", type(exc).__name__, exc)
-        return self.cadence.interval(run_hours)
+                log.warning("the adaptive interval ignores the ledger's history: %s: %s", type(exc).__name__, exc)
+        return cadence.interval(run_hours)
 
     def close(self, timeout_s: float = 10.0) -> None:
         if self._ledger is not None:

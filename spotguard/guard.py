@@ -58,12 +58,16 @@ from spotguard.options import (
     GuardOptions,
     NoticeOptions,
     SaveOptions,
+    SnapshotOptions,
     StorageOptions,
 )
+from spotguard.snapshots.tier import SnapshotTier
 from spotguard.timeline import Timeline
 from spotguard.watcher import Watcher, add_sources
 
 log = logging.getLogger(__name__)
+
+SNAPSHOT = "snapshot"  # the reason of an agreed step that is a snapshot's, not a save's
 
 
 class Guard:
@@ -79,6 +83,8 @@ class Guard:
         storage: how saves are written, moved and signed (`StorageOptions`).
         exiting: how the process ends after an emergency (`ExitOptions`).
         coordination: this process's place in the job, the agreement's timeout (`CoordinationOptions`).
+        snapshots: snapshots in the nodes' memory for losses without a notice (`SnapshotOptions`; off by
+            default, or `$SPOTGUARD_SNAPSHOT_EVERY`).
         **options: any field of those groups by its name, e.g. `keep_last=3`, `save_interval_s=600`,
             `exit_code=None`, `store=..., rank=..., world_size=...` (see the configuration reference).
             `poll_interval` and `thread_count` are the deprecated names of `poll_interval_s` and
@@ -95,17 +101,21 @@ class Guard:
         storage: StorageOptions | None = None,
         exiting: ExitOptions | None = None,
         coordination: CoordinationOptions | None = None,
+        snapshots: SnapshotOptions | None = None,
         **options: Any,
     ) -> None:
         if cloud is not None:
             options["cloud"] = cloud
         groups = {"notices": notices, "saving": saving, "storage": storage, "exiting": exiting,
-                  "coordination": coordination}  # fmt: skip
+                  "coordination": coordination, "snapshots": snapshots}  # fmt: skip
         self.options = GuardOptions.build(groups, options)
         self.checkpoint_dir = check_location(checkpoint_dir)
         self._checkpoint_key = resolve_key(self.options.storage.checkpoint_key)  # kept out of reprs and logs
         self._min_nodes = elastic.min_nodes(self.options.exiting.min_nodes)
         self._goodput = GoodputRecorder(self.options.saving.cadence())
+        snapshots = self.options.snapshots
+        self._snapshot_every = snapshots.snapshot_every or 0  # step-counted snapshots (0: none, or timed)
+        self._snapshot_cadence = snapshots.cadence()
 
         self.interrupted = False  # step() returned True for an emergency
         self.emergency_saved = False  # ... and its checkpoint was committed where a new VM finds it
@@ -149,7 +159,7 @@ class Guard:
             node=self.topology.node,
             node_leader=self.topology.is_node_leader,
         )
-        self._group = self._ckpt = self._watcher = self._timer = None
+        self._group = self._ckpt = self._watcher = self._timer = self._snapshot_timer = self._tier = None
         self._coordination = _NotStarted()
         self._goodput.reset()
         self._started_at = time.monotonic()
@@ -189,6 +199,8 @@ class Guard:
         self._watcher.start()
         if self.options.saving.save_interval_s and self.topology.is_coordinator:
             self._timer = IntervalTimer(self._interval, lambda: self._request("interval"))
+        if self.options.snapshots.snapshot_interval_s and self.topology.is_coordinator:
+            self._snapshot_timer = IntervalTimer(self._snapshot_interval, lambda: self._request(SNAPSHOT))
 
     def _checkpointer(self) -> Checkpointer:
         """The Checkpointer (and rank 0's ledger), made at the first need: with a stated topology and no
@@ -227,6 +239,21 @@ class Guard:
             self._goodput.open(self._ckpt.remote, lambda: self._last_step, start)
         return self._ckpt
 
+    def _snapshots(self) -> SnapshotTier | None:
+        """The snapshot tier when snapshots are asked for, made at its first need (after the Checkpointer)."""
+        if self._tier is None and self.options.snapshots.enabled:
+            options, ckpt = self.options.snapshots, self._checkpointer()
+            self._tier = SnapshotTier(
+                checkpoint_dir=self.checkpoint_dir,
+                snapshot_dir=options.snapshot_dir,
+                replicas=options.snapshot_replicas,
+                comm=ckpt.comm,
+                store=self._coordination.store,
+                prefix=self._coordination.prefix,
+                cadence=self._snapshot_cadence,
+            )
+        return self._tier
+
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         self.close(exc)
 
@@ -264,8 +291,9 @@ class Guard:
 
     def _teardown(self, saves_done: Callable[[], None] = lambda: None) -> None:
         """Stop everything the guard started; `saves_done` runs once the last save has ended."""
-        if self._timer is not None:
-            self._timer.stop()
+        for timer in (self._timer, self._snapshot_timer):
+            if timer is not None:
+                timer.stop()
         if self._watcher is not None:
             self._watcher.stop()  # also restores the signal handlers
             self._exit.keep_sigterm_away()
@@ -279,6 +307,11 @@ class Guard:
             saves_done()  # the ledger's exit record comes after the last save's
             self._goodput.close()  # after the last save's record, before the store closes
             self._ckpt.close()
+        if self._tier is not None:
+            try:
+                self._tier.close()
+            except Exception:  # noqa: BLE001 - logged by the tier; the snapshot before it stays
+                log.exception("the last snapshot failed")
         if self._group is not None:
             dist.destroy_process_group(self._group)
 
@@ -292,8 +325,11 @@ class Guard:
         """Load the newest committed checkpoint into `state`; returns the step to start from (0 if none)."""
         self._require_started("resume")
         started = time.monotonic()
+        tier = "snapshot"
         try:
-            step = self._checkpointer().resume(state)
+            step = self._resume_snapshot(state)
+            if step is None:
+                step, tier = self._checkpointer().resume(state), "durable"
         except CheckpointUnavailable as exc:
             if self._exit.exit_code is None:
                 raise
@@ -301,13 +337,32 @@ class Guard:
             log.error("%s; exiting with code %d (start again once the storage answers)", exc, UNAVAILABLE_EXIT_CODE)
             raise SystemExit(UNAVAILABLE_EXIT_CODE) from None
         next_step = 0 if step is None else step + 1
-        self._goodput.resumed(step, next_step, time.monotonic() - started, self._ckpt.run)
+        self._goodput.resumed(
+            step, next_step, time.monotonic() - started, self._ckpt.run, tier=tier if step is not None else None
+        )
         if step is None:
             self.timeline.add("fresh-start", checkpoint_dir=self.checkpoint_dir)
             return 0
         self._coordination.reset(step)
-        self.timeline.add("resumed", step=step, next_step=next_step)
+        self.timeline.add("resumed", step=step, next_step=next_step, tier=tier)
         return next_step
+
+    def _resume_snapshot(self, state: MutableMapping[str, Any]) -> int | None:
+        """Load the newest whole snapshot when it is newer than (or as new as) every durable step.
+
+        After one newer than them, a durable save is asked for at once: the snapshot lives only in the
+        nodes' memory, and losing more nodes than it is replicated to would lose it.
+        """
+        tier = self._snapshots()
+        if tier is None:
+            return None
+        durable = self._ckpt.newest_committed() if self.topology.is_coordinator else None
+        step = tier.restore(state, durable)
+        if step is not None and self.topology.is_coordinator:
+            log.info("resumed from the snapshot of step %d in the nodes' memory (durable: %s)", step, durable)
+            if durable is None or step > durable:
+                self._request("snapshot-resume")
+        return step
 
     def step(self, step: int, state: Mapping[str, Any]) -> bool:
         """Call after every training step; True once the emergency checkpoint of `step` is committed.
@@ -326,6 +381,8 @@ class Guard:
         every = self.options.saving.save_every
         if every and step % every == 0 and not again:
             self._save(step, state, reason="periodic", wait=False)
+        if self._snapshot_every and step % self._snapshot_every == 0 and not again:
+            self._snapshot(step, state)
         return False
 
     def request_checkpoint(self, reason: str = "manual") -> None:
@@ -347,7 +404,12 @@ class Guard:
     def _run_due(self, step: int, state: Mapping[str, Any], due: list[Decision]) -> bool:
         emergencies = [d for d in due if d.event["type"] == EMERGENCY]
         if not emergencies:
-            self._save(step, state, reason=due[-1].event.get("reason", "periodic"), wait=False)
+            reasons = [d.event.get("reason", "periodic") for d in due]
+            if SNAPSHOT in reasons:
+                self._snapshot(step, state)
+            saves = [r for r in reasons if r != SNAPSHOT]
+            if saves:
+                self._save(step, state, reason=saves[-1], wait=False)
             return False
         plan = self._coordination.plan(emergencies)
         self.leaving = self.topology.rank in plan.leaving or plan.departure is None
@@ -407,6 +469,12 @@ class Guard:
             return None
         return report
 
+    def _snapshot(self, step: int, state: Mapping[str, Any]) -> None:
+        try:
+            self._snapshots().snapshot(step, state)  # type: ignore[union-attr]
+        except Exception:  # noqa: BLE001 - invariant 3: a failed snapshot never crashes the training loop
+            log.exception("the snapshot of step %d failed", step)
+
     def _on_notice(self, notice: Notice) -> None:
         """Watcher thread: turn a notice into an event every rank sees."""
         notice = dataclasses.replace(notice, node=self.topology.node)
@@ -451,6 +519,13 @@ class Guard:
         if self._goodput.cadence is None:
             return self.options.saving.save_interval_s  # type: ignore[return-value]
         return self._goodput.next_interval((time.monotonic() - self._started_at) / 3600)
+
+    def _snapshot_interval(self) -> float:
+        """The next wait of the snapshot timer: fixed, or the snapshot cadence's choice now."""
+        if self._snapshot_cadence is None:
+            return self.options.snapshots.snapshot_interval_s  # type: ignore[return-value]
+        hours = (time.monotonic() - self._started_at) / 3600
+        return self._goodput.next_interval(hours, self._snapshot_cadence)
 
     def _require_started(self, what: str) -> None:
         if not self._started:

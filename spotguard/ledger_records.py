@@ -52,6 +52,7 @@ class Resume(Record):
     next_step: int
     resume_s: float
     run: str | None = None
+    tier: str | None = None  # where the step came from: "durable" (a checkpoint) or "snapshot" (the nodes' memory)
     since_previous_s: float | None = None  # from the previous segment's last record (set by the writer)
 
 

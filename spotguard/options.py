@@ -251,6 +251,67 @@ class CoordinationOptions:
         return self.rank, self.world_size, self.local_rank, self.node
 
 
+SNAPSHOT_EVERY_ENV = "SPOTGUARD_SNAPSHOT_EVERY"
+SNAPSHOT_MIN_S, SNAPSHOT_MAX_S = 10.0, 900.0  # the bounds of snapshot_interval_s="auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotOptions:
+    """Snapshots in the nodes' memory, for losses that come without a notice (off unless asked for)."""
+
+    snapshot_every: int | None = _option(
+        None,
+        "a snapshot every this many steps, into host memory that outlives the workers, replicated to other "
+        "nodes (see [Snapshots in the peers' memory](../guide/snapshots.md))",
+        shown=f"`${SNAPSHOT_EVERY_ENV}` (a number of steps, or `auto`), else none",
+    )
+    snapshot_interval_s: float | str | None = _option(
+        None,
+        'a snapshot every this many seconds (agreed like an interval save); `"auto"`: the interval that costs '
+        "least in snapshot stalls plus expected lost work, from "
+        f"{SNAPSHOT_MIN_S:g} s to {SNAPSHOT_MAX_S:g} s",
+        shown="none",
+    )
+    snapshot_dir: str | None = _option(
+        None,
+        "where this node keeps snapshots: a tmpfs survives a restart of the workers, not of the VM",
+        shown="`$SPOTGUARD_SNAPSHOT_DIR`, else `/dev/shm/spotguard`",
+    )
+    snapshot_replicas: int = _option(
+        1, "other nodes that keep a copy of each rank's snapshot (at most the nodes less one)"
+    )
+
+    def __post_init__(self) -> None:
+        every, interval = self.snapshot_every, self.snapshot_interval_s
+        if every is None and interval is None and os.environ.get(SNAPSHOT_EVERY_ENV):
+            value = os.environ[SNAPSHOT_EVERY_ENV].strip()
+            if value == "auto":
+                interval = "auto"
+            elif value.isdigit():
+                every = int(value)
+            else:
+                raise ValueError(f'${SNAPSHOT_EVERY_ENV} must be a number of steps or "auto", not {value!r}')
+        if every is not None and interval is not None:
+            raise ValueError("give snapshot_every (steps) or snapshot_interval_s (seconds), not both")
+        _set(self, "snapshot_every", check.optional(check.count, "snapshot_every", every))
+        if interval != "auto":
+            if isinstance(interval, str):
+                raise ValueError(f'snapshot_interval_s must be a number of seconds or "auto", not {interval!r}')
+            interval = check.optional(check.seconds, "snapshot_interval_s", interval)
+        _set(self, "snapshot_interval_s", interval)
+        _set(self, "snapshot_replicas", check.count("snapshot_replicas", self.snapshot_replicas))
+        if self.snapshot_dir is not None and not isinstance(self.snapshot_dir, (str, os.PathLike)):
+            raise TypeError(f"snapshot_dir must be a path, not {type(self.snapshot_dir).__name__}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.snapshot_every is not None or self.snapshot_interval_s is not None
+
+    def cadence(self) -> Cadence | None:
+        """The adaptive cadence for `snapshot_interval_s="auto"`, else None."""
+        return Cadence(SNAPSHOT_MIN_S, SNAPSHOT_MAX_S) if self.snapshot_interval_s == "auto" else None
+
+
 @dataclasses.dataclass(frozen=True)
 class GuardOptions:
     """All of a Guard's settings, one group per concern."""
@@ -260,6 +321,7 @@ class GuardOptions:
     storage: StorageOptions = dataclasses.field(default_factory=StorageOptions)
     exiting: ExitOptions = dataclasses.field(default_factory=ExitOptions)
     coordination: CoordinationOptions = dataclasses.field(default_factory=CoordinationOptions)
+    snapshots: SnapshotOptions = dataclasses.field(default_factory=SnapshotOptions)
 
     @classmethod
     def build(cls, groups: dict[str, Any], shortcuts: dict[str, Any]) -> GuardOptions:

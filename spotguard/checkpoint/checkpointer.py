@@ -44,7 +44,7 @@ from spotguard.checkpoint.layout import step_dir_name
 from spotguard.checkpoint.manifest import REASONS
 from spotguard.checkpoint.outcome import SaveEvents, SaveOutcomes, SaveReport
 from spotguard.checkpoint.protocol import SaveProtocol
-from spotguard.checkpoint.resume import load_newest
+from spotguard.checkpoint.resume import candidate_steps, load_newest
 from spotguard.checkpoint.runs import RunClaim, new_run_id
 from spotguard.checkpoint.staging import Stager
 from spotguard.checkpoint.state import to_dcp
@@ -298,6 +298,16 @@ class Checkpointer:
             bad=self._claim.rejected,
         )
         return step
+
+    def newest_committed(self) -> int | None:
+        """The newest committed step (not verified; steps already found bad left out), or None; on a
+        store that cannot list now, None too, logged: what it holds is out of reach either way."""
+        try:
+            steps = candidate_steps(self.remote, self.local_root, self._key)
+        except Exception as exc:  # noqa: BLE001 - a listing that fails here fails resume's own too
+            log.warning("cannot list the committed steps in %s: %s: %s", self.remote.url, type(exc).__name__, exc)
+            return None
+        return next((s for s in steps if s not in self._claim.rejected), None)
 
     def _note_earlier_steps(self) -> None:
         """Rank 0 (which judges other runs' steps): note what is committed as this run starts, so

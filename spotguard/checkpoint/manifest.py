@@ -25,7 +25,8 @@ from cloud_adapters.notice import NoticeSourceError, parse_iso8601
 FORMAT_VERSION = 1
 # emergency: an interruption; periodic: every N steps; interval: every N seconds;
 # rebalance: an AWS rebalance recommendation; manual: guard.save().
-REASONS = ("emergency", "periodic", "interval", "rebalance", "manual")
+# "snapshot-resume": the durable save that follows a resume from the nodes' memory
+REASONS = ("emergency", "periodic", "interval", "rebalance", "manual", "snapshot-resume")
 _CHUNK = 8 << 20
 
 

@@ -154,7 +154,7 @@ def _load_newest_once(
     steps: list[int] | str | _Unavailable | None = None
     if comm.is_coordinator:
         try:
-            steps = [s for s in _candidate_steps(remote, local_root, key) if s not in bad]
+            steps = [s for s in candidate_steps(remote, local_root, key) if s not in bad]
         except Unreachable as exc:
             steps = _Unavailable(f"listing checkpoints: {exc}", names_a_step=False)
         except FAILURES as exc:  # every rank must hear of it, or the others would wait for the list forever
@@ -201,7 +201,8 @@ def _load_newest_once(
     return None
 
 
-def _candidate_steps(remote: ObjectStore, local_root: Path | None, key: bytes | None) -> list[int]:
+def candidate_steps(remote: ObjectStore, local_root: Path | None, key: bytes | None) -> list[int]:
+    """The committed steps of `remote` and `local_root`, newest first."""
     steps = {m.step for m in committed_manifests(remote, key=key)}
     if local_root is not None:
         steps |= {m.step for m in committed_manifests(LocalStore(local_root), key=key)}

@@ -1,9 +1,10 @@
 """Several "nodes" on one host, for the elastic demo, the tests and the benchmarks: one torchrun
 agent each (static rendezvous on 127.0.0.1 hosted by node 0; or elastic: `--nnodes MIN:MAX`, c10d
 rendezvous on a store this process hosts, as a host that is never reclaimed would), each with its
-own AWS metadata emulator and its own staging dir. A caller reclaims a node through its emulator and
-may SIGKILL it (the agent and its workers: the VM vanishes) at a moment it picks from what the node
-prints. The training script takes `--checkpoint-dir`, `--local-dir` and `--cloud`."""
+own AWS metadata emulator, its own staging dir and its own snapshot dir (its host memory). A caller
+reclaims a node through its emulator and may SIGKILL it (the agent and its workers: the VM
+vanishes) at a moment it picks from what the node prints. The training script takes
+`--checkpoint-dir`, `--local-dir` and `--cloud`."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ class LocalNode:
         self.rank = rank
         self.emulator = AWSMetadataEmulator().__enter__()
         self.local_dir = tmp / f"node{rank}"
+        self.snapshot_dir = tmp / f"node{rank}-memory"  # SPOTGUARD_SNAPSHOT_DIR: this node's host memory
         self.exit_file = tmp / f"exit-node{rank}.json"  # SPOTGUARD_EXIT_FILE: how the node's job ended
         self.lines: list[str] = []
         self.arrived: list[float] = []  # when each line was read (monotonic)
@@ -48,6 +50,7 @@ class LocalNode:
         ]  # fmt: skip
         env = {**os.environ, **env, "SPOTGUARD_METADATA_URL": self.emulator.url, "OMP_NUM_THREADS": "1"}
         env["SPOTGUARD_EXIT_FILE"] = str(self.exit_file)
+        env.setdefault("SPOTGUARD_SNAPSHOT_DIR", str(self.snapshot_dir))
         env.update(GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True
@@ -93,11 +96,14 @@ class LocalNode:
             time.sleep(0.02)
 
     def kill(self) -> None:
-        """The VM vanishes: SIGKILL the agent and its workers."""
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        """The VM vanishes: SIGKILL the agent and its workers. torchrun starts each worker in a session
+        of its own, so killing the agent's process group alone would leave them training on."""
+        groups = {self.proc.pid} | {g for g in map(_group_of, _descendants(self.proc.pid)) if g is not None}
+        for group in groups:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def finish(self, timeout: float = 120) -> int:
         try:
@@ -114,6 +120,30 @@ class LocalNode:
 
     def tail(self, n: int = 40) -> str:
         return "\n".join(self.lines[-n:])
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` now (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _group_of(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:  # it ended meanwhile
+        return None
 
 
 def run_nodes(

@@ -1,0 +1,132 @@
+"""A node's snapshot directory: where its ranks' snapshots and the replicas it keeps for other nodes live.
+
+    <root>/<run>/step-<step>/shard-<rank>-of-<world size>.snap
+
+`root` is host memory that outlives the training processes (a tmpfs such as /dev/shm), so a
+restart of the workers finds what the node held. `run` keys the job (a hash of its checkpoint
+location), so jobs sharing a node never see each other's files. A file under its final name is
+complete (see `shard_file`); what a crash left behind as `.part` is swept away with old steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+import shutil
+from pathlib import Path
+
+DEFAULT_ROOT = "/dev/shm/spotguard"
+ROOT_ENV = "SPOTGUARD_SNAPSHOT_DIR"
+_STEP = re.compile(r"step-(\d{10})")
+_SHARD = re.compile(r"shard-(\d{5})-of-(\d{5})\.snap")
+NAME = re.compile(r"step-\d{10}/shard-\d{5}-of-\d{5}\.snap")  # what a peer may ask for or send
+
+
+def run_key(checkpoint_dir: str) -> str:
+    """The same on every restart of one job (its checkpoint location), different for another job."""
+    return hashlib.sha256(checkpoint_dir.encode()).hexdigest()[:16]
+
+
+def name_of(step: int, rank: int, world_size: int) -> str:
+    return f"step-{step:010d}/shard-{rank:05d}-of-{world_size:05d}.snap"
+
+
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """A complete snapshot file this node holds (not yet verified)."""
+
+    step: int
+    rank: int
+    world_size: int
+    path: Path
+
+
+class NodeDir:
+    def __init__(self, root: str | os.PathLike[str], run: str) -> None:
+        self.root = Path(root)
+        self.path = self.root / run
+
+    def file(self, name: str) -> Path:
+        if not NAME.fullmatch(name):
+            raise ValueError(f"not a snapshot file name: {name!r}")
+        return self.path / name
+
+    def prepare(self, name: str) -> Path:
+        """The path for `name`, its step directory made."""
+        path = self.file(name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def held(self) -> list[Held]:
+        """The complete files here, newest step first."""
+        found = []
+        for step_dir in self.path.glob("step-*"):
+            step = _STEP.fullmatch(step_dir.name)
+            if step is None:
+                continue
+            for path in step_dir.glob("shard-*.snap"):
+                shard = _SHARD.fullmatch(path.name)
+                if shard is not None:
+                    found.append(Held(int(step[1]), int(shard[1]), int(shard[2]), path))
+        return sorted(found, key=lambda h: (-h.step, h.rank))
+
+    def keep_only(self, steps: set[int]) -> int:
+        """Delete every step but `steps` (and unfinished `.part` files everywhere); the bytes freed.
+
+        Several local ranks may sweep at once: a file another one removed first is not an error.
+        """
+        freed = 0
+        for step_dir in list(self.path.glob("step-*")):
+            step = _STEP.fullmatch(step_dir.name)
+            if step is not None and int(step[1]) in steps:
+                continue
+            freed += _size(step_dir)
+            shutil.rmtree(step_dir, ignore_errors=True)
+        return freed
+
+    def free_bytes(self) -> int:
+        """Room for more files: the file system's free space, and for a tmpfs the memory left too."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        stat = os.statvfs(self.path)
+        free = stat.f_bavail * stat.f_frsize
+        available = _mem_available()
+        return min(free, available) if available is not None and _on_tmpfs(self.path) else free
+
+
+def _size(path: Path) -> int:
+    total = 0
+    for child in path.rglob("*"):
+        try:
+            total += child.stat().st_size
+        except OSError:
+            pass
+    return total
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _on_tmpfs(path: Path) -> bool:
+    """Whether `path` lies on a tmpfs (its pages are RAM), from the longest matching mount point."""
+    try:
+        with open("/proc/mounts") as f:
+            mounts = [line.split()[1:3] for line in f]
+    except OSError:
+        return False
+    real = os.path.realpath(path)
+    best = max(
+        (m for m in mounts if real == m[0] or real.startswith(m[0].rstrip("/") + "/")),
+        key=lambda m: len(m[0]),
+        default=None,
+    )
+    return best is not None and best[1] == "tmpfs"

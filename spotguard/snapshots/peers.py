@@ -1,0 +1,157 @@
+"""Snapshot files between nodes: every rank serves its node's directory; replicas go in, shards come out.
+
+The wire is the handoff's (`spotguard.checkpoint.handoff.wire`): a length-prefixed JSON frame,
+then raw bytes. A request names its op (`put`: take a replica in; `get`: send a file held) and
+carries the server's token, which only the job's store hands out (`host port token` under the
+rank's key), so only the job's own ranks are served. Files go out with sendfile (no copy through
+Python); what comes in is written as `.part`, its body's CRC32C computed as it arrives, and the
+file takes its final name only once that matches its trailer: a replica is complete or absent.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import secrets
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+from cloud_adapters.deadline import Deadline
+from spotguard.checkpoint.departure import HandoffError
+from spotguard.checkpoint.handoff.wire import CHUNK, IDLE_TIMEOUT_S, advertised_host, recv_json, send_json
+from spotguard.checkpoint.shard_io import crc32c_extend
+from spotguard.snapshots import shard_file
+from spotguard.snapshots.node_dir import NodeDir
+from spotguard.snapshots.shard_file import ShardInfo, SnapshotError
+
+log = logging.getLogger(__name__)
+
+_ACCEPT_POLL_S = 0.5
+
+
+class PeerServer:
+    """A thread that takes replicas into `node_dir` and hands out the snapshot files there."""
+
+    def __init__(self, node_dir: NodeDir) -> None:
+        self.node_dir = node_dir
+        self.token = secrets.token_hex(16)
+        self._sock = socket.create_server((advertised_host(), 0))
+        self._sock.settimeout(_ACCEPT_POLL_S)
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="spotguard-snapshot-peers", daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        """`host port token`: what a peer needs (published in the job's store)."""
+        host, port = self._sock.getsockname()[:2]
+        return f"{host} {port} {self.token}"
+
+    def close(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=5)
+        self._sock.close()
+
+    def _serve(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                conn, _ = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(IDLE_TIMEOUT_S)
+            try:
+                request = recv_json(conn, Deadline())
+                if not hmac.compare_digest(str(request.get("token", "")).encode(), self.token.encode()):
+                    raise HandoffError("a wrong token")
+                if request.get("op") == "put":
+                    self._take(conn, request)
+                elif request.get("op") == "get":
+                    self._give(conn, request)
+                else:
+                    raise HandoffError(f"unknown op {request.get('op')!r}")
+            except (OSError, ValueError, HandoffError, SnapshotError) as exc:
+                log.warning("snapshot peer request refused: %s: %s", type(exc).__name__, exc)
+                try:
+                    send_json(conn, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+                except OSError:
+                    pass
+
+    def _take(self, conn: socket.socket, request: dict[str, Any]) -> None:
+        path = self.node_dir.prepare(str(request["name"]))
+        receive_file(conn, path, int(request["bytes"]), int(request["body_bytes"]))
+        send_json(conn, {"ok": True})
+
+    def _give(self, conn: socket.socket, request: dict[str, Any]) -> None:
+        path = self.node_dir.file(str(request["name"]))
+        with open(path, "rb") as f:  # FileNotFoundError: refused, the asker tries elsewhere
+            info = shard_file.read_info(path)
+            size = os.fstat(f.fileno()).st_size
+            send_json(conn, {"ok": True, "bytes": size, "body_bytes": info.body_bytes})
+            conn.sendfile(f)
+
+
+def receive_file(sock: socket.socket, path: Path, size: int, body_bytes: int) -> ShardInfo:
+    """Write the `size` bytes that come on `sock` to `path`: renamed into place only once the body's
+    CRC32C, computed as it arrives, matches the trailer's."""
+    part = path.with_name(path.name + ".part")
+    buffer = bytearray(CHUNK)
+    crc = got = 0
+    try:
+        with open(part, "wb") as f:
+            while got < size:
+                n = sock.recv_into(buffer, min(CHUNK, size - got))
+                if n == 0:
+                    raise HandoffError(f"the connection closed after {got} of {size} bytes")
+                view = memoryview(buffer)[:n]
+                if got < body_bytes:
+                    crc = crc32c_extend(crc, view[: min(n, body_bytes - got)])
+                f.write(view)
+                got += n
+        info = shard_file.read_info(part)
+        if info.body_bytes != body_bytes or f"{crc:08x}" != info.crc32c:
+            raise SnapshotError(f"{path.name}: CRC32C {crc:08x} of what arrived does not match {info.crc32c}")
+        os.replace(part, path)
+        return info
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
+
+
+def _connect(address: str) -> tuple[socket.socket, str]:
+    host, port, token = address.split()
+    sock = socket.create_connection((host, int(port)), timeout=IDLE_TIMEOUT_S)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock, token
+
+
+def push(address: str, path: Path, name: str) -> None:
+    """Send the snapshot file at `path` to the peer at `address`, to keep as `name`; returns once it has it whole."""
+    info = shard_file.read_info(path)
+    sock, token = _connect(address)
+    with sock, open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        send_json(sock, {"token": token, "op": "put", "name": name, "bytes": size, "body_bytes": info.body_bytes})
+        sock.sendfile(f)
+        answer = recv_json(sock, Deadline())
+    if not answer.get("ok"):
+        raise HandoffError(f"the peer refused the replica: {answer.get('error')}")
+
+
+def fetch(address: str, name: str, path: Path) -> ShardInfo:
+    """Copy the peer's file `name` to `path` (complete and checked, or not at all)."""
+    sock, token = _connect(address)
+    with sock:
+        send_json(sock, {"token": token, "op": "get", "name": name})
+        answer = recv_json(sock, Deadline())
+        if not answer.get("ok"):
+            raise HandoffError(f"the peer has no {name}: {answer.get('error')}")
+        return receive_file(sock, path, int(answer["bytes"]), int(answer["body_bytes"]))

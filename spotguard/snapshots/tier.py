@@ -1,0 +1,249 @@
+"""The snapshot tier: frequent copies of every rank's state in host memory, kept on other nodes too.
+
+At a snapshot step the training thread copies its state into reused host buffers (the stall) and
+goes on; a background thread writes the copy to this node's snapshot directory and sends it to
+the rank's buddies, the same local rank on the next `replicas` nodes (a ring). Each rank then
+reports through the job's store; the last to report sets the step's verdict. A snapshot is
+complete once every rank has written and replicated its shard. At the next snapshot each rank
+waits for the previous one's verdict (as a save waits for the one before it), keeps the newest
+complete snapshot and the one it begins, and frees the rest: a node holds at most two generations
+of its own shards and of its replicas. Store traffic per snapshot: O(N) (an `add` and a blocking
+`get` per rank, a `set` and three deletions by the last).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import torch.distributed as dist
+
+from spotguard.cadence import Cadence
+from spotguard.checkpoint.comm import FAILURES, Comm, describe
+from spotguard.checkpoint.staging import Stager
+from spotguard.checkpoint.state import load_from_dcp, to_dcp
+from spotguard.kvstore import Connection
+from spotguard.snapshots import recovery, shard_file
+from spotguard.snapshots.node_dir import DEFAULT_ROOT, ROOT_ENV, NodeDir, name_of, run_key
+from spotguard.snapshots.peers import PeerServer, push
+
+log = logging.getLogger(__name__)
+
+VERDICT_WAIT_S = 300.0  # the longest a snapshot waits for the previous one's verdict
+ADDRESS_WAIT_S = 60.0
+GENERATIONS = 2  # the newest complete snapshot and the one being made
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotDone:
+    """One rank's snapshot, from the background thread: what it cost and whether it is safe elsewhere."""
+
+    step: int
+    bytes: int
+    stall_s: float  # the training thread's time in the call (waiting for the previous one included)
+    write_s: float
+    replicate_s: float
+    replicas: int
+    ok: bool
+    error: str | None = None
+
+
+class SnapshotTier:
+    """Snapshots of one rank's state; made by the Guard when `SnapshotOptions` ask for them."""
+
+    def __init__(
+        self,
+        *,
+        checkpoint_dir: str,
+        snapshot_dir: str | None,
+        replicas: int,
+        comm: Comm,
+        store: dist.Store,
+        prefix: str,
+        cadence: Cadence | None = None,
+    ) -> None:
+        self.comm = comm
+        self.rank, self.world_size = comm.rank, comm.world_size
+        self.ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        nodes = self.world_size // self.ranks_per_node
+        if self.world_size % self.ranks_per_node:
+            nodes = 1  # an uneven layout: which ranks share a node is unknown, so nothing is replicated
+        self.replicas = min(replicas, nodes - 1)
+        if nodes == 1 and comm.is_coordinator:
+            log.info("snapshots stay on this node: it is the job's only one (they outlive the workers, not the VM)")
+        elif self.replicas < replicas and comm.is_coordinator:
+            log.warning("snapshots: %d node(s) can keep %d replica(s) of each shard, not %d", nodes, self.replicas,
+                        replicas)  # fmt: skip
+        self.buddies = [(self.rank + k * self.ranks_per_node) % self.world_size for k in range(1, self.replicas + 1)]
+        self.run = run_key(checkpoint_dir)
+        self.node_dir = NodeDir(snapshot_dir or os.environ.get(ROOT_ENV) or DEFAULT_ROOT, self.run)
+        self.cadence = cadence
+        self.last: SnapshotDone | None = None
+        self.complete: int | None = None  # the newest snapshot known complete everywhere
+        self._prefix = f"{prefix}snap/"
+        self._conn = Connection.of(store)  # the training thread's: it blocks on verdicts
+        self._background_conn = Connection.of(store, lazy=True)
+        self._addresses: dict[int, str] = {}
+        self._stager = Stager()
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spotguard-snapshot")
+        self._pending: concurrent.futures.Future[SnapshotDone] | None = None
+        self._begun: int | None = None  # the step of the snapshot last begun
+        self._room: bool | None = None  # None until the first snapshot checked it
+        self._server = PeerServer(self.node_dir)
+        store.set(f"{self._prefix}addr/{self.rank}", self._server.address)
+
+    # ---- the training thread ---------------------------------------------------------
+    def snapshot(self, step: int, state: Mapping[str, Any]) -> None:
+        """Begin the snapshot of `step`: returns once `state` is copied; the rest runs in the background."""
+        started = time.monotonic()
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+        state_dict = to_dcp(state)
+        if self._room is None:
+            self._room = self._check_room(state_dict)
+        if not self._room:
+            return
+        if self._begun is not None:
+            verdict = self._conn.get(f"{self._prefix}{self._begun}/verdict", VERDICT_WAIT_S)
+            if verdict == b"ok":
+                self.complete = self._begun
+            else:
+                log.warning("the snapshot of step %d is not complete everywhere (%s)", self._begun,
+                            "one rank's failed" if verdict else f"no verdict in {VERDICT_WAIT_S:.0f} s")  # fmt: skip
+        self.node_dir.keep_only({s for s in (self.complete, step) if s is not None})
+        previous, self._begun = self._begun, step
+        staged = self._stager.stage(state_dict)
+        stall = time.monotonic() - started
+        if self.cadence is not None:
+            self.cadence.observe_save(stall)
+        self._pending = self._pool.submit(self._write_and_replicate, step, staged, stall, previous)
+
+    def restore(self, state: MutableMapping[str, Any], durable: int | None) -> int | None:
+        """Load the newest whole snapshot newer than (or as new as) the durable step `durable`
+        (rank 0's word; a collective); its step, or None when there is none to load."""
+        held = recovery.verified_holdings(self.node_dir, self.run, self.comm.local_rank, self.ranks_per_node)
+        everyone = self.comm.gather((self.rank, held))
+        plan = None
+        if everyone is not None:
+            plan = recovery.choose(everyone, self.world_size, self.ranks_per_node, durable)
+        plan = self.comm.broadcast(plan)
+        if plan is None:
+            return None
+        if recovery.restore(plan, comm=self.comm, node_dir=self.node_dir, ranks_per_node=self.ranks_per_node,
+                            address_of=lambda r: self._address_of(r, self._conn)) is None:  # fmt: skip
+            return None
+        problem = None
+        try:
+            path = self.node_dir.file(name_of(plan.step, self.rank, self.world_size))
+            load_from_dcp(state, shard_file.load(path, to_dcp(state)))
+        except FAILURES as exc:
+            problem = describe(exc, self.rank)
+        problems = [p for p in (self.comm.gather(problem) or []) if p]
+        problems = self.comm.broadcast(problems)
+        if problems:
+            raise shard_file.SnapshotError(f"the snapshot of step {plan.step} did not load: " + " | ".join(problems))
+        self.complete = plan.step  # kept by the next snapshot's sweep; its verdict was another run's
+        return plan.step
+
+    def wait(self) -> SnapshotDone | None:
+        """The background part of the snapshot in flight, finished."""
+        if self._pending is None:
+            return self.last
+        try:
+            return self._pending.result()
+        finally:
+            self._pending = None
+
+    def close(self) -> None:
+        """Finish the snapshot in flight and stop serving peers; the files stay for the next start."""
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+            self._server.close()
+
+    # ---- internals ------------------------------------------------------------------------
+    def _check_room(self, state_dict: Mapping[str, Any]) -> bool:
+        """Whether every node has room for the tier (a collective through the store); logs the sizes."""
+        shard = sum(t.numel() * t.element_size() for t in shard_file.tensors_of(state_dict))
+        files = self.ranks_per_node * shard * (1 + self.replicas) * GENERATIONS
+        host_copy = self.ranks_per_node * shard
+        free = self.node_dir.free_bytes()
+        fits = files + host_copy <= free
+        if self.comm.is_node_leader:
+            log.log(
+                logging.INFO if fits else logging.WARNING,
+                "snapshots need %s on this node: %d rank(s) x %s x (own + %d replica(s)) x %d generations in %s, "
+                "plus %s of host copies; %s free%s",
+                _size(files + host_copy), self.ranks_per_node, _size(shard), self.replicas, GENERATIONS,
+                self.node_dir.path, _size(host_copy), _size(free),
+                "" if fits else ": no room, so no snapshots (make the tmpfs larger or snapshot less state)",
+            )  # fmt: skip
+        key = f"{self._prefix}room"
+        _report(self._conn.store, key, self.world_size, fits)
+        verdict = self._conn.get(f"{key}/verdict", VERDICT_WAIT_S)
+        if verdict != b"ok" and self.comm.is_coordinator:
+            log.warning("snapshots are off: %s", "a node lacks the room" if verdict else "not every rank answered")
+        return verdict == b"ok"
+
+    def _write_and_replicate(
+        self, step: int, staged: Mapping[str, Any], stall: float, previous: int | None
+    ) -> SnapshotDone:
+        started = time.monotonic()
+        size, write_s, error = 0, 0.0, None
+        try:
+            name = name_of(step, self.rank, self.world_size)
+            path = self.node_dir.prepare(name)
+            info = shard_file.write(path, staged, run=self.run, step=step, rank=self.rank, world_size=self.world_size)
+            size, write_s = info.body_bytes, time.monotonic() - started
+            for buddy in self.buddies:
+                push(self._address_of(buddy, self._background_conn), path, name)
+        except Exception as exc:  # noqa: BLE001 - a failed snapshot leaves the previous one; training goes on
+            error = f"{type(exc).__name__}: {exc}"
+            log.warning("the snapshot of step %d failed: %s", step, error)
+        done = SnapshotDone(
+            step=step,
+            bytes=size,
+            stall_s=stall,
+            write_s=write_s,
+            replicate_s=time.monotonic() - started - write_s,
+            replicas=len(self.buddies),
+            ok=error is None,
+            error=error,
+        )
+        store = self._background_conn.store
+        if _report(store, f"{self._prefix}{step}", self.world_size, done.ok) and previous is not None:
+            for suffix in ("done", "failed", "verdict"):  # every rank has read the previous verdict by now
+                store.delete_key(f"{self._prefix}{previous}/{suffix}")
+        log.debug("snapshot of step %d: %s", step, done)
+        self.last = done
+        return done
+
+    def _address_of(self, rank: int, connection: Connection) -> str:
+        if rank not in self._addresses:
+            value = connection.get(f"{self._prefix}addr/{rank}", ADDRESS_WAIT_S)
+            if value is None:
+                raise TimeoutError(f"rank {rank} published no snapshot address in {ADDRESS_WAIT_S:.0f} s")
+            self._addresses[rank] = value.decode()
+        return self._addresses[rank]
+
+
+def _report(store: dist.Store, key: str, world_size: int, ok: bool) -> bool:
+    """Count this rank's outcome under `key`; the last rank to report sets `<key>/verdict` (`ok` or
+    `failed`) and gets True."""
+    if not ok:
+        store.set(f"{key}/failed", "1")
+    if store.add(f"{key}/done", 1) != world_size:
+        return False
+    store.set(f"{key}/verdict", "failed" if store.check([f"{key}/failed"]) else "ok")
+    return True
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
