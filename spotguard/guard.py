@@ -316,6 +316,11 @@ class Guard:
             dist.destroy_process_group(self._group)
 
     @property
+    def snapshots(self) -> SnapshotTier | None:
+        """The snapshot tier once it is made (`snapshots.last`: the last snapshot's measurements), else None."""
+        return self._tier
+
+    @property
     def last_save(self) -> SaveReport | None:
         """The report of the last save that committed, a background one too (None before any)."""
         return self._ckpt.last_report if self._ckpt is not None else None

@@ -1,18 +1,19 @@
 """Resume from the nodes' memory: the newest snapshot whose every shard some surviving node holds.
 
-Each rank verifies its share of its node's files (the CRC32C of each: a corrupted or truncated
-replica is skipped) and tells rank 0 what it holds; rank 0 picks the newest step that is whole
-(every rank's shard held somewhere, at the job's present world size) and newer than or as new as
-the newest durable checkpoint, and where each rank finds its shard, preferring its own node. A rank
-whose shard is on another node copies it from there, checked again as it arrives, and only once
-every rank has its shard does any of them load it: a snapshot loads whole or not at all.
+Each rank lists its share of its node's files (their trailers: no data is read) and tells rank 0;
+rank 0 picks the newest step that is whole (every rank's shard held somewhere, at the job's present
+world size) and as new as the newest durable checkpoint at least, and where each rank finds its
+shard, preferring its own node. Each rank then checks its shard's CRC32C: read from its node, or
+as it arrives from another one. A shard that fails is struck off (that holder's copy of that rank's
+shard at that step) and rank 0 chooses again: another holder, else an older snapshot, else none.
+Only once every rank has a checked shard does any of them load it: a snapshot loads whole or not at all.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from spotguard.checkpoint.comm import Comm
 from spotguard.snapshots import shard_file
@@ -33,14 +34,14 @@ class Plan:
     sources: tuple[int, ...]  # sources[r]: a rank whose node holds rank r's shard
 
 
-def verified_holdings(node_dir: NodeDir, run: str, local_rank: int, local_world_size: int) -> list[Holding]:
-    """The complete, checksum-verified files of this node that fall to this local rank to check."""
+def holdings(node_dir: NodeDir, run: str, local_rank: int, local_world_size: int) -> list[Holding]:
+    """The complete files of this node that fall to this local rank to vouch for (by their trailers)."""
     found = []
     for held in node_dir.held():
         if held.rank % local_world_size != local_rank:
             continue
         try:
-            info = shard_file.verify(held.path)
+            info = shard_file.read_info(held.path)
             if (info.run, info.step, info.rank, info.world_size) != (run, held.step, held.rank, held.world_size):
                 raise SnapshotError("its trailer names another file")
         except (OSError, SnapshotError) as exc:
@@ -51,17 +52,22 @@ def verified_holdings(node_dir: NodeDir, run: str, local_rank: int, local_world_
 
 
 def choose(
-    holdings: Iterable[tuple[int, list[Holding]]], world_size: int, ranks_per_node: int, durable: int | None
+    everyone: Iterable[tuple[int, list[Holding]]],
+    world_size: int,
+    ranks_per_node: int,
+    durable: int | None,
+    unusable: Collection[tuple[int, int, int]] = (),
 ) -> Plan | None:
     """The newest whole snapshot at `world_size`, as new as `durable` at least; None when there is none.
 
-    `holdings`: (holder rank, what its node lets it vouch for). A rank's own node serves it when it
-    can; otherwise the holders take turns, so that one node does not serve every lost shard.
+    `everyone`: (holder rank, what its node lets it vouch for); `unusable`: (step, rank, holder) of
+    copies found bad. A rank's own node serves it when it can; otherwise the holders take turns, so
+    that one node does not serve every lost shard.
     """
     by_step: dict[int, dict[int, list[int]]] = {}
-    for holder, held in holdings:
+    for holder, held in everyone:
         for step, rank, world in held:
-            if world == world_size:
+            if world == world_size and (step, rank, holder) not in unusable:
                 by_step.setdefault(step, {}).setdefault(rank, []).append(holder)
     for step in sorted(by_step, reverse=True):
         if durable is not None and step < durable:
@@ -78,34 +84,52 @@ def choose(
     return None
 
 
-def restore(
-    plan: Plan,
-    *,
-    comm: Comm,
-    node_dir: NodeDir,
-    ranks_per_node: int,
-    address_of: Callable[[int], str],
-) -> shard_file.ShardInfo | None:
-    """Bring this rank's shard of `plan` onto its node (a collective); its info once every rank has
-    its own, None (everywhere) when any rank could not get it."""
-    rank, world = comm.rank, comm.world_size
-    name = name_of(plan.step, rank, world)
+def fetch_shard(
+    plan: Plan, rank: int, world_size: int, node_dir: NodeDir, ranks_per_node: int, address_of: Callable[[int], str]
+) -> str | None:
+    """Bring this rank's shard of `plan` onto its node, checked; None, or why it could not."""
+    name = name_of(plan.step, rank, world_size)
     source = plan.sources[rank]
-    problem = None
     try:
         if source // ranks_per_node == rank // ranks_per_node:
-            info = shard_file.read_info(node_dir.file(name))
+            path = node_dir.file(name)
+            try:
+                shard_file.verify(path)
+            except SnapshotError:
+                path.unlink(missing_ok=True)  # never offered again
+                raise
         else:
             info = fetch(address_of(source), name, node_dir.prepare(name))
             log.info("snapshot of step %d: fetched %d bytes of rank %d's shard from rank %d", plan.step,
                      info.body_bytes, rank, source)  # fmt: skip
-    except Exception as exc:  # noqa: BLE001 - any failure: this snapshot cannot be loaded whole
-        problem = f"rank {rank}: {type(exc).__name__}: {exc}"
-        info = None
-    problems = comm.gather(problem)
-    verdict = comm.broadcast([p for p in problems if p] if problems is not None else None)
-    if verdict:
-        if comm.is_coordinator:
-            log.warning("the snapshot of step %d cannot be loaded whole (%s)", plan.step, "; ".join(verdict))
-        return None
-    return info
+    except Exception as exc:  # noqa: BLE001 - any failure: this copy is unusable
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def agree_on_plan(
+    comm: Comm,
+    held: list[Holding],
+    ranks_per_node: int,
+    durable: int | None,
+    get_shard: Callable[[Plan], str | None],
+) -> Plan | None:
+    """The snapshot every rank has its checked shard of (a collective), or None."""
+    everyone = comm.gather((comm.rank, held))
+    unusable: set[tuple[int, int, int]] = set()
+    while True:
+        plan = choose(everyone, comm.world_size, ranks_per_node, durable, unusable) if everyone else None
+        plan = comm.broadcast(plan)
+        if plan is None:
+            return None
+        problem = get_shard(plan)
+        problems = comm.gather(problem)
+        if everyone is not None:
+            for rank, why in enumerate(problems or []):
+                if why is not None:
+                    source = plan.sources[rank]
+                    log.warning("snapshot of step %d: rank %d's shard from rank %d is unusable (%s)", plan.step,
+                                rank, source, why)  # fmt: skip
+                    unusable.add((plan.step, rank, source))
+        if not comm.broadcast(any(p is not None for p in problems or [])):
+            return plan

@@ -127,16 +127,19 @@ class SnapshotTier:
     def restore(self, state: MutableMapping[str, Any], durable: int | None) -> int | None:
         """Load the newest whole snapshot newer than (or as new as) the durable step `durable`
         (rank 0's word; a collective); its step, or None when there is none to load."""
-        held = recovery.verified_holdings(self.node_dir, self.run, self.comm.local_rank, self.ranks_per_node)
-        everyone = self.comm.gather((self.rank, held))
-        plan = None
-        if everyone is not None:
-            plan = recovery.choose(everyone, self.world_size, self.ranks_per_node, durable)
-        plan = self.comm.broadcast(plan)
+        local_rank = self.rank % self.ranks_per_node  # the layout the buddies assume: nodes' ranks contiguous
+        held = recovery.holdings(self.node_dir, self.run, local_rank, self.ranks_per_node)
+        plan = recovery.agree_on_plan(
+            self.comm,
+            held,
+            self.ranks_per_node,
+            durable,
+            lambda plan: recovery.fetch_shard(
+                plan, self.rank, self.world_size, self.node_dir, self.ranks_per_node,
+                lambda r: self._address_of(r, self._conn),
+            ),
+        )  # fmt: skip
         if plan is None:
-            return None
-        if recovery.restore(plan, comm=self.comm, node_dir=self.node_dir, ranks_per_node=self.ranks_per_node,
-                            address_of=lambda r: self._address_of(r, self._conn)) is None:  # fmt: skip
             return None
         problem = None
         try:

@@ -1,0 +1,200 @@
+"""Snapshots in the nodes' memory: what they cost the training, and how fast a job comes back from them.
+
+    python bench/snapshots.py [--gb 1.0] [--every 100] [--dir /dev/shm/spotguard-bench]
+
+Two ranks (gloo, subprocesses, one compute thread each), each its own "node" with its own snapshot
+dir under --dir, hold --gb GB of state each (float32 tensors). A training step is a 1024x1024
+matmul plus an in-place update of one 64 MB tensor of the state (the state changes at every step).
+
+  overhead   each rank runs --every steps without snapshots (the baseline step time t0), then three
+             snapshot intervals of --every steps with a snapshot at the first step of each (copy to
+             host buffers on the training thread, then in the background: write to the snapshot dir
+             and send to the other rank, which keeps it as its replica). The extra time of an
+             interval is the sum of its step times less --every x t0; the first interval allocates
+             the buffers and the tmpfs pages, the other two are the steady state. The goal: the
+             extra time of one snapshot a minute <= 1 % of the time (extra / 60 s).
+  lost work  at every step of those intervals, how many steps a loss without a notice would
+             lose: the step less the newest snapshot complete on both ranks (at most one interval).
+  recovery   guard.resume() of the same state, timed on rank 0, from: the peer's memory (rank 0's
+             snapshot dir emptied first, a replacement VM: its shard comes from rank 1), its own
+             node's memory, a checkpoint on the local disk (--disk-dir; just written: the page cache
+             is warm),
+             and an S3 bucket (moto on 127.0.0.1, staged through a fresh local dir). The goal: from
+             the peers' memory >= 5x faster than from the bucket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _common import Ranks, init_worker, report, table
+
+TENSOR_MB = 64
+STEP_MATMUL = 1024
+
+
+def make_state(gb: float, rank: int) -> dict:
+    import torch
+
+    count = max(1, round(gb * 1024 / TENSOR_MB))
+    g = torch.Generator().manual_seed(rank)
+    layers = {f"w{i}": torch.rand(TENSOR_MB << 18, generator=g) for i in range(count)}
+    return {"model": layers, "progress": {"rank": rank}}
+
+
+def train_step(state: dict, a, step: int) -> None:
+    a @ a  # noqa: B018 - the compute of a step
+    state["model"]["w0"].add_(1e-3)
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch.distributed as dist
+
+    import spotguard
+
+    rank, _ = init_worker()
+    import torch
+
+    # Each rank is a node of its own (Ranks starts them as the local ranks of one node).
+    os.environ.update(LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", GROUP_RANK=str(rank))
+    os.environ["SPOTGUARD_SNAPSHOT_DIR"] = str(Path(args.dir) / f"node{rank}")
+    state = make_state(args.gb, rank)
+    a = torch.rand(STEP_MATMUL, STEP_MATMUL)
+    nbytes = sum(t.numel() * 4 for t in state["model"].values())
+    ckpt = str(Path(args.disk_dir) / "ckpt")
+
+    def steps(n: int, guard=None, start: int = 0) -> list[float]:
+        times = []
+        for step in range(start, start + n):
+            began = time.perf_counter()
+            train_step(state, a, step)
+            if guard is not None:
+                guard.step(step, state)
+            times.append(time.perf_counter() - began)
+        return times
+
+    dist.barrier()
+    baseline = steps(args.every)
+    t0 = statistics.median(baseline)
+    dist.barrier()
+    windows, stalls, lost, done = [], [], [], []
+    with spotguard.Guard(ckpt, cloud="none", snapshot_every=args.every, exit_code=None) as guard:
+        tier = None
+        for window in range(3):
+            start = window * args.every
+            times = []
+            for step in range(start, start + args.every):
+                times += steps(1, guard, step)
+                tier = guard.snapshots
+                finished = [d for d in [tier.last] if d is not None and d.ok]
+                newest = max([s for s in [tier.complete] if s is not None] + [d.step for d in finished], default=None)
+                if window > 0 and newest is not None:
+                    lost.append(step - newest)
+            windows.append(sum(times) - args.every * t0)
+            stalls.append(times[0])
+            done.append(tier.wait())
+        dist.barrier()
+    if rank == 0:
+        report(kind="overhead", t0=t0, extra=windows, stalls=stalls, bytes=nbytes,
+               write_s=[d.write_s for d in done], replicate_s=[d.replicate_s for d in done],
+               lost_mean=statistics.mean(lost), lost_max=max(lost))  # fmt: skip
+    dist.barrier()
+
+    def timed_resume(location: str, **options) -> float:
+        dist.barrier()
+        with spotguard.Guard(location, cloud="none", exit_code=None, **options) as guard:
+            began = time.perf_counter()
+            step = guard.resume(state)
+            took = time.perf_counter() - began
+            assert step is not None, f"nothing to resume from in {location}"
+        return took
+
+    # A replacement VM for rank 0: its memory is empty; rank 1 still holds its replica.
+    if rank == 0:
+        shutil.rmtree(Path(args.dir) / "node0")
+    peer = timed_resume(ckpt, snapshot_every=args.every)
+    own = timed_resume(ckpt, snapshot_every=args.every)  # rank 0 now holds its shard again
+    shutil.rmtree(Path(args.dir) / f"node{rank}")  # the memory back for the durable runs
+    with spotguard.Guard(ckpt, cloud="none", exit_code=None) as guard:
+        guard.save(10_000, state)
+    disk = timed_resume(ckpt)
+    bucket_dir = "s3://bench/run"
+    with spotguard.Guard(bucket_dir, cloud="none", exit_code=None, local_dir=str(Path(args.dir) / f"stage{rank}")) as g:
+        g.save(10_000, state)
+    shutil.rmtree(Path(args.dir) / f"stage{rank}")  # a new VM: nothing staged locally
+    bucket = timed_resume(bucket_dir, local_dir=str(Path(args.dir) / f"fresh{rank}"))
+    if rank == 0:
+        report(kind="recovery", peer=peer, own=own, disk=disk, bucket=bucket, bytes=nbytes)
+    dist.barrier()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gb", type=float, default=1.0, help="state per rank in GB (default 1.0)")
+    parser.add_argument("--every", type=int, default=100, help="steps per snapshot interval (default 100)")
+    parser.add_argument("--dir", default="/dev/shm/spotguard-bench", help="the nodes' snapshot dirs and checkpoints")
+    parser.add_argument("--disk-dir", default=tempfile.gettempdir(), help="where the disk checkpoint goes")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+    import boto3
+
+    from tests.servers import start_moto
+
+    server = start_moto()
+    os.environ.update(
+        AWS_ENDPOINT_URL=server.url, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
+        AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true",
+    )  # fmt: skip
+    shutil.rmtree(args.dir, ignore_errors=True)
+    disk = tempfile.mkdtemp(prefix="spotguard-bench-", dir=args.disk_dir)
+    try:
+        boto3.client("s3").create_bucket(Bucket="bench")
+        with (
+            tempfile.TemporaryDirectory(prefix="spotguard-bench-") as logs,
+            Ranks(
+                __file__,
+                2,
+                ["--gb", str(args.gb), "--every", str(args.every), "--dir", args.dir, "--disk-dir", disk],
+                Path(logs),
+            ) as ranks,
+        ):
+            results = {m["kind"]: m for m in ranks.messages()}
+            ranks.wait(600)
+    finally:
+        server.stop()
+        shutil.rmtree(args.dir, ignore_errors=True)
+        shutil.rmtree(disk, ignore_errors=True)
+    o, r = results["overhead"], results["recovery"]
+    gb = o["bytes"] / 1e9
+    steady = statistics.mean(o["extra"][1:])
+    print(f"state: {gb:.2f} GB per rank, 2 ranks (one node each), one compute thread each; t0 = {o['t0'] * 1e3:.1f} ms")
+    print(table(
+        ["snapshot interval", "training-thread stall", "extra time of the interval", "write", "replicate"],
+        [[f"{i + 1}{' (first: allocations)' if i == 0 else ''}", f"{o['stalls'][i]:.3f} s", f"{o['extra'][i]:.2f} s",
+          f"{o['write_s'][i]:.2f} s", f"{o['replicate_s'][i]:.2f} s"] for i in range(3)],
+    ))  # fmt: skip
+    print(f"overhead at one snapshot a minute: {steady:.2f} s / 60 s = {100 * steady / 60:.2f} % (goal <= 1 %)")
+    print(f"lost work on a loss without notice: mean {o['lost_mean']:.1f} steps, max {o['lost_max']} "
+          f"(one interval: {args.every} steps)")  # fmt: skip
+    print(table(
+        ["resume from", "guard.resume()", "vs the bucket"],
+        [[name, f"{r[key]:.2f} s", f"{r['bucket'] / r[key]:.1f}x"] for name, key in
+         (("a peer's memory (replacement VM)", "peer"), ("its own node's memory", "own"),
+          ("local disk (page cache warm)", "disk"), ("S3 bucket (moto on 127.0.0.1)", "bucket"))],
+    ))  # fmt: skip
+    print(f"recovery from a peer's memory vs the bucket: {r['bucket'] / r['peer']:.1f}x (goal >= 5x)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""The snapshot tier's parts: the file (complete or absent, CRC-checked), a node's directory, the
+choice of the snapshot to resume from, the transfers between nodes (real sockets on 127.0.0.1), the
+settings and the environment, and a single-process Guard resuming from its own node's memory.
+The three-node losses are in test_snapshots_multinode.py."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+
+import pytest
+import torch
+
+import spotguard
+from spotguard.checkpoint.departure import HandoffError
+from spotguard.checkpoint.state import load_from_dcp, state_digest, to_dcp
+from spotguard.options import SnapshotOptions
+from spotguard.snapshots import shard_file
+from spotguard.snapshots.node_dir import NodeDir, name_of
+from spotguard.snapshots.peers import PeerServer, fetch, push
+from spotguard.snapshots.recovery import Plan, choose
+from spotguard.snapshots.shard_file import SnapshotError
+
+
+def trained(seed: int = 0, steps: int = 3) -> dict:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(optim, 2)
+    for _ in range(steps):
+        model(torch.randn(4, 8)).sum().backward()
+        optim.step()
+        sched.step()
+    return {"model": model, "optim": optim, "sched": sched, "extra": {"epoch": 3, "bf16": torch.ones(3).bfloat16()}}
+
+
+def digest(state: dict) -> str:
+    return state_digest(state["model"].state_dict())
+
+
+def write(tmp_path, state, step=5, rank=0, world=1):
+    path = tmp_path / "shard.snap"
+    info = shard_file.write(path, to_dcp(state), run="r", step=step, rank=rank, world_size=world)
+    return path, info
+
+
+def test_a_snapshot_file_loads_back_bit_identical_into_the_live_tensors(tmp_path):
+    saved = trained(0)
+    path, info = write(tmp_path, saved)
+    assert shard_file.verify(path) == info
+    assert not list(tmp_path.glob("*.part"))
+    state = trained(1, steps=0)
+    weight = state["model"][0].weight
+    load_from_dcp(state, shard_file.load(path, to_dcp(state)))
+    assert state["model"][0].weight is weight  # read into the parameter itself
+    assert digest(state) == digest(saved)
+    assert state["sched"].state_dict() == saved["sched"].state_dict()
+    assert state["extra"]["epoch"] == 3 and state["extra"]["bf16"].dtype == torch.bfloat16
+    for group in ("state", "param_groups"):
+        assert str(state["optim"].state_dict()[group]) == str(saved["optim"].state_dict()[group])
+
+
+def test_a_flipped_byte_or_a_cut_file_fails_verification(tmp_path):
+    path, info = write(tmp_path, trained())
+    data = bytearray(path.read_bytes())
+    data[info.body_bytes // 2] ^= 1
+    path.write_bytes(data)
+    with pytest.raises(SnapshotError, match="CRC32C"):
+        shard_file.verify(path)
+    path.write_bytes(bytes(data[: len(data) // 2]))
+    with pytest.raises(SnapshotError):
+        shard_file.verify(path)
+
+
+def test_a_write_that_fails_leaves_nothing_under_the_final_name(tmp_path, monkeypatch):
+    calls = []
+
+    def full_disk(crc, data):
+        calls.append(1)
+        if len(calls) > 2:
+            raise OSError(28, "No space left on device")
+        return crc
+
+    monkeypatch.setattr(shard_file, "crc32c_extend", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        write(tmp_path, trained())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_node_dir_lists_complete_files_and_keeps_only_the_steps_asked(tmp_path):
+    node = NodeDir(tmp_path, "run")
+    for step in (3, 6, 9):
+        node.prepare(name_of(step, 0, 2)).write_bytes(b"x")
+    node.prepare(name_of(9, 1, 2)).with_suffix(".snap.part").write_bytes(b"half")
+    assert [(h.step, h.rank) for h in node.held()] == [(9, 0), (6, 0), (3, 0)]
+    node.keep_only({6, 9})
+    assert [h.step for h in node.held()] == [9, 6]
+    with pytest.raises(ValueError, match="not a snapshot file name"):
+        node.file("../../etc/passwd")
+
+
+def test_the_newest_whole_snapshot_is_chosen_and_each_rank_served_from_its_own_node():
+    # 4 ranks on 2 nodes (2 per node); node 1 (ranks 2, 3) was lost: its shards only as replicas on node 0
+    held = [(0, [(9, 0, 4), (9, 2, 4), (6, 0, 4)]), (1, [(9, 1, 4), (9, 3, 4), (6, 1, 4)])]
+    assert choose(held, 4, 2, durable=None) == Plan(9, (0, 1, 0, 1))
+    assert choose(held, 4, 2, durable=9) == Plan(9, (0, 1, 0, 1))  # as new as the bucket: memory is faster
+    assert choose(held, 4, 2, durable=10) is None
+    assert choose(held[:1], 4, 2, durable=None) is None  # rank 1's and 3's shards are nowhere
+    assert choose(held, 2, 1, durable=None) is None  # taken at another world size
+
+
+def test_replicas_go_to_a_peer_and_come_back_checked(tmp_path):
+    source, target = NodeDir(tmp_path / "a", "run"), NodeDir(tmp_path / "b", "run")
+    name = name_of(4, 1, 2)
+    path, _ = write(tmp_path, trained())
+    server = PeerServer(target)
+    try:
+        push(server.address, path, name)
+        assert shard_file.verify(target.file(name)).step == 5
+        info = fetch(server.address, name, source.prepare(name))
+        assert info.crc32c == shard_file.read_info(path).crc32c
+        with pytest.raises(HandoffError, match="no step"):
+            fetch(server.address, name_of(8, 1, 2), source.prepare(name_of(8, 1, 2)))
+        host, port, _ = server.address.split()
+        with pytest.raises(HandoffError, match="wrong token"):
+            push(f"{host} {port} not-the-token", path, name_of(7, 1, 2))
+        assert not target.file(name_of(7, 1, 2)).exists()
+    finally:
+        server.close()
+
+
+def test_a_replica_damaged_on_the_way_is_refused_and_not_kept(tmp_path):
+    target = NodeDir(tmp_path / "b", "run")
+    path, info = write(tmp_path, trained())
+    data = bytearray(path.read_bytes())
+    data[3] ^= 0xFF  # as if flipped in transit: the trailer still says the original CRC32C
+    server = PeerServer(target)
+    try:
+        host, port, token = server.address.split()
+        with socket.create_connection((host, int(port))) as sock:
+            head = json.dumps({"token": token, "op": "put", "name": name_of(1, 0, 1), "bytes": len(data),
+                               "body_bytes": info.body_bytes}).encode()  # fmt: skip
+            sock.sendall(len(head).to_bytes(8, "big") + head + bytes(data))
+            length = int.from_bytes(sock.recv(8), "big")
+            answer = json.loads(sock.recv(length))
+        assert not answer["ok"] and "CRC32C" in answer["error"]
+        assert target.held() == [] and not list(target.path.rglob("*.part"))
+    finally:
+        server.close()
+
+
+def test_the_environment_switches_snapshots_on(monkeypatch):
+    assert not SnapshotOptions().enabled
+    monkeypatch.setenv("SPOTGUARD_SNAPSHOT_EVERY", "50")
+    assert SnapshotOptions().snapshot_every == 50
+    assert SnapshotOptions(snapshot_interval_s=30).snapshot_every is None  # the code's choice wins
+    monkeypatch.setenv("SPOTGUARD_SNAPSHOT_EVERY", "auto")
+    assert SnapshotOptions().snapshot_interval_s == "auto"
+    monkeypatch.setenv("SPOTGUARD_SNAPSHOT_EVERY", "often")
+    with pytest.raises(ValueError, match="SPOTGUARD_SNAPSHOT_EVERY must be a number of steps"):
+        SnapshotOptions()
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        ({"snapshot_every": 0}, "snapshot_every must be >= 1"),
+        ({"snapshot_every": 5, "snapshot_interval_s": 60}, "not both"),
+        ({"snapshot_interval_s": "often"}, 'snapshot_interval_s must be a number of seconds or "auto"'),
+        ({"snapshot_replicas": 0}, "snapshot_replicas must be >= 1"),
+    ],
+)
+def test_bad_snapshot_settings_are_one_line_errors(options, error):
+    with pytest.raises((ValueError, TypeError), match=error):
+        spotguard.Guard("/tmp/unused", cloud="none", **options)
+
+
+def run(tmp_path, stop: int, *, start_state_seed: int = 1, **options) -> tuple[int, dict, spotguard.Guard]:
+    """Train a small model from steps `resume` to `stop` under a single-process guard."""
+    state = trained(start_state_seed, steps=0)
+    options = {"snapshot_every": 4, "snapshot_dir": str(tmp_path / "memory"), "exit_code": None, **options}
+    with spotguard.Guard(str(tmp_path / "ckpt"), cloud="none", **options) as guard:
+        start = guard.resume(state)
+        for step in range(start, stop):
+            torch.manual_seed(step)
+            state["model"](torch.randn(4, 8)).sum().backward()
+            state["optim"].step()
+            state["optim"].zero_grad()
+            guard.step(step, state)
+    return start, state, guard
+
+
+def resumes(tmp_path) -> list[dict]:
+    lines = (tmp_path / "ckpt" / "spotguard-ledger.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r["event"] == "resume"]
+
+
+def test_a_restarted_process_resumes_from_its_nodes_memory_then_saves_durably(tmp_path, caplog):
+    _, reference, _ = run(tmp_path / "ref", 15)
+    run(tmp_path, 11)  # snapshots of steps 4 and 8 stay in the node's memory; no durable save
+    assert not list((tmp_path / "ckpt").glob("step-*"))
+    with caplog.at_level(logging.INFO):
+        start, state, _ = run(tmp_path, 15)
+    assert start == 9
+    assert "resumed from the snapshot of step 8 in the nodes' memory" in caplog.text
+    assert digest(state) == digest(reference)
+    assert [r["tier"] for r in resumes(tmp_path)] == [None, "snapshot"]
+    assert [p.name for p in (tmp_path / "ckpt").glob("step-*")] == ["step-0000000009"]  # at once after it
+
+
+def test_a_corrupted_snapshot_is_struck_off_for_the_one_before(tmp_path, caplog):
+    run(tmp_path, 11)  # snapshots 4 and 8
+    (newest,) = (tmp_path / "memory").rglob("step-0000000008/*.snap")
+    data = bytearray(newest.read_bytes())
+    data[100] ^= 0xFF
+    newest.write_bytes(data)
+    with caplog.at_level(logging.INFO):
+        start, _, _ = run(tmp_path, 7)
+    assert "snapshot of step 8: rank 0's shard from rank 0 is unusable (SnapshotError: CRC32C" in caplog.text
+    assert start == 5
+    assert not newest.exists()
+
+
+def test_a_durable_checkpoint_newer_than_every_snapshot_wins(tmp_path):
+    run(tmp_path, 11, save_every=10)  # durable 10, snapshot 8
+    start, _, _ = run(tmp_path, 12, save_every=10)
+    assert start == 11
+    assert resumes(tmp_path)[-1]["tier"] == "durable"
+
+
+def test_a_node_without_room_runs_without_snapshots(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(NodeDir, "free_bytes", lambda self: 1000)
+    with caplog.at_level(logging.INFO):
+        run(tmp_path, 9)
+    assert "no room, so no snapshots" in caplog.text
+    assert not list((tmp_path / "memory").rglob("*.snap"))
+
+
+def test_timed_snapshots_are_agreed_like_interval_saves(tmp_path):
+    state = trained(1, steps=0)
+    with spotguard.Guard(
+        str(tmp_path / "ckpt"), cloud="none", snapshot_interval_s=0.2, snapshot_dir=str(tmp_path / "m"), exit_code=None
+    ) as guard:
+        guard.resume(state)
+        step = 0
+        while not list((tmp_path / "m").rglob("*.snap")):
+            assert step < 2000, "no timed snapshot"
+            guard.step(step, state)
+            step += 1
+            time.sleep(0.01)
+    assert not list((tmp_path / "ckpt").glob("step-*"))  # a snapshot, not a save
