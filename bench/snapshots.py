@@ -37,7 +37,7 @@ from pathlib import Path
 from _common import Ranks, init_worker, report, table
 
 TENSOR_MB = 64
-STEP_MATMUL = 1024
+STEP_MATMUL = 2048
 
 
 def make_state(gb: float, rank: int) -> dict:

@@ -84,7 +84,6 @@ def test_a_node_lost_without_notice_resumes_from_the_peers_memory_bit_identical(
     assert any(s > snapshot for s in committed(tmp_path))  # the durable save that follows at once
 
 
-
 def test_two_nodes_lost_with_one_replica_resume_from_the_durable_checkpoint(tmp_path, reference):
     interrupted_run(tmp_path, lost=[1, 2])  # rank 1's shard was on nodes 1 and 2 only
     durable = max(committed(tmp_path))
