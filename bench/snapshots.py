@@ -3,24 +3,28 @@
     python bench/snapshots.py [--gb 1.0] [--every 100] [--dir /dev/shm/spotguard-bench]
 
 Two ranks (gloo, subprocesses, one compute thread each), each its own "node" with its own snapshot
-dir under --dir, hold --gb GB of state each (float32 tensors). A training step is a 1024x1024
-matmul plus an in-place update of one 64 MB tensor of the state (the state changes at every step).
+dir under --dir, hold --gb GB of state each (float32 tensors). A training step is either a 0.18 s
+sleep (the step runs on an accelerator and the host's cores are free: the common case) or a
+2048x2048 matmul on the rank's one core (about 0.18 s: both cores of this machine busy, the worst
+case); either way it updates one 64 MB tensor of the state in place.
 
-  overhead   each rank runs --every steps without snapshots (the baseline step time t0), then three
-             snapshot intervals of --every steps with a snapshot at the first step of each (copy to
-             host buffers on the training thread, then in the background: write to the snapshot dir
-             and send to the other rank, which keeps it as its replica). The extra time of an
-             interval is the sum of its step times less --every x t0; the first interval allocates
-             the buffers and the tmpfs pages, the other two are the steady state. The goal: the
-             extra time of one snapshot a minute <= 1 % of the time (extra / 60 s).
-  lost work  at every step of those intervals, how many steps a loss without a notice would
-             lose: the step less the newest snapshot complete on both ranks (at most one interval).
+  overhead   for each kind of step: --every steps without snapshots (the baseline step time t0),
+             then three intervals of --every steps with a snapshot at the first step of each (the
+             state copied into the snapshot file's mapped pages on the training thread; then in the
+             background its CRC32C, and the copy sent to the other rank, which keeps it as its
+             replica). The extra time of an interval is its time, waiting for its snapshot's
+             background work included, less --every x t0. The first two snapshots make the tier's
+             files (new tmpfs pages: two warm-up intervals, shown apart); later ones write over a
+             freed snapshot's. The goal: the steady extra time of one snapshot a minute <= 1 % of
+             the time (extra / 60 s).
+  lost work  at every step of the later intervals, how many steps a loss without a notice would
+             lose: the step less the newest snapshot written and replicated (one interval at most,
+             when the background work ends within the interval).
   recovery   guard.resume() of the same state, timed on rank 0, from: the peer's memory (rank 0's
              snapshot dir emptied first, a replacement VM: its shard comes from rank 1), its own
              node's memory, a checkpoint on the local disk (--disk-dir; just written: the page cache
-             is warm),
-             and an S3 bucket (moto on 127.0.0.1, staged through a fresh local dir). The goal: from
-             the peers' memory >= 5x faster than from the bucket.
+             is warm) and an S3 bucket (moto on 127.0.0.1, staged through a fresh local dir). The
+             goal: from the peers' memory >= 5x faster than from the bucket.
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ from pathlib import Path
 from _common import Ranks, init_worker, report, table
 
 TENSOR_MB = 64
-STEP_MATMUL = 2048
+STEP_MATMUL = 2048  # about 0.18 s on one core
+ACCELERATOR_STEP_S = 0.18
 
 
 def make_state(gb: float, rank: int) -> dict:
@@ -49,8 +54,11 @@ def make_state(gb: float, rank: int) -> dict:
     return {"model": layers, "progress": {"rank": rank}}
 
 
-def train_step(state: dict, a, step: int) -> None:
-    a @ a  # noqa: B018 - the compute of a step
+def train_step(state: dict, a, kind: str) -> None:
+    if kind == "cpu":
+        a @ a  # noqa: B018 - the compute of a step, on this rank's one core
+    else:
+        time.sleep(ACCELERATOR_STEP_S)  # the step runs on an accelerator; the host's cores are free
     state["model"]["w0"].add_(1e-3)
 
 
@@ -70,41 +78,39 @@ def worker(args: argparse.Namespace) -> None:
     nbytes = sum(t.numel() * 4 for t in state["model"].values())
     ckpt = str(Path(args.disk_dir) / "ckpt")
 
-    def steps(n: int, guard=None, start: int = 0) -> list[float]:
-        times = []
-        for step in range(start, start + n):
+    def phase(kind: str, guard: spotguard.Guard, first: int, warmup: int) -> dict:
+        dist.barrier()
+        baseline = []
+        for _ in range(args.every):
             began = time.perf_counter()
-            train_step(state, a, step)
-            if guard is not None:
-                guard.step(step, state)
-            times.append(time.perf_counter() - began)
-        return times
-
-    dist.barrier()
-    baseline = steps(args.every)
-    t0 = statistics.median(baseline)
-    dist.barrier()
-    windows, stalls, lost, done = [], [], [], []
-    with spotguard.Guard(ckpt, cloud="none", snapshot_every=args.every, exit_code=None) as guard:
-        tier = None
-        for window in range(3):
-            start = window * args.every
-            times = []
+            train_step(state, a, kind)
+            baseline.append(time.perf_counter() - began)
+        t0 = statistics.median(baseline)
+        dist.barrier()
+        windows, lost, done = [], [], []
+        for window in range(warmup + 3):
+            start = first + window * args.every
+            began = time.perf_counter()
             for step in range(start, start + args.every):
-                times += steps(1, guard, step)
+                train_step(state, a, kind)
+                guard.step(step, state)
                 tier = guard.snapshots
-                finished = [d for d in [tier.last] if d is not None and d.ok]
-                newest = max([s for s in [tier.complete] if s is not None] + [d.step for d in finished], default=None)
-                if window > 0 and newest is not None:
+                finished = tier.last.step if tier.last is not None and tier.last.ok else None
+                newest = max((s for s in (tier.complete, finished) if s is not None), default=None)
+                if window > warmup and newest is not None:
                     lost.append(step - newest)
-            windows.append(sum(times) - args.every * t0)
-            stalls.append(times[0])
-            done.append(tier.wait())
+            done.append(tier.wait())  # the interval's background work, whatever outlasted its steps
+            windows.append(time.perf_counter() - began - args.every * t0)
+        return {"kind": kind, "t0": t0, "warmup": warmup, "extra": windows, "stall_s": [d.stall_s for d in done],
+                "write_s": [d.write_s for d in done], "replicate_s": [d.replicate_s for d in done],
+                "lost_mean": statistics.mean(lost), "lost_max": max(lost)}  # fmt: skip
+
+    with spotguard.Guard(ckpt, cloud="none", snapshot_every=args.every, exit_code=None) as guard:
+        # The first two snapshots make the tier's files (new tmpfs pages); every later one writes over freed ones.
+        phases = [phase("accelerator", guard, 0, warmup=2), phase("cpu", guard, 5 * args.every, warmup=0)]
         dist.barrier()
     if rank == 0:
-        report(kind="overhead", t0=t0, extra=windows, stalls=stalls, bytes=nbytes,
-               write_s=[d.write_s for d in done], replicate_s=[d.replicate_s for d in done],
-               lost_mean=statistics.mean(lost), lost_max=max(lost))  # fmt: skip
+        report(kind="overhead", phases=phases, bytes=nbytes)
     dist.barrier()
 
     def timed_resume(location: str, **options) -> float:
@@ -175,17 +181,21 @@ def main() -> int:
         shutil.rmtree(args.dir, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)
     o, r = results["overhead"], results["recovery"]
-    gb = o["bytes"] / 1e9
-    steady = statistics.mean(o["extra"][1:])
-    print(f"state: {gb:.2f} GB per rank, 2 ranks (one node each), one compute thread each; t0 = {o['t0'] * 1e3:.1f} ms")
-    print(table(
-        ["snapshot interval", "training-thread stall", "extra time of the interval", "write", "replicate"],
-        [[f"{i + 1}{' (first: allocations)' if i == 0 else ''}", f"{o['stalls'][i]:.3f} s", f"{o['extra'][i]:.2f} s",
-          f"{o['write_s'][i]:.2f} s", f"{o['replicate_s'][i]:.2f} s"] for i in range(3)],
-    ))  # fmt: skip
-    print(f"overhead at one snapshot a minute: {steady:.2f} s / 60 s = {100 * steady / 60:.2f} % (goal <= 1 %)")
-    print(f"lost work on a loss without notice: mean {o['lost_mean']:.1f} steps, max {o['lost_max']} "
-          f"(one interval: {args.every} steps)")  # fmt: skip
+    print(f"state: {o['bytes'] / 1e9:.2f} GB per rank, 2 ranks (one node each), one compute thread each; "
+          f"a snapshot every {args.every} steps")  # fmt: skip
+    rows = []
+    for p in o["phases"]:
+        for i in range(len(p["extra"])):
+            rows.append([f"{p['kind']} (t0 {p['t0'] * 1e3:.0f} ms)" if i == 0 else "",
+                         f"{i + 1}{' (new pages)' if i < p['warmup'] else ''}",
+                         f"{p['stall_s'][i]:.3f} s", f"{p['extra'][i]:.2f} s", f"{p['write_s'][i]:.2f} s",
+                         f"{p['replicate_s'][i]:.2f} s"])  # fmt: skip
+    print(table(["training step", "interval", "stall", "extra time of the interval", "write", "replicate"], rows))
+    for p in o["phases"]:
+        steady = statistics.mean(p["extra"][p["warmup"] :])
+        print(f"{p['kind']}: overhead at one snapshot a minute {steady:.2f} s / 60 s = {100 * steady / 60:.2f} % "
+              f"(goal <= 1 %); lost work on a loss without notice: mean {p['lost_mean']:.1f} steps, "
+              f"max {p['lost_max']} (one interval: {args.every} steps)")  # fmt: skip
     print(table(
         ["resume from", "guard.resume()", "vs the bucket"],
         [[name, f"{r[key]:.2f} s", f"{r['bucket'] / r[key]:.1f}x"] for name, key in

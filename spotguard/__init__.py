@@ -19,6 +19,7 @@ _LAZY = {
     "StorageOptions": "spotguard.options",
     "ExitOptions": "spotguard.options",
     "CoordinationOptions": "spotguard.options",
+    "SnapshotOptions": "spotguard.options",
     "Checkpointer": "spotguard.checkpoint.checkpointer",
     "SaveReport": "spotguard.checkpoint.checkpointer",
     "IfSaved": "spotguard.checkpoint.state",
@@ -47,6 +48,7 @@ __all__ = [
     "ResumableSampler",
     "SaveOptions",
     "SaveReport",
+    "SnapshotOptions",
     "StorageOptions",
     "__version__",
     "list_checkpoints",
@@ -66,6 +68,7 @@ if TYPE_CHECKING:
         GuardOptions,
         NoticeOptions,
         SaveOptions,
+        SnapshotOptions,
         StorageOptions,
     )
 

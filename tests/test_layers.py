@@ -93,3 +93,18 @@ def test_names_spotguard_checkpoint_exported_before_still_import_with_a_warning(
     assert moved is step_dir_name
     assert any(issubclass(w.category, DeprecationWarning) and "spotguard.checkpoint.layout" in str(w.message)
                for w in caught)  # fmt: skip
+
+
+def test_the_snapshot_tier_stands_on_the_checkpoint_layer_only():
+    """spotguard.snapshots uses the checkpoint layer, the store helpers and the cadence (a leaf); the
+    guard builds on it, never the other way."""
+    allowed = ("spotguard.snapshots", "spotguard.checkpoint", "spotguard.kvstore", "spotguard.cadence")
+    upward = {
+        (module, found)
+        for module, names in imports().items()
+        if module.startswith("spotguard.snapshots")
+        for found in names
+        if found.startswith("spotguard") and not found.startswith(allowed)
+    }
+    assert not upward
+    assert not {i for i in imports()["spotguard.cadence"] if i.startswith("spotguard")}

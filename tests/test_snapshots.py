@@ -75,13 +75,8 @@ def test_a_flipped_byte_or_a_cut_file_fails_verification(tmp_path):
 
 
 def test_a_write_that_fails_leaves_nothing_under_the_final_name(tmp_path, monkeypatch):
-    calls = []
-
     def full_disk(crc, data):
-        calls.append(1)
-        if len(calls) > 2:
-            raise OSError(28, "No space left on device")
-        return crc
+        raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(shard_file, "crc32c_extend", full_disk)
     with pytest.raises(OSError, match="No space"):
@@ -99,6 +94,24 @@ def test_the_node_dir_lists_complete_files_and_keeps_only_the_steps_asked(tmp_pa
     assert [h.step for h in node.held()] == [9, 6]
     with pytest.raises(ValueError, match="not a snapshot file name"):
         node.file("../../etc/passwd")
+
+
+def test_a_freed_snapshot_file_is_written_over_by_the_next_one(tmp_path):
+    node = NodeDir(tmp_path, "run")
+    big, small = trained(0), {"t": torch.arange(10.0)}
+    first = node.prepare(name_of(1, 0, 1))
+    shard_file.write(first, to_dcp(big), run="r", step=1, rank=0, world_size=1)
+    inode = first.stat().st_ino
+    node.keep_only({2}, spares=1)  # step 1 freed: its file set aside
+    assert node.held() == [] and len(list((node.path / "spare").iterdir())) == 1
+    second = node.prepare(name_of(2, 0, 1))
+    shard = shard_file.MappedShard(second, small, node.take_spare)
+    shard.fill(small)
+    info = shard.finish(run="r", step=2, rank=0, world_size=1)
+    assert second.stat().st_ino == inode  # the same file, its pages reused
+    assert shard_file.verify(second) == info  # a longer spare's tail cut off
+    assert torch.equal(shard_file.load(second, {})["t"], small["t"])
+    assert not node.take_spare(tmp_path / "none")  # taken: none left
 
 
 def test_the_newest_whole_snapshot_is_chosen_and_each_rank_served_from_its_own_node():
@@ -119,10 +132,10 @@ def test_replicas_go_to_a_peer_and_come_back_checked(tmp_path):
     try:
         push(server.address, path, name)
         assert shard_file.verify(target.file(name)).step == 5
-        info = fetch(server.address, name, source.prepare(name))
+        info = fetch(server.address, name, source)
         assert info.crc32c == shard_file.read_info(path).crc32c
         with pytest.raises(HandoffError, match="no step"):
-            fetch(server.address, name_of(8, 1, 2), source.prepare(name_of(8, 1, 2)))
+            fetch(server.address, name_of(8, 1, 2), source)
         host, port, _ = server.address.split()
         with pytest.raises(HandoffError, match="wrong token"):
             push(f"{host} {port} not-the-token", path, name_of(7, 1, 2))

@@ -41,7 +41,7 @@ class Stager:
 
     def speeds_up(self, state_dict: Mapping[str, Any]) -> bool:
         """Whether a blocking save of `state_dict` should stage first: it holds GPU tensors and buffers exist."""
-        return bool(self._buffers) and _on_device(state_dict)
+        return bool(self._buffers) and on_device(state_dict)
 
     @property
     def nbytes(self) -> int:
@@ -95,13 +95,14 @@ class Stager:
         return buffer
 
 
-def _on_device(tree: Any) -> bool:
+def on_device(tree: Any) -> bool:
+    """Whether a (DCP) state dict holds tensors outside host memory."""
     if isinstance(tree, DTensor):
         return tree.to_local().device.type != "cpu"
     if isinstance(tree, torch.Tensor):
         return tree.device.type != "cpu"
     if isinstance(tree, Mapping):
-        return any(_on_device(v) for v in tree.values())
+        return any(on_device(v) for v in tree.values())
     if isinstance(tree, (list, tuple)):
-        return any(_on_device(v) for v in tree)
+        return any(on_device(v) for v in tree)
     return False

@@ -1,6 +1,7 @@
 """A node's snapshot directory: where its ranks' snapshots and the replicas it keeps for other nodes live.
 
     <root>/<run>/step-<step>/shard-<rank>-of-<world size>.snap
+    <root>/<run>/spare/...      files of freed snapshots, written over by the next ones
 
 `root` is host memory that outlives the training processes (a tmpfs such as /dev/shm), so a
 restart of the workers finds what the node held. `run` keys the job (a hash of its checkpoint
@@ -15,6 +16,7 @@ import hashlib
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 DEFAULT_ROOT = "/dev/shm/spotguard"
@@ -72,19 +74,38 @@ class NodeDir:
                     found.append(Held(int(step[1]), int(shard[1]), int(shard[2]), path))
         return sorted(found, key=lambda h: (-h.step, h.rank))
 
-    def keep_only(self, steps: set[int]) -> int:
-        """Delete every step but `steps` (and unfinished `.part` files everywhere); the bytes freed.
+    def keep_only(self, steps: set[int], spares: int = 0) -> None:
+        """Free every step but `steps`: up to `spares` of their files are kept aside for the next
+        snapshot to write over (`take_spare`), the rest deleted, with unfinished `.part` files.
 
-        Several local ranks may sweep at once: a file another one removed first is not an error.
+        Several local ranks may sweep at once: a file another one moved first is not an error.
         """
-        freed = 0
+        spare_dir = self.path / "spare"
+        spare_dir.mkdir(parents=True, exist_ok=True)
+        kept = len(list(spare_dir.iterdir()))
         for step_dir in list(self.path.glob("step-*")):
             step = _STEP.fullmatch(step_dir.name)
             if step is not None and int(step[1]) in steps:
                 continue
-            freed += _size(step_dir)
+            for path in step_dir.glob("*.snap"):
+                if kept >= spares:
+                    break
+                try:
+                    os.replace(path, spare_dir / f"{os.getpid()}-{time.monotonic_ns()}")
+                    kept += 1
+                except FileNotFoundError:
+                    pass
             shutil.rmtree(step_dir, ignore_errors=True)
-        return freed
+
+    def take_spare(self, dest: Path) -> bool:
+        """Move a spare file (its pages already the tmpfs's) to `dest`; False when there is none."""
+        for spare in sorted((self.path / "spare").glob("*")):
+            try:
+                os.replace(spare, dest)
+                return True
+            except FileNotFoundError:  # another rank took it first
+                continue
+        return False
 
     def free_bytes(self) -> int:
         """Room for more files: the file system's free space, and for a tmpfs the memory left too."""
@@ -93,16 +114,6 @@ class NodeDir:
         free = stat.f_bavail * stat.f_frsize
         available = _mem_available()
         return min(free, available) if available is not None and _on_tmpfs(self.path) else free
-
-
-def _size(path: Path) -> int:
-    total = 0
-    for child in path.rglob("*"):
-        try:
-            total += child.stat().st_size
-        except OSError:
-            pass
-    return total
 
 
 def _mem_available() -> int | None:

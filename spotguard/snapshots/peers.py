@@ -4,14 +4,16 @@ The wire is the handoff's (`spotguard.checkpoint.handoff.wire`): a length-prefix
 then raw bytes. A request names its op (`put`: take a replica in; `get`: send a file held) and
 carries the server's token, which only the job's store hands out (`host port token` under the
 rank's key), so only the job's own ranks are served. Files go out with sendfile (no copy through
-Python); what comes in is written as `.part`, its body's CRC32C computed as it arrives, and the
-file takes its final name only once that matches its trailer: a replica is complete or absent.
+Python); what comes in goes straight into the mapped pages of a `.part` file (a freed snapshot's
+when there is one), its body's CRC32C computed as it arrives, and the file takes its final name
+only once that matches its trailer: a replica is complete or absent.
 """
 
 from __future__ import annotations
 
 import hmac
 import logging
+import mmap
 import os
 import secrets
 import socket
@@ -87,7 +89,7 @@ class PeerServer:
 
     def _take(self, conn: socket.socket, request: dict[str, Any]) -> None:
         path = self.node_dir.prepare(str(request["name"]))
-        receive_file(conn, path, int(request["bytes"]), int(request["body_bytes"]))
+        receive_file(conn, path, int(request["bytes"]), int(request["body_bytes"]), self.node_dir)
         send_json(conn, {"ok": True})
 
     def _give(self, conn: socket.socket, request: dict[str, Any]) -> None:
@@ -99,29 +101,38 @@ class PeerServer:
             conn.sendfile(f)
 
 
-def receive_file(sock: socket.socket, path: Path, size: int, body_bytes: int) -> ShardInfo:
-    """Write the `size` bytes that come on `sock` to `path`: renamed into place only once the body's
-    CRC32C, computed as it arrives, matches the trailer's."""
+def receive_file(sock: socket.socket, path: Path, size: int, body_bytes: int, node_dir: NodeDir) -> ShardInfo:
+    """Write the `size` bytes that come on `sock` to `path`: straight into the file's mapped pages (a
+    spare's when the node has one), renamed into place only once the body's CRC32C, computed as it
+    arrives, matches the trailer's."""
     part = path.with_name(path.name + ".part")
-    buffer = bytearray(CHUNK)
-    crc = got = 0
+    node_dir.take_spare(part)
+    fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        with open(part, "wb") as f:
-            while got < size:
-                n = sock.recv_into(buffer, min(CHUNK, size - got))
-                if n == 0:
-                    raise HandoffError(f"the connection closed after {got} of {size} bytes")
-                view = memoryview(buffer)[:n]
-                if got < body_bytes:
-                    crc = crc32c_extend(crc, view[: min(n, body_bytes - got)])
-                f.write(view)
-                got += n
+        os.ftruncate(fd, size)
+        crc = got = 0
+        with mmap.mmap(fd, size) as mapped:
+            view = memoryview(mapped)
+            try:
+                while got < size:
+                    n = sock.recv_into(view[got : min(size, got + CHUNK)])
+                    if n == 0:
+                        raise HandoffError(f"the connection closed after {got} of {size} bytes")
+                    if got < body_bytes:
+                        crc = crc32c_extend(crc, view[got : min(got + n, body_bytes)])
+                    got += n
+            finally:
+                view.release()
+        os.close(fd)
+        fd = -1
         info = shard_file.read_info(part)
         if info.body_bytes != body_bytes or f"{crc:08x}" != info.crc32c:
             raise SnapshotError(f"{path.name}: CRC32C {crc:08x} of what arrived does not match {info.crc32c}")
         os.replace(part, path)
         return info
     except BaseException:
+        if fd >= 0:
+            os.close(fd)
         part.unlink(missing_ok=True)
         raise
 
@@ -146,12 +157,12 @@ def push(address: str, path: Path, name: str) -> None:
         raise HandoffError(f"the peer refused the replica: {answer.get('error')}")
 
 
-def fetch(address: str, name: str, path: Path) -> ShardInfo:
-    """Copy the peer's file `name` to `path` (complete and checked, or not at all)."""
+def fetch(address: str, name: str, node_dir: NodeDir) -> ShardInfo:
+    """Copy the peer's file `name` into `node_dir` (complete and checked, or not at all)."""
     sock, token = _connect(address)
     with sock:
         send_json(sock, {"token": token, "op": "get", "name": name})
         answer = recv_json(sock, Deadline())
         if not answer.get("ok"):
             raise HandoffError(f"the peer has no {name}: {answer.get('error')}")
-        return receive_file(sock, path, int(answer["bytes"]), int(answer["body_bytes"]))
+        return receive_file(sock, node_dir.prepare(name), int(answer["bytes"]), int(answer["body_bytes"]), node_dir)

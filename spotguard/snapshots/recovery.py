@@ -99,7 +99,7 @@ def fetch_shard(
                 path.unlink(missing_ok=True)  # never offered again
                 raise
         else:
-            info = fetch(address_of(source), name, node_dir.prepare(name))
+            info = fetch(address_of(source), name, node_dir)
             log.info("snapshot of step %d: fetched %d bytes of rank %d's shard from rank %d", plan.step,
                      info.body_bytes, rank, source)  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - any failure: this copy is unusable

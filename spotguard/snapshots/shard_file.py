@@ -1,12 +1,15 @@
 """One rank's snapshot as one file: complete or absent, checked by a CRC32C.
 
     body: skeleton (torch.save of the state with every tensor on "meta") | each tensor's bytes, in order
-    trailer: JSON (run, step, rank, world size, the body's length and CRC32C) | its length (8 bytes) | MAGIC
+          (each part padded to 64 bytes)
+    trailer: JSON (run, step, rank, world size, the skeleton's and the body's lengths, the body's
+             CRC32C) | its length (8 bytes) | MAGIC
 
-The trailer comes last so that the body streams out as it is written, its checksum computed on the
-way. A file is written as `<name>.part` and renamed once whole: a file under its final name is
-complete, and it counts only when its body matches the trailer's CRC32C (`verify`). The skeleton
-loads with torch's weights-only unpickler: a snapshot cannot run code.
+The body is laid out first and filled through a memory map (`MappedShard`): copying the state in
+is writing the file. The trailer comes last, once the body's checksum is known. A file is made as
+`<name>.part` and renamed once whole: a file under its final name is complete, and it counts only
+when its body matches the trailer's CRC32C (`verify`). The skeleton loads with torch's weights-only
+unpickler: a snapshot cannot run code.
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import mmap
 import os
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -78,25 +82,89 @@ def _skeleton(tree: Any) -> Any:
     return tree
 
 
-def write(path: Path, staged: Mapping[str, Any], *, run: str, step: int, rank: int, world_size: int) -> ShardInfo:
-    """Write `staged` (a state dict whose tensors are contiguous host copies) to `path`, whole or not at all."""
-    skeleton = io.BytesIO()
-    torch.save(_skeleton(staged), skeleton)
-    part = path.with_name(path.name + ".part")
-    crc = size = 0
+class MappedShard:
+    """A snapshot file being made: its body mapped into memory and filled in place, so the copy of
+    the state is the write (no second copy through a buffer). `finish` checksums it, appends the
+    trailer and gives it its final name; until then it is a `.part` file that `discard` removes.
+
+    `take_spare(path)` may move a freed snapshot's file there first: its tmpfs pages are reused,
+    which costs about half of writing into new ones.
+    """
+
+    def __init__(
+        self, path: Path, state_dict: Mapping[str, Any], take_spare: Callable[[Path], bool] | None = None
+    ) -> None:
+        skeleton = io.BytesIO()
+        torch.save(_skeleton(state_dict), skeleton)
+        self._skeleton = skeleton.getbuffer()
+        self._tensors = [(t.shape, t.dtype, _padded(t.numel() * t.element_size())) for t in tensors_of(state_dict)]
+        self.body_bytes = _padded(len(self._skeleton)) + sum(size for _, _, size in self._tensors)
+        self.path = path
+        self._part = path.with_name(path.name + ".part")
+        if take_spare is not None:
+            take_spare(self._part)
+        self._fd = os.open(self._part, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.ftruncate(self._fd, self.body_bytes)
+            self._map = mmap.mmap(self._fd, self.body_bytes, flags=mmap.MAP_SHARED | _POPULATE)
+        except BaseException:
+            self.discard()
+            raise
+
+    def fill(self, state_dict: Mapping[str, Any]) -> None:
+        """Copy `state_dict` (the one the layout was made from, or its staged copy) into the file."""
+        body = torch.frombuffer(self._map, dtype=torch.uint8)
+        body[: len(self._skeleton)].copy_(torch.frombuffer(self._skeleton, dtype=torch.uint8))
+        offset = _padded(len(self._skeleton))
+        for tensor, (shape, dtype, size) in zip(tensors_of(state_dict), self._tensors, strict=True):
+            nbytes = tensor.numel() * tensor.element_size()
+            body[offset : offset + nbytes].view(dtype).view(shape).copy_(tensor.detach())
+            offset += size
+        del body  # no view of the map may outlive it
+
+    def finish(self, *, run: str, step: int, rank: int, world_size: int) -> ShardInfo:
+        """Checksum the body, append the trailer, and give the file its final name."""
+        try:
+            crc = crc32c_extend(0, self._map)
+            info = ShardInfo(run, step, rank, world_size, len(self._skeleton), self.body_bytes, f"{crc:08x}")
+            self._map.close()
+            trailer = info.encoded()
+            os.pwrite(self._fd, trailer, self.body_bytes)
+            os.ftruncate(self._fd, self.body_bytes + len(trailer))  # a longer spare's tail goes
+            os.close(self._fd)
+            self._fd = -1
+            os.replace(self._part, self.path)
+        except BaseException:
+            self.discard()
+            raise
+        return info
+
+    def discard(self) -> None:
+        if getattr(self, "_map", None) is not None and not self._map.closed:
+            self._map.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self._part.unlink(missing_ok=True)
+
+
+_ALIGN = 64  # every part of the body starts 64-byte aligned: a tensor is a view of the mapped bytes
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # map every page at once, not one fault per page
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def write(path: Path, state_dict: Mapping[str, Any], *, run: str, step: int, rank: int, world_size: int) -> ShardInfo:
+    """Write `state_dict` to `path` in one go, whole or not at all."""
+    shard = MappedShard(path, state_dict)
     try:
-        with open(part, "wb") as f:
-            for chunk in (skeleton.getbuffer(), *(_bytes_of(t) for t in tensors_of(staged))):
-                f.write(chunk)
-                crc = crc32c_extend(crc, chunk)
-                size += len(chunk)
-            info = ShardInfo(run, step, rank, world_size, len(skeleton.getbuffer()), size, f"{crc:08x}")
-            f.write(info.encoded())
-        os.replace(part, path)
+        shard.fill(state_dict)
     except BaseException:
-        part.unlink(missing_ok=True)
+        shard.discard()
         raise
-    return info
+    return shard.finish(run=run, step=step, rank=rank, world_size=world_size)
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
@@ -153,6 +221,7 @@ def load(path: Path, live: Mapping[str, Any]) -> dict[str, Any]:
             skeleton = torch.load(io.BytesIO(f.read(info.skeleton_bytes)), weights_only=True)
         except Exception as exc:  # noqa: BLE001 - any unpickling failure means an unusable file
             raise SnapshotError(f"its state skeleton does not load: {type(exc).__name__}: {exc}") from None
+        f.seek(_padded(info.skeleton_bytes))
         return _fill(skeleton, live, f)
 
 
@@ -170,6 +239,7 @@ def _fill(skeleton: Any, live: Any, f: BinaryIO) -> Any:
         view = _bytes_of(out)
         if f.readinto(view) != len(view):
             raise SnapshotError("the file ended early")
+        f.seek(_padded(len(view)) - len(view), os.SEEK_CUR)
         if (
             not fits
             and isinstance(target, torch.Tensor)

@@ -1,8 +1,11 @@
 """The snapshot tier: frequent copies of every rank's state in host memory, kept on other nodes too.
 
-At a snapshot step the training thread copies its state into reused host buffers (the stall) and
-goes on; a background thread writes the copy to this node's snapshot directory and sends it to
-the rank's buddies, the same local rank on the next `replicas` nodes (a ring). Each rank then
+At a snapshot step the training thread copies its state into the file of this node's snapshot
+directory, through a memory map (a GPU state: into reused pinned buffers, written to the file in
+the background), and goes on: that copy is the stall. A background thread checksums the file,
+names it, and sends it to the rank's buddies, the same local rank on the next `replicas` nodes (a
+ring); what a node receives goes straight into a file's mapped pages too. The files of a freed
+snapshot are written over by the next one (their tmpfs pages reused). Each rank then
 reports through the job's store; the last to report sets the step's verdict. A snapshot is
 complete once every rank has written and replicated its shard. At the next snapshot each rank
 waits for the previous one's verdict (as a save waits for the one before it), keeps the newest
@@ -19,13 +22,14 @@ import logging
 import os
 import time
 from collections.abc import Mapping, MutableMapping
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from spotguard.cadence import Cadence
 from spotguard.checkpoint.comm import FAILURES, Comm, describe
-from spotguard.checkpoint.staging import Stager
+from spotguard.checkpoint.staging import Stager, on_device
 from spotguard.checkpoint.state import load_from_dcp, to_dcp
 from spotguard.kvstore import Connection
 from spotguard.snapshots import recovery, shard_file
@@ -94,6 +98,7 @@ class SnapshotTier:
         self._pending: concurrent.futures.Future[SnapshotDone] | None = None
         self._begun: int | None = None  # the step of the snapshot last begun
         self._room: bool | None = None  # None until the first snapshot checked it
+        self._files_per_step = self.ranks_per_node * (1 + self.replicas)  # this node's, own and replicas
         self._server = PeerServer(self.node_dir)
         store.set(f"{self._prefix}addr/{self.rank}", self._server.address)
 
@@ -116,13 +121,26 @@ class SnapshotTier:
             else:
                 log.warning("the snapshot of step %d is not complete everywhere (%s)", self._begun,
                             "one rank's failed" if verdict else f"no verdict in {VERDICT_WAIT_S:.0f} s")  # fmt: skip
-        self.node_dir.keep_only({s for s in (self.complete, step) if s is not None})
+        self.node_dir.keep_only({s for s in (self.complete, step) if s is not None}, spares=self._files_per_step)
         previous, self._begun = self._begun, step
-        staged = self._stager.stage(state_dict)
+        path = self.node_dir.prepare(name_of(step, self.rank, self.world_size))
+        try:
+            if on_device(state_dict):  # into pinned buffers at the copy's full speed; into the file in the background
+                staged = self._stager.stage(state_dict)
+                copied: shard_file.MappedShard | BaseException | Mapping[str, Any] = staged
+            else:  # straight into the file's mapped pages: the copy is the write
+                copied = shard_file.MappedShard(path, state_dict, self.node_dir.take_spare)
+                try:
+                    copied.fill(state_dict)
+                except BaseException:
+                    copied.discard()
+                    raise
+        except Exception as exc:  # noqa: BLE001 - reported as this rank's failed snapshot, so no rank waits for it
+            copied = exc
         stall = time.monotonic() - started
         if self.cadence is not None:
             self.cadence.observe_save(stall)
-        self._pending = self._pool.submit(self._write_and_replicate, step, staged, stall, previous)
+        self._pending = self._pool.submit(self._write_and_replicate, step, path, copied, stall, previous)
 
     def restore(self, state: MutableMapping[str, Any], durable: int | None) -> int | None:
         """Load the newest whole snapshot newer than (or as new as) the durable step `durable`
@@ -176,7 +194,7 @@ class SnapshotTier:
         """Whether every node has room for the tier (a collective through the store); logs the sizes."""
         shard = sum(t.numel() * t.element_size() for t in shard_file.tensors_of(state_dict))
         files = self.ranks_per_node * shard * (1 + self.replicas) * GENERATIONS
-        host_copy = self.ranks_per_node * shard
+        host_copy = self.ranks_per_node * shard if on_device(state_dict) else 0  # GPU state: pinned buffers
         free = self.node_dir.free_bytes()
         fits = files + host_copy <= free
         if self.comm.is_node_leader:
@@ -196,17 +214,29 @@ class SnapshotTier:
         return verdict == b"ok"
 
     def _write_and_replicate(
-        self, step: int, staged: Mapping[str, Any], stall: float, previous: int | None
+        self,
+        step: int,
+        path: Path,
+        copied: shard_file.MappedShard | BaseException | Mapping[str, Any],
+        stall: float,
+        previous: int | None,
     ) -> SnapshotDone:
         started = time.monotonic()
         size, write_s, error = 0, 0.0, None
         try:
-            name = name_of(step, self.rank, self.world_size)
-            path = self.node_dir.prepare(name)
-            info = shard_file.write(path, staged, run=self.run, step=step, rank=self.rank, world_size=self.world_size)
+            if isinstance(copied, BaseException):
+                raise copied
+            if not isinstance(copied, shard_file.MappedShard):  # staged in host buffers
+                staged, copied = copied, shard_file.MappedShard(path, copied, self.node_dir.take_spare)
+                try:
+                    copied.fill(staged)
+                except BaseException:
+                    copied.discard()
+                    raise
+            info = copied.finish(run=self.run, step=step, rank=self.rank, world_size=self.world_size)
             size, write_s = info.body_bytes, time.monotonic() - started
             for buddy in self.buddies:
-                push(self._address_of(buddy, self._background_conn), path, name)
+                push(self._address_of(buddy, self._background_conn), path, name_of(step, self.rank, self.world_size))
         except Exception as exc:  # noqa: BLE001 - a failed snapshot leaves the previous one; training goes on
             error = f"{type(exc).__name__}: {exc}"
             log.warning("the snapshot of step %d failed: %s", step, error)
