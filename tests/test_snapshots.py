@@ -264,3 +264,17 @@ def test_timed_snapshots_are_agreed_like_interval_saves(tmp_path):
             step += 1
             time.sleep(0.01)
     assert not list((tmp_path / "ckpt").glob("step-*"))  # a snapshot, not a save
+
+
+def test_auto_snapshot_interval_weighs_the_measured_stall_against_the_interruption_rate(tmp_path):
+    with spotguard.Guard(
+        str(tmp_path / "ckpt"), cloud="none", snapshot_interval_s="auto", snapshot_dir=str(tmp_path / "m"),
+        exit_code=None,
+    ) as guard:  # fmt: skip
+        assert guard._snapshot_interval() == 10.0  # the lower bound until a snapshot is measured
+        guard._snapshot_cadence.observe_save(0.05)
+        # Young/Daly with the prior of one interruption a day: sqrt(2 x 0.05 s x 86,400 s)
+        assert guard._snapshot_interval() == pytest.approx((2 * 0.05 * 86400) ** 0.5, rel=0.01)
+        guard._snapshot_cadence.observe_save(20.0)
+        guard._snapshot_cadence.observe_save(20.0)
+        assert guard._snapshot_interval() == 900.0  # held at the upper bound
