@@ -16,6 +16,7 @@ import torch
 import spotguard
 from spotguard.checkpoint.departure import HandoffError
 from spotguard.checkpoint.state import load_from_dcp, state_digest, to_dcp
+from spotguard.cli import main
 from spotguard.options import SnapshotOptions
 from spotguard.snapshots import shard_file
 from spotguard.snapshots.node_dir import NodeDir, name_of
@@ -210,7 +211,7 @@ def resumes(tmp_path) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["event"] == "resume"]
 
 
-def test_a_restarted_process_resumes_from_its_nodes_memory_then_saves_durably(tmp_path, caplog):
+def test_a_restarted_process_resumes_from_its_nodes_memory_then_saves_durably(tmp_path, caplog, capsys):
     _, reference, _ = run(tmp_path / "ref", 15)
     run(tmp_path, 11)  # snapshots of steps 4 and 8 stay in the node's memory; no durable save
     assert not list((tmp_path / "ckpt").glob("step-*"))
@@ -221,6 +222,9 @@ def test_a_restarted_process_resumes_from_its_nodes_memory_then_saves_durably(tm
     assert digest(state) == digest(reference)
     assert [r["tier"] for r in resumes(tmp_path)] == [None, "snapshot"]
     assert [p.name for p in (tmp_path / "ckpt").glob("step-*")] == ["step-0000000009"]  # at once after it
+    assert main(["report", str(tmp_path / "ckpt"), "--json"]) == 0
+    segments = json.loads(capsys.readouterr().out)["segment_details"]
+    assert [s["resumed_tier"] for s in segments] == [None, "snapshot"]
 
 
 def test_a_corrupted_snapshot_is_struck_off_for_the_one_before(tmp_path, caplog):
