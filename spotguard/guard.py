@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import time
 import warnings
 from collections.abc import Callable, Mapping, MutableMapping
@@ -61,6 +62,7 @@ from spotguard.options import (
     SnapshotOptions,
     StorageOptions,
 )
+from spotguard.snapshots.shard_file import SnapshotLoadError
 from spotguard.snapshots.tier import SnapshotTier
 from spotguard.timeline import Timeline
 from spotguard.watcher import Watcher, add_sources
@@ -68,6 +70,8 @@ from spotguard.watcher import Watcher, add_sources
 log = logging.getLogger(__name__)
 
 SNAPSHOT = "snapshot"  # the reason of an agreed step that is a snapshot's, not a save's
+# Rank 0 could not list the committed steps: no snapshot is newer than this, so none is loaded.
+_UNKNOWN_STEP = sys.maxsize
 
 
 class Guard:
@@ -309,7 +313,7 @@ class Guard:
             self._ckpt.close()
         if self._tier is not None:
             try:
-                self._tier.close()
+                self._tier.close(wait=not self.interrupted)  # after an emergency, leave without the snapshot
             except Exception:  # noqa: BLE001 - logged by the tier; the snapshot before it stays
                 log.exception("the last snapshot failed")
         if self._group is not None:
@@ -330,11 +334,20 @@ class Guard:
         """Load the newest committed checkpoint into `state`; returns the step to start from (0 if none)."""
         self._require_started("resume")
         started = time.monotonic()
-        tier = "snapshot"
         try:
-            step = self._resume_snapshot(state)
+            try:
+                step = self._resume_snapshot(state)
+                tier = "snapshot"
+            except SnapshotLoadError as exc:  # on every rank; the state may be overwritten in part
+                log.error("%s; loading the durable checkpoint over it", exc)
+                step = self._checkpointer().resume(state)
+                if step is None:
+                    raise CheckpointError(f"{exc}, and there is no durable checkpoint to load over it") from None
+                tier = "durable"
             if step is None:
                 step, tier = self._checkpointer().resume(state), "durable"
+            if self._tier is not None:
+                self._tier.forget_after(step)  # snapshots newer than this belong to a past that will not happen
         except CheckpointUnavailable as exc:
             if self._exit.exit_code is None:
                 raise
@@ -361,7 +374,14 @@ class Guard:
         tier = self._snapshots()
         if tier is None:
             return None
-        durable = self._ckpt.newest_committed() if self.topology.is_coordinator else None
+        durable = None
+        if self.topology.is_coordinator:
+            try:
+                durable = self._ckpt.newest_committed()
+            except Exception as exc:  # noqa: BLE001 - the durable path below says so again, and decides
+                log.warning("the committed steps cannot be listed (%s: %s): no snapshot is loaded without "
+                            "knowing they are older", type(exc).__name__, exc)  # fmt: skip
+                durable = _UNKNOWN_STEP
         step = tier.restore(state, durable)
         if step is not None and self.topology.is_coordinator:
             log.info("resumed from the snapshot of step %d in the nodes' memory (durable: %s)", step, durable)

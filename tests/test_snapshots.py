@@ -282,3 +282,28 @@ def test_auto_snapshot_interval_weighs_the_measured_stall_against_the_interrupti
         guard._snapshot_cadence.observe_save(20.0)
         guard._snapshot_cadence.observe_save(20.0)
         assert guard._snapshot_interval() == 900.0  # held at the upper bound
+
+
+def test_a_snapshot_that_does_not_fit_the_state_is_dropped_and_never_half_loaded(tmp_path):
+    run(tmp_path, 11)  # snapshots 4 and 8, nothing durable
+    state = trained(1, steps=0)
+    state["model"][0] = torch.nn.Linear(8, 32)  # the model changed shape since
+    with spotguard.Guard(
+        str(tmp_path / "ckpt"), cloud="none", snapshot_every=4, snapshot_dir=str(tmp_path / "memory"), exit_code=None
+    ) as guard:  # fmt: skip
+        with pytest.raises(spotguard.CheckpointError, match="snapshot of step 8 did not load.*no durable checkpoint"):
+            guard.resume(state)
+    assert [p.parent.name for p in (tmp_path / "memory").rglob("*.snap")] == ["step-0000000004"]
+
+
+def test_no_snapshot_is_loaded_while_the_committed_steps_cannot_be_listed(tmp_path, monkeypatch, caplog):
+    run(tmp_path, 11)
+
+    def unlistable(self):
+        raise OSError("the bucket does not answer")
+
+    monkeypatch.setattr(spotguard.Checkpointer, "newest_committed", unlistable)
+    with caplog.at_level(logging.WARNING):
+        start, _, _ = run(tmp_path, 12)
+    assert start == 0  # here the durable path could list: nothing committed, a fresh start
+    assert "the committed steps cannot be listed (OSError: the bucket does not answer)" in caplog.text

@@ -300,13 +300,9 @@ class Checkpointer:
         return step
 
     def newest_committed(self) -> int | None:
-        """The newest committed step (not verified; steps already found bad left out), or None; on a
-        store that cannot list now, None too, logged: what it holds is out of reach either way."""
-        try:
-            steps = candidate_steps(self.remote, self.local_root, self._key)
-        except Exception as exc:  # noqa: BLE001 - a listing that fails here fails resume's own too
-            log.warning("cannot list the committed steps in %s: %s: %s", self.remote.url, type(exc).__name__, exc)
-            return None
+        """The newest committed step (not verified; steps already found bad left out), or None.
+        Raises what the store raises when it cannot list now."""
+        steps = candidate_steps(self.remote, self.local_root, self._key)
         return next((s for s in steps if s not in self._claim.rejected), None)
 
     def _note_earlier_steps(self) -> None:

@@ -19,11 +19,21 @@ import secrets
 import socket
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from cloud_adapters.deadline import Deadline
 from spotguard.checkpoint.departure import HandoffError
-from spotguard.checkpoint.handoff.wire import CHUNK, IDLE_TIMEOUT_S, advertised_host, recv_json, send_json
+from spotguard.checkpoint.handoff.wire import (
+    CHUNK,
+    FRAME,
+    IDLE_TIMEOUT_S,
+    MAX_HELLO,
+    advertised_host,
+    json_object,
+    recv_into,
+    recv_json,
+    send_json,
+)
 from spotguard.checkpoint.shard_io import crc32c_extend
 from spotguard.snapshots import shard_file
 from spotguard.snapshots.node_dir import NodeDir
@@ -32,6 +42,7 @@ from spotguard.snapshots.shard_file import ShardInfo, SnapshotError
 log = logging.getLogger(__name__)
 
 _ACCEPT_POLL_S = 0.5
+MAX_CONNECTIONS = 64  # transfers served at once; a node's peers are its buddies and a few fetching ranks
 
 
 class PeerServer:
@@ -43,6 +54,8 @@ class PeerServer:
         self._sock = socket.create_server((advertised_host(), 0))
         self._sock.settimeout(_ACCEPT_POLL_S)
         self._stopped = threading.Event()
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._handlers: set[threading.Thread] = set()
         self._thread = threading.Thread(target=self._serve, name="spotguard-snapshot-peers", daemon=True)
         self._thread.start()
 
@@ -52,10 +65,14 @@ class PeerServer:
         host, port = self._sock.getsockname()[:2]
         return f"{host} {port} {self.token}"
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Stop taking connections; with `wait`, let the transfers under way end (each within the idle
+        timeout) first."""
         self._stopped.set()
         self._thread.join(timeout=5)
         self._sock.close()
+        for handler in list(self._handlers) if wait else ():
+            handler.join(timeout=IDLE_TIMEOUT_S)
 
     def _serve(self) -> None:
         while not self._stopped.is_set():
@@ -63,15 +80,30 @@ class PeerServer:
                 conn, _ = self._sock.accept()
             except TimeoutError:
                 continue
-            except OSError:
-                return
-            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+            except OSError as exc:  # out of file descriptors, say: try again, unless closed meanwhile
+                if self._stopped.wait(_ACCEPT_POLL_S):
+                    return
+                log.warning("the snapshot peer server could not accept a connection: %s", exc)
+                continue
+            if not self._slots.acquire(blocking=False):  # a flood: the job's own peers are a handful
+                conn.close()
+                continue
+            handler = threading.Thread(target=self._handle, args=(conn,), daemon=True)
+            self._handlers.add(handler)
+            handler.start()
 
     def _handle(self, conn: socket.socket) -> None:
+        try:
+            self._serve_one(conn)
+        finally:
+            self._slots.release()
+            self._handlers.discard(threading.current_thread())
+
+    def _serve_one(self, conn: socket.socket) -> None:
         with conn:
             conn.settimeout(IDLE_TIMEOUT_S)
             try:
-                request = recv_json(conn, Deadline())
+                request = _recv_request(conn)
                 if not hmac.compare_digest(str(request.get("token", "")).encode(), self.token.encode()):
                     raise HandoffError("a wrong token")
                 if request.get("op") == "put":
@@ -80,7 +112,7 @@ class PeerServer:
                     self._give(conn, request)
                 else:
                     raise HandoffError(f"unknown op {request.get('op')!r}")
-            except (OSError, ValueError, HandoffError, SnapshotError) as exc:
+            except (OSError, ValueError, KeyError, TypeError, HandoffError, SnapshotError) as exc:
                 log.warning("snapshot peer request refused: %s: %s", type(exc).__name__, exc)
                 try:
                     send_json(conn, {"ok": False, "error": f"{type(exc).__name__}: {exc}"})
@@ -95,10 +127,9 @@ class PeerServer:
     def _give(self, conn: socket.socket, request: dict[str, Any]) -> None:
         path = self.node_dir.file(str(request["name"]))
         with open(path, "rb") as f:  # FileNotFoundError: refused, the asker tries elsewhere
-            info = shard_file.read_info(path)
-            size = os.fstat(f.fileno()).st_size
+            size, info = _opened(f)
             send_json(conn, {"ok": True, "bytes": size, "body_bytes": info.body_bytes})
-            conn.sendfile(f)
+            conn.sendfile(f, 0)
 
 
 def receive_file(sock: socket.socket, path: Path, size: int, body_bytes: int, node_dir: NodeDir) -> ShardInfo:
@@ -137,6 +168,25 @@ def receive_file(sock: socket.socket, path: Path, size: int, body_bytes: int, no
         raise
 
 
+def _opened(f: BinaryIO) -> tuple[int, ShardInfo]:
+    """The size and trailer of the open snapshot file `f` (the very file then sent)."""
+    size = os.fstat(f.fileno()).st_size
+    return size, shard_file.trailer_of(f, size)
+
+
+def _recv_request(sock: socket.socket) -> dict[str, Any]:
+    """The first frame of a connection: small, read in full only when it is (nothing is trusted before
+    the token is checked)."""
+    head = bytearray(FRAME.size)
+    recv_into(sock, memoryview(head), Deadline())
+    (length,) = FRAME.unpack(head)
+    if length > MAX_HELLO:
+        raise HandoffError(f"a {length}-byte request is too large")
+    body = bytearray(length)
+    recv_into(sock, memoryview(body), Deadline())
+    return json_object(body)
+
+
 def _connect(address: str) -> tuple[socket.socket, str]:
     host, port, token = address.split()
     sock = socket.create_connection((host, int(port)), timeout=IDLE_TIMEOUT_S)
@@ -146,12 +196,11 @@ def _connect(address: str) -> tuple[socket.socket, str]:
 
 def push(address: str, path: Path, name: str) -> None:
     """Send the snapshot file at `path` to the peer at `address`, to keep as `name`; returns once it has it whole."""
-    info = shard_file.read_info(path)
     sock, token = _connect(address)
     with sock, open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+        size, info = _opened(f)
         send_json(sock, {"token": token, "op": "put", "name": name, "bytes": size, "body_bytes": info.body_bytes})
-        sock.sendfile(f)
+        sock.sendfile(f, 0)
         answer = recv_json(sock, Deadline())
     if not answer.get("ok"):
         raise HandoffError(f"the peer refused the replica: {answer.get('error')}")

@@ -39,6 +39,11 @@ class SnapshotError(RuntimeError):
     """A snapshot file is malformed, incomplete or fails its checksum."""
 
 
+class SnapshotLoadError(SnapshotError):
+    """Every rank had its checked shard, and loading them into the state failed on some rank: the
+    state may be overwritten in part (raised on every rank)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardInfo:
     """What a snapshot file's trailer says; `body_bytes + trailer` is the file's size."""
@@ -114,13 +119,15 @@ class MappedShard:
     def fill(self, state_dict: Mapping[str, Any]) -> None:
         """Copy `state_dict` (the one the layout was made from, or its staged copy) into the file."""
         body = torch.frombuffer(self._map, dtype=torch.uint8)
-        body[: len(self._skeleton)].copy_(torch.frombuffer(self._skeleton, dtype=torch.uint8))
-        offset = _padded(len(self._skeleton))
-        for tensor, (shape, dtype, size) in zip(tensors_of(state_dict), self._tensors, strict=True):
-            nbytes = tensor.numel() * tensor.element_size()
-            body[offset : offset + nbytes].view(dtype).view(shape).copy_(tensor.detach())
-            offset += size
-        del body  # no view of the map may outlive it
+        try:
+            body[: len(self._skeleton)].copy_(torch.frombuffer(self._skeleton, dtype=torch.uint8))
+            offset = _padded(len(self._skeleton))
+            for tensor, (shape, dtype, size) in zip(tensors_of(state_dict), self._tensors, strict=True):
+                nbytes = tensor.numel() * tensor.element_size()
+                body[offset : offset + nbytes].view(dtype).view(shape).copy_(tensor.detach())
+                offset += size
+        finally:
+            del body  # no view of the map may outlive it (closing a map with views raises)
 
     def finish(self, *, run: str, step: int, rank: int, world_size: int) -> ShardInfo:
         """Checksum the body, append the trailer, and give the file its final name."""
@@ -140,8 +147,11 @@ class MappedShard:
         return info
 
     def discard(self) -> None:
-        if getattr(self, "_map", None) is not None and not self._map.closed:
-            self._map.close()
+        try:
+            if getattr(self, "_map", None) is not None and not self._map.closed:
+                self._map.close()
+        except BufferError:  # a view still lives (a traceback holds it): the map goes when it does
+            pass
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -174,10 +184,11 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 def read_info(path: Path) -> ShardInfo:
     """The trailer of the snapshot file at `path` (not its checksum: see `verify`)."""
     with open(path, "rb") as f:
-        return _trailer(f, os.fstat(f.fileno()).st_size)
+        return trailer_of(f, os.fstat(f.fileno()).st_size)
 
 
-def _trailer(f: BinaryIO, size: int) -> ShardInfo:
+def trailer_of(f: BinaryIO, size: int) -> ShardInfo:
+    """The trailer of the open snapshot file `f` of `size` bytes."""
     if size < _TAIL.size:
         raise SnapshotError(f"{size} bytes: too short for a snapshot")
     f.seek(size - _TAIL.size)
@@ -197,7 +208,7 @@ def _trailer(f: BinaryIO, size: int) -> ShardInfo:
 def verify(path: Path) -> ShardInfo:
     """The trailer of `path` once its body matches the CRC32C there; SnapshotError otherwise."""
     with open(path, "rb") as f:
-        info = _trailer(f, os.fstat(f.fileno()).st_size)
+        info = trailer_of(f, os.fstat(f.fileno()).st_size)
         f.seek(0)
         crc, left, buffer = 0, info.body_bytes, bytearray(_READ)
         while left:
@@ -215,7 +226,7 @@ def load(path: Path, live: Mapping[str, Any]) -> dict[str, Any]:
     """The state dict in `path`, its tensors read straight into the matching tensors of `live` (the
     DCP state dict of the state being resumed) where shape and dtype agree, else into new ones."""
     with open(path, "rb") as f:
-        info = _trailer(f, os.fstat(f.fileno()).st_size)
+        info = trailer_of(f, os.fstat(f.fileno()).st_size)
         f.seek(0)
         try:
             skeleton = torch.load(io.BytesIO(f.read(info.skeleton_bytes)), weights_only=True)

@@ -16,10 +16,10 @@ of its own shards and of its replicas. Store traffic per snapshot: O(N) (an `add
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
 import os
+import threading
 import time
 from collections.abc import Mapping, MutableMapping
 from pathlib import Path
@@ -40,7 +40,10 @@ log = logging.getLogger(__name__)
 
 VERDICT_WAIT_S = 300.0  # the longest a snapshot waits for the previous one's verdict
 ADDRESS_WAIT_S = 60.0
-GENERATIONS = 2  # the newest complete snapshot and the one being made
+# The newest complete snapshot, the one being made, and a freed one's files kept to be written over
+# (replicas that arrive before their node has freed its old ones make new files).
+GENERATIONS = 3
+TIMED_OUT = "failed: not every rank reported in time"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,8 +97,7 @@ class SnapshotTier:
         self._background_conn = Connection.of(store, lazy=True)
         self._addresses: dict[int, str] = {}
         self._stager = Stager()
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spotguard-snapshot")
-        self._pending: concurrent.futures.Future[SnapshotDone] | None = None
+        self._pending: threading.Thread | None = None  # the background part of the snapshot in flight
         self._begun: int | None = None  # the step of the snapshot last begun
         self._room: bool | None = None  # None until the first snapshot checked it
         self._files_per_step = self.ranks_per_node * (1 + self.replicas)  # this node's, own and replicas
@@ -104,43 +106,51 @@ class SnapshotTier:
 
     # ---- the training thread ---------------------------------------------------------
     def snapshot(self, step: int, state: Mapping[str, Any]) -> None:
-        """Begin the snapshot of `step`: returns once `state` is copied; the rest runs in the background."""
+        """Begin the snapshot of `step`: returns once `state` is copied; the rest runs in the background.
+
+        Whatever fails here is reported as this rank's failed snapshot: no rank waits for it.
+        """
         started = time.monotonic()
-        if self._pending is not None:
-            self._pending.result()
-            self._pending = None
-        state_dict = to_dcp(state)
+        self.wait()
+        try:
+            state_dict: Mapping[str, Any] | None = to_dcp(state)
+        except Exception as exc:  # noqa: BLE001 - the state cannot be read: this snapshot fails (below)
+            state_dict, problem = None, exc
         if self._room is None:
             self._room = self._check_room(state_dict)
         if not self._room:
             return
         if self._begun is not None:
-            verdict = self._conn.get(f"{self._prefix}{self._begun}/verdict", VERDICT_WAIT_S)
-            if verdict == b"ok":
+            verdict = self._verdict(f"{self._prefix}{self._begun}")
+            if verdict == "ok":
                 self.complete = self._begun
             else:
-                log.warning("the snapshot of step %d is not complete everywhere (%s)", self._begun,
-                            "one rank's failed" if verdict else f"no verdict in {VERDICT_WAIT_S:.0f} s")  # fmt: skip
-        self.node_dir.keep_only({s for s in (self.complete, step) if s is not None}, spares=self._files_per_step)
+                log.warning("the snapshot of step %d is not complete everywhere (%s)", self._begun, verdict)
         previous, self._begun = self._begun, step
-        path = self.node_dir.prepare(name_of(step, self.rank, self.world_size))
+        path = self.node_dir.file(name_of(step, self.rank, self.world_size))
+        copied: shard_file.MappedShard | BaseException | Mapping[str, Any]
         try:
+            if state_dict is None:
+                raise problem
+            self.node_dir.keep_only({s for s in (self.complete, step) if s is not None}, spares=self._files_per_step)
+            path.parent.mkdir(parents=True, exist_ok=True)
             if on_device(state_dict):  # into pinned buffers at the copy's full speed; into the file in the background
-                staged = self._stager.stage(state_dict)
-                copied: shard_file.MappedShard | BaseException | Mapping[str, Any] = staged
+                copied = self._stager.stage(state_dict)
             else:  # straight into the file's mapped pages: the copy is the write
-                copied = shard_file.MappedShard(path, state_dict, self.node_dir.take_spare)
-                try:
-                    copied.fill(state_dict)
-                except BaseException:
-                    copied.discard()
-                    raise
-        except Exception as exc:  # noqa: BLE001 - reported as this rank's failed snapshot, so no rank waits for it
+                copied = _filled(shard_file.MappedShard(path, state_dict, self.node_dir.take_spare), state_dict)
+        except Exception as exc:  # noqa: BLE001 - reported as this rank's failed snapshot
             copied = exc
         stall = time.monotonic() - started
         if self.cadence is not None:
             self.cadence.observe_save(stall)
-        self._pending = self._pool.submit(self._write_and_replicate, step, path, copied, stall, previous)
+        # A daemon thread: a process leaving after an emergency does not wait for a snapshot's replication.
+        self._pending = threading.Thread(
+            target=self._write_and_replicate,
+            args=(step, path, copied, stall, previous),
+            name="spotguard-snapshot",
+            daemon=True,
+        )
+        self._pending.start()
 
     def restore(self, state: MutableMapping[str, Any], durable: int | None) -> int | None:
         """Load the newest whole snapshot newer than (or as new as) the durable step `durable`
@@ -168,30 +178,41 @@ class SnapshotTier:
         problems = [p for p in (self.comm.gather(problem) or []) if p]
         problems = self.comm.broadcast(problems)
         if problems:
-            raise shard_file.SnapshotError(f"the snapshot of step {plan.step} did not load: " + " | ".join(problems))
+            self.forget_after(plan.step - 1)  # never chosen again
+            why = " | ".join(problems)
+            raise shard_file.SnapshotLoadError(f"the snapshot of step {plan.step} did not load: {why}")
         self.complete = plan.step  # kept by the next snapshot's sweep; its verdict was another run's
         return plan.step
 
     def wait(self) -> SnapshotDone | None:
-        """The background part of the snapshot in flight, finished."""
-        if self._pending is None:
-            return self.last
-        try:
-            return self._pending.result()
-        finally:
+        """The background part of the snapshot in flight, finished (it never raises: it reports)."""
+        if self._pending is not None:
+            self._pending.join()
             self._pending = None
+        return self.last
 
-    def close(self) -> None:
-        """Finish the snapshot in flight and stop serving peers; the files stay for the next start."""
+    def forget_after(self, step: int | None) -> None:
+        """This node's snapshots of steps after `step` (the step a resume started from; None: a fresh
+        start) belong to a past that will not happen: deleted, so that no later snapshot of the same
+        step number can ever be made whole with them."""
+        self.node_dir.keep_only({h.step for h in self.node_dir.held() if step is not None and h.step <= step})
+
+    def close(self, wait: bool = True) -> None:
+        """Stop serving peers; with `wait`, first finish the snapshot in flight (after an emergency the
+        process leaves without it). The files stay for the next start."""
         try:
-            self.wait()
+            if wait:
+                self.wait()
         finally:
-            self._pool.shutdown(wait=True)
-            self._server.close()
+            self._server.close(wait)
 
     # ---- internals ------------------------------------------------------------------------
-    def _check_room(self, state_dict: Mapping[str, Any]) -> bool:
-        """Whether every node has room for the tier (a collective through the store); logs the sizes."""
+    def _check_room(self, state_dict: Mapping[str, Any] | None) -> bool:
+        """Whether every node has room for the tier (a collective through the store); logs the sizes.
+        A state that cannot be read (None) counts as no room."""
+        if state_dict is None:
+            _report(self._conn.store, f"{self._prefix}room", self.world_size, False)
+            return self._verdict(f"{self._prefix}room") == "ok"
         shard = sum(t.numel() * t.element_size() for t in shard_file.tensors_of(state_dict))
         files = self.ranks_per_node * shard * (1 + self.replicas) * GENERATIONS
         host_copy = self.ranks_per_node * shard if on_device(state_dict) else 0  # GPU state: pinned buffers
@@ -200,18 +221,26 @@ class SnapshotTier:
         if self.comm.is_node_leader:
             log.log(
                 logging.INFO if fits else logging.WARNING,
-                "snapshots need %s on this node: %d rank(s) x %s x (own + %d replica(s)) x %d generations in %s, "
-                "plus %s of host copies; %s free%s",
+                "snapshots need %s on this node: %d rank(s) x %s x (own + %d replica(s)) x %d generations at most "
+                "in %s, plus %s of host copies; %s free%s",
                 _size(files + host_copy), self.ranks_per_node, _size(shard), self.replicas, GENERATIONS,
                 self.node_dir.path, _size(host_copy), _size(free),
                 "" if fits else ": no room, so no snapshots (make the tmpfs larger or snapshot less state)",
             )  # fmt: skip
         key = f"{self._prefix}room"
         _report(self._conn.store, key, self.world_size, fits)
-        verdict = self._conn.get(f"{key}/verdict", VERDICT_WAIT_S)
-        if verdict != b"ok" and self.comm.is_coordinator:
-            log.warning("snapshots are off: %s", "a node lacks the room" if verdict else "not every rank answered")
-        return verdict == b"ok"
+        verdict = self._verdict(key)
+        if verdict != "ok" and self.comm.is_coordinator:
+            log.warning("snapshots are off: a node lacks the room, or not every rank answered (%s)", verdict)
+        return verdict == "ok"
+
+    def _verdict(self, key: str) -> str:
+        """`<key>/verdict` once the last rank set it; after VERDICT_WAIT_S, "failed" for every rank (the
+        first to write it wins, so no two ranks can see different verdicts)."""
+        value = self._conn.get(f"{key}/verdict", VERDICT_WAIT_S)
+        if value is None:
+            value = self._conn.store.compare_set(f"{key}/verdict", "", TIMED_OUT)
+        return value.decode()
 
     def _write_and_replicate(
         self,
@@ -227,12 +256,7 @@ class SnapshotTier:
             if isinstance(copied, BaseException):
                 raise copied
             if not isinstance(copied, shard_file.MappedShard):  # staged in host buffers
-                staged, copied = copied, shard_file.MappedShard(path, copied, self.node_dir.take_spare)
-                try:
-                    copied.fill(staged)
-                except BaseException:
-                    copied.discard()
-                    raise
+                copied = _filled(shard_file.MappedShard(path, copied, self.node_dir.take_spare), copied)
             info = copied.finish(run=self.run, step=step, rank=self.rank, world_size=self.world_size)
             size, write_s = info.body_bytes, time.monotonic() - started
             for buddy in self.buddies:
@@ -250,10 +274,13 @@ class SnapshotTier:
             ok=error is None,
             error=error,
         )
-        store = self._background_conn.store
-        if _report(store, f"{self._prefix}{step}", self.world_size, done.ok) and previous is not None:
-            for suffix in ("done", "failed", "verdict"):  # every rank has read the previous verdict by now
-                store.delete_key(f"{self._prefix}{previous}/{suffix}")
+        try:
+            store = self._background_conn.store
+            if _report(store, f"{self._prefix}{step}", self.world_size, done.ok) and previous is not None:
+                for suffix in ("done", "failed", "verdict"):  # every rank has read the previous verdict by now
+                    store.delete_key(f"{self._prefix}{previous}/{suffix}")
+        except Exception as exc:  # noqa: BLE001 - the store is gone: the job is ending, the training thread says so
+            log.warning("the snapshot of step %d could not be reported: %s: %s", step, type(exc).__name__, exc)
         log.debug("snapshot of step %d: %s", step, done)
         self.last = done
         return done
@@ -274,8 +301,17 @@ def _report(store: dist.Store, key: str, world_size: int, ok: bool) -> bool:
         store.set(f"{key}/failed", "1")
     if store.add(f"{key}/done", 1) != world_size:
         return False
-    store.set(f"{key}/verdict", "failed" if store.check([f"{key}/failed"]) else "ok")
+    store.compare_set(f"{key}/verdict", "", "failed" if store.check([f"{key}/failed"]) else "ok")
     return True
+
+
+def _filled(shard: shard_file.MappedShard, state_dict: Mapping[str, Any]) -> shard_file.MappedShard:
+    try:
+        shard.fill(state_dict)
+    except BaseException:
+        shard.discard()
+        raise
+    return shard
 
 
 def _size(nbytes: int) -> str:
