@@ -20,7 +20,7 @@ from spotguard.cli import main
 from spotguard.options import SnapshotOptions
 from spotguard.snapshots import shard_file
 from spotguard.snapshots.node_dir import NodeDir, name_of
-from spotguard.snapshots.peers import PeerServer, fetch, push
+from spotguard.snapshots.peers import PeerServer, fetch_into, push
 from spotguard.snapshots.recovery import Plan, choose
 from spotguard.snapshots.shard_file import SnapshotError
 
@@ -125,22 +125,32 @@ def test_the_newest_whole_snapshot_is_chosen_and_each_rank_served_from_its_own_n
     assert choose(held, 2, 1, durable=None) is None  # taken at another world size
 
 
-def test_replicas_go_to_a_peer_and_come_back_checked(tmp_path):
-    source, target = NodeDir(tmp_path / "a", "run"), NodeDir(tmp_path / "b", "run")
+def test_replicas_go_to_a_peer_and_come_back_checked_straight_into_the_state(tmp_path):
+    target = NodeDir(tmp_path / "b", "run")
     name = name_of(4, 1, 2)
-    path, _ = write(tmp_path, trained())
+    saved = trained()
+    path, _ = write(tmp_path, saved)
     server = PeerServer(target)
     try:
         push(server.address, path, name)
         assert shard_file.verify(target.file(name)).step == 5
-        info = fetch(server.address, name, source)
+        state = trained(1, steps=0)
+        weight = state["model"][0].weight
+        info, loaded = fetch_into(server.address, name, to_dcp(state))
         assert info.crc32c == shard_file.read_info(path).crc32c
+        load_from_dcp(state, loaded)
+        assert state["model"][0].weight is weight and digest(state) == digest(saved)
         with pytest.raises(HandoffError, match="no step"):
-            fetch(server.address, name_of(8, 1, 2), source)
+            fetch_into(server.address, name_of(8, 1, 2), to_dcp(state))
         host, port, _ = server.address.split()
         with pytest.raises(HandoffError, match="wrong token"):
             push(f"{host} {port} not-the-token", path, name_of(7, 1, 2))
         assert not target.file(name_of(7, 1, 2)).exists()
+        data = bytearray(target.file(name).read_bytes())
+        data[len(data) // 2] ^= 0xFF  # a replica damaged where it is kept: found as it arrives
+        target.file(name).write_bytes(data)
+        with pytest.raises(SnapshotError, match="CRC32C"):
+            fetch_into(server.address, name, to_dcp(trained(1, steps=0)))
     finally:
         server.close()
 
@@ -287,11 +297,14 @@ def test_auto_snapshot_interval_weighs_the_measured_stall_against_the_interrupti
 def test_a_snapshot_that_does_not_fit_the_state_is_dropped_and_never_half_loaded(tmp_path):
     run(tmp_path, 11)  # snapshots 4 and 8, nothing durable
     state = trained(1, steps=0)
-    state["model"][0] = torch.nn.Linear(8, 32)  # the model changed shape since
+    state["model"][0], state["model"][2] = torch.nn.Linear(8, 32), torch.nn.Linear(32, 2)  # wider since
+    state["optim"] = torch.optim.AdamW(state["model"].parameters(), lr=1e-2)
     with spotguard.Guard(
         str(tmp_path / "ckpt"), cloud="none", snapshot_every=4, snapshot_dir=str(tmp_path / "memory"), exit_code=None
     ) as guard:  # fmt: skip
-        with pytest.raises(spotguard.CheckpointError, match="snapshot of step 8 did not load.*no durable checkpoint"):
+        with pytest.raises(
+            spotguard.CheckpointError, match="(?s)snapshot of step 8 did not load.*no durable checkpoint"
+        ):
             guard.resume(state)
     assert [p.parent.name for p in (tmp_path / "memory").rglob("*.snap")] == ["step-0000000004"]
 

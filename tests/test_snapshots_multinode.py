@@ -78,7 +78,7 @@ def test_a_node_lost_without_notice_resumes_from_the_peers_memory_bit_identical(
     assert snapshot > durable  # newer than the bucket's newest: from the survivors' memory
     assert resumed["start"] == snapshot + 1
     assert last - snapshot <= SNAPSHOT_EVERY  # lost work: at most one snapshot interval
-    assert re.search(r"fetched \d+ bytes of rank 2's shard from rank 0", text)  # its buddy kept it
+    assert re.search(r"read \d+ bytes of rank 2's shard from rank 0", text)  # its buddy kept it
     assert resumed["digest"] == reference
     assert ledger_resumes(tmp_path)[-1]["tier"] == "snapshot"
     assert any(s > snapshot for s in committed(tmp_path))  # the durable save that follows at once

@@ -18,6 +18,7 @@ import os
 import secrets
 import socket
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -128,7 +129,8 @@ class PeerServer:
         path = self.node_dir.file(str(request["name"]))
         with open(path, "rb") as f:  # FileNotFoundError: refused, the asker tries elsewhere
             size, info = _opened(f)
-            send_json(conn, {"ok": True, "bytes": size, "body_bytes": info.body_bytes})
+            send_json(conn, {"ok": True, "bytes": size, "body_bytes": info.body_bytes,
+                             "skeleton_bytes": info.skeleton_bytes})  # fmt: skip
             conn.sendfile(f, 0)
 
 
@@ -206,12 +208,45 @@ def push(address: str, path: Path, name: str) -> None:
         raise HandoffError(f"the peer refused the replica: {answer.get('error')}")
 
 
-def fetch(address: str, name: str, node_dir: NodeDir) -> ShardInfo:
-    """Copy the peer's file `name` into `node_dir` (complete and checked, or not at all)."""
+def fetch_into(address: str, name: str, live: Mapping[str, Any]) -> tuple[ShardInfo, dict[str, Any]]:
+    """Read the peer's file `name` straight into the tensors of `live` (the DCP state dict of the state
+    being resumed; see `shard_file.load`), checking its CRC32C as it arrives: the loaded state dict,
+    for `load_from_dcp`, once the caller knows every rank has its shard. On a failure `live` may be
+    overwritten in part."""
     sock, token = _connect(address)
     with sock:
         send_json(sock, {"token": token, "op": "get", "name": name})
         answer = recv_json(sock, Deadline())
         if not answer.get("ok"):
             raise HandoffError(f"the peer has no {name}: {answer.get('error')}")
-        return receive_file(sock, node_dir.prepare(name), int(answer["bytes"]), int(answer["body_bytes"]), node_dir)
+        size, body_bytes = int(answer["bytes"]), int(answer["body_bytes"])
+        source = _SocketSource(sock)
+        loaded = shard_file.read_body(source, int(answer["skeleton_bytes"]), live)
+        if source.got != body_bytes:
+            raise SnapshotError(f"{name}: {source.got} bytes of body read, the peer announced {body_bytes}")
+        trailer = bytearray(size - body_bytes)
+        recv_into(sock, memoryview(trailer), Deadline())
+    info = shard_file.parse_trailer(bytes(trailer))
+    crc = f"{source.body_crc:08x}"
+    if info.body_bytes != body_bytes or crc != info.crc32c:
+        raise SnapshotError(f"{name}: CRC32C {crc} of what arrived does not match {info.crc32c}")
+    return info, loaded
+
+
+class _SocketSource:
+    """A peer's connection as a `shard_file.Source`: the body's CRC32C computed as the bytes arrive."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.got = 0
+        self.body_crc = 0
+
+    def read_exactly(self, view: memoryview) -> None:
+        filled = 0
+        while filled < len(view):
+            n = self.sock.recv_into(view[filled:], min(CHUNK, len(view) - filled))
+            if n == 0:
+                raise HandoffError(f"the connection closed after {self.got + filled} bytes")
+            self.body_crc = crc32c_extend(self.body_crc, view[filled : filled + n])
+            filled += n
+        self.got += filled

@@ -4,21 +4,25 @@ Each rank lists its share of its node's files (their trailers: no data is read) 
 rank 0 picks the newest step that is whole (every rank's shard held somewhere, at the job's present
 world size) and as new as the newest durable checkpoint at least, and where each rank finds its
 shard, preferring its own node. Each rank then checks its shard's CRC32C: read from its node, or
-as it arrives from another one. A shard that fails is struck off (that holder's copy of that rank's
-shard at that step) and rank 0 chooses again: another holder, else an older snapshot, else none.
-Only once every rank has a checked shard does any of them load it: a snapshot loads whole or not at all.
+as it arrives from a buddy (read straight into the state's tensors: one copy). A shard that fails
+is struck off (that holder's copy of that rank's shard at that step) and rank 0 chooses again:
+another holder, else an older snapshot, else none. Only once every rank has a checked shard is the
+state loaded (`load_from_dcp`): a snapshot loads whole or not at all. A rank that read from a buddy
+has overwritten its tensors already; if the snapshot is then given up, another copy, an older
+snapshot or the durable checkpoint is loaded over the whole state, or resume raises (`guard.resume`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Any
 
 from spotguard.checkpoint.comm import Comm
 from spotguard.snapshots import shard_file
 from spotguard.snapshots.node_dir import NodeDir, name_of
-from spotguard.snapshots.peers import fetch
+from spotguard.snapshots.peers import fetch_into
 from spotguard.snapshots.shard_file import SnapshotError
 
 log = logging.getLogger(__name__)
@@ -84,10 +88,18 @@ def choose(
     return None
 
 
-def fetch_shard(
-    plan: Plan, rank: int, world_size: int, node_dir: NodeDir, ranks_per_node: int, address_of: Callable[[int], str]
-) -> str | None:
-    """Bring this rank's shard of `plan` onto its node, checked; None, or why it could not."""
+def get_shard(
+    plan: Plan,
+    rank: int,
+    world_size: int,
+    node_dir: NodeDir,
+    ranks_per_node: int,
+    address_of: Callable[[int], str],
+    live: Callable[[], Mapping[str, Any]],
+) -> tuple[str | None, dict[str, Any] | None]:
+    """This rank's shard of `plan`, checked: (None, None) when its node holds it (loaded once every rank
+    has its own), (None, the state dict) when it was read from a buddy straight into the tensors of
+    `live()` (the DCP state dict to load into), or (why it could not, None)."""
     name = name_of(plan.step, rank, world_size)
     source = plan.sources[rank]
     try:
@@ -98,13 +110,13 @@ def fetch_shard(
             except SnapshotError:
                 path.unlink(missing_ok=True)  # never offered again
                 raise
-        else:
-            info = fetch(address_of(source), name, node_dir)
-            log.info("snapshot of step %d: fetched %d bytes of rank %d's shard from rank %d", plan.step,
-                     info.body_bytes, rank, source)  # fmt: skip
+            return None, None
+        info, loaded = fetch_into(address_of(source), name, live())
+        log.info("snapshot of step %d: read %d bytes of rank %d's shard from rank %d", plan.step,
+                 info.body_bytes, rank, source)  # fmt: skip
+        return None, loaded
     except Exception as exc:  # noqa: BLE001 - any failure: this copy is unusable
-        return f"{type(exc).__name__}: {exc}"
-    return None
+        return f"{type(exc).__name__}: {exc}", None
 
 
 def agree_on_plan(

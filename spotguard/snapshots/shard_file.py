@@ -22,7 +22,7 @@ import os
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -222,51 +222,68 @@ def verify(path: Path) -> ShardInfo:
     return info
 
 
+class Source(Protocol):
+    """Where a snapshot's body is read from, in order: a file, or a peer's connection."""
+
+    def read_exactly(self, view: memoryview) -> None: ...
+
+
+class _FileSource:
+    def __init__(self, f: BinaryIO) -> None:
+        self.f = f
+
+    def read_exactly(self, view: memoryview) -> None:
+        if self.f.readinto(view) != len(view):
+            raise SnapshotError("the file ended early")
+
+
 def load(path: Path, live: Mapping[str, Any]) -> dict[str, Any]:
     """The state dict in `path`, its tensors read straight into the matching tensors of `live` (the
     DCP state dict of the state being resumed) where shape and dtype agree, else into new ones."""
     with open(path, "rb") as f:
         info = trailer_of(f, os.fstat(f.fileno()).st_size)
         f.seek(0)
-        try:
-            skeleton = torch.load(io.BytesIO(f.read(info.skeleton_bytes)), weights_only=True)
-        except Exception as exc:  # noqa: BLE001 - any unpickling failure means an unusable file
-            raise SnapshotError(f"its state skeleton does not load: {type(exc).__name__}: {exc}") from None
-        f.seek(_padded(info.skeleton_bytes))
-        return _fill(skeleton, live, f)
+        return read_body(_FileSource(f), info.skeleton_bytes, live)
 
 
-def _fill(skeleton: Any, live: Any, f: BinaryIO) -> Any:
+def read_body(source: Source, skeleton_bytes: int, live: Mapping[str, Any]) -> dict[str, Any]:
+    """A snapshot's body from `source` (not checked here: the caller checks its CRC32C), as `load`."""
+    head = bytearray(_padded(skeleton_bytes))
+    source.read_exactly(memoryview(head))
+    try:
+        skeleton = torch.load(io.BytesIO(head[:skeleton_bytes]), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means an unusable file
+        raise SnapshotError(f"its state skeleton does not load: {type(exc).__name__}: {exc}") from None
+    return _fill(skeleton, live, source, bytearray(_ALIGN))
+
+
+def _fill(skeleton: Any, live: Any, source: Source, pad: bytearray) -> Any:
     if isinstance(skeleton, torch.Tensor):
         target = live.to_local() if isinstance(live, DTensor) else live
-        fits = (
-            isinstance(target, torch.Tensor)
-            and target.shape == skeleton.shape
-            and target.dtype == skeleton.dtype
-            and target.device.type == "cpu"
-            and target.is_contiguous()
-        )
+        same = isinstance(target, torch.Tensor) and (target.shape, target.dtype) == (skeleton.shape, skeleton.dtype)
+        fits = same and target.device.type == "cpu" and target.is_contiguous()
         out = target.detach() if fits else torch.empty(skeleton.shape, dtype=skeleton.dtype)
         view = _bytes_of(out)
-        if f.readinto(view) != len(view):
-            raise SnapshotError("the file ended early")
-        f.seek(_padded(len(view)) - len(view), os.SEEK_CUR)
-        if (
-            not fits
-            and isinstance(target, torch.Tensor)
-            and (target.shape, target.dtype)
-            == (
-                skeleton.shape,
-                skeleton.dtype,
-            )
-        ):
+        source.read_exactly(view)
+        source.read_exactly(memoryview(pad)[: _padded(len(view)) - len(view)])
+        if same and not fits:
             target.detach().copy_(out)  # a GPU tensor, or one not contiguous: copied into it
-            return live
-        return live if fits else out
+        return live if same else out
     if isinstance(skeleton, Mapping):
         live = live if isinstance(live, Mapping) else {}
-        return {k: _fill(v, live.get(k), f) for k, v in skeleton.items()}
+        return {k: _fill(v, live.get(k), source, pad) for k, v in skeleton.items()}
     if isinstance(skeleton, (list, tuple)):
         live = live if isinstance(live, (list, tuple)) and len(live) == len(skeleton) else [None] * len(skeleton)
-        return type(skeleton)(_fill(v, w, f) for v, w in zip(skeleton, live, strict=True))
+        return type(skeleton)(_fill(v, w, source, pad) for v, w in zip(skeleton, live, strict=True))
     return skeleton
+
+
+def parse_trailer(data: bytes) -> ShardInfo:
+    """A trailer (with its length and MAGIC) as it came over the wire."""
+    length, magic = _TAIL.unpack(data[-_TAIL.size :])
+    if magic != MAGIC or length != len(data) - _TAIL.size:
+        raise SnapshotError("not a snapshot trailer")
+    try:
+        return ShardInfo(**json.loads(data[:length]))
+    except (ValueError, TypeError) as exc:
+        raise SnapshotError(f"malformed trailer: {exc}") from None

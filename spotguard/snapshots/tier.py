@@ -17,6 +17,7 @@ of its own shards and of its replicas. Store traffic per snapshot: O(N) (an `add
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import threading
@@ -157,22 +158,30 @@ class SnapshotTier:
         (rank 0's word; a collective); its step, or None when there is none to load."""
         local_rank = self.rank % self.ranks_per_node  # the layout the buddies assume: nodes' ranks contiguous
         held = recovery.holdings(self.node_dir, self.run, local_rank, self.ranks_per_node)
-        plan = recovery.agree_on_plan(
-            self.comm,
-            held,
-            self.ranks_per_node,
-            durable,
-            lambda plan: recovery.fetch_shard(
+        live = functools.cache(lambda: to_dcp(state))  # made only to load: on a fresh optimizer it adds state
+        fetched: dict[str, Any] = {"touched": False}  # read from a buddy into `live`: for the plan agreed last
+
+        def get_shard(plan: recovery.Plan) -> str | None:
+            fetched["touched"] |= plan.sources[self.rank] // self.ranks_per_node != local_node
+            problem, fetched["loaded"] = recovery.get_shard(
                 plan, self.rank, self.world_size, self.node_dir, self.ranks_per_node,
-                lambda r: self._address_of(r, self._conn),
-            ),
-        )  # fmt: skip
+                lambda r: self._address_of(r, self._conn), live,
+            )  # fmt: skip
+            return problem
+
+        local_node = self.rank // self.ranks_per_node
+        plan = recovery.agree_on_plan(self.comm, held, self.ranks_per_node, durable, get_shard)
         if plan is None:
+            touched = self.comm.gather(fetched["touched"])
+            if self.comm.broadcast(touched is not None and any(touched)):  # a copy given up was read in part
+                raise shard_file.SnapshotLoadError("no snapshot could be read whole after a rank began reading one")
             return None
         problem = None
         try:
-            path = self.node_dir.file(name_of(plan.step, self.rank, self.world_size))
-            load_from_dcp(state, shard_file.load(path, to_dcp(state)))
+            loaded = fetched.get("loaded")
+            if loaded is None:
+                loaded = shard_file.load(self.node_dir.file(name_of(plan.step, self.rank, self.world_size)), live())
+            load_from_dcp(state, loaded)
         except FAILURES as exc:
             problem = describe(exc, self.rank)
         problems = [p for p in (self.comm.gather(problem) or []) if p]
