@@ -4,9 +4,10 @@ The wire is the handoff's (`spotguard.checkpoint.handoff.wire`): a length-prefix
 then raw bytes. A request names its op (`put`: take a replica in; `get`: send a file held) and
 carries the server's token, which only the job's store hands out (`host port token` under the
 rank's key), so only the job's own ranks are served. Files go out with sendfile (no copy through
-Python); what comes in goes straight into the mapped pages of a `.part` file (a freed snapshot's
-when there is one), its body's CRC32C computed as it arrives, and the file takes its final name
-only once that matches its trailer: a replica is complete or absent.
+Python). A replica that comes in goes straight into the mapped pages of a `.part` file (a freed
+snapshot's when there is one), its body's CRC32C computed as it arrives, and the file takes its
+final name only once that matches its trailer: a replica is complete or absent. A shard fetched to
+resume goes straight into the resuming state's tensors (`fetch_into`), checked the same way.
 """
 
 from __future__ import annotations
