@@ -13,12 +13,15 @@ from typing import Any
 
 from cloud_adapters.notice import REBALANCE, Notice, isoformat_z
 from cloud_adapters.storage import ObjectStore
+from spotguard import __version__
 from spotguard import ledger_records as records
 from spotguard.cadence import Cadence, Choice
 from spotguard.checkpoint import SaveReport
 from spotguard.exit_policy import UNAVAILABLE_EXIT_CODE
 from spotguard.ledger import Ledger, LedgerContents
+from spotguard.options import SaveOptions
 from spotguard.report import INTERRUPTED, summarize
+from spotguard.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +41,20 @@ class GoodputRecorder:
         if cadence is not None:
             cadence.on_change = self._on_cadence
 
-    def open(self, store: ObjectStore, progress: Callable[[], int | None], start: records.Start) -> None:
+    def open(
+        self, store: ObjectStore, progress: Callable[[], int | None], where: Topology, saving: SaveOptions
+    ) -> None:
+        """Rank 0's ledger, and this segment's first record."""
         self._ledger = Ledger(store, progress=progress)
-        self._ledger.record(start)
+        self._ledger.record(
+            records.Start(
+                world_size=where.world_size,
+                node=where.node,
+                save_interval_s=saving.save_interval_s,
+                save_every=saving.save_every,
+                version=__version__,
+            )
+        )
 
     def reset(self) -> None:
         """A guard started again: a new segment, whose ledger `open` makes; its history is read afresh."""

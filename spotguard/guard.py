@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import sys
 import time
-import warnings
 from collections.abc import Callable, Mapping, MutableMapping
 from datetime import timedelta
 from typing import Any
@@ -32,8 +30,7 @@ import torch.distributed as dist
 from cloud_adapters import validation as check
 from cloud_adapters.notice import INTERRUPTION, REBALANCE, Notice
 from cloud_adapters.stores import check_location
-from spotguard import __version__, elastic, topology
-from spotguard import ledger_records as records
+from spotguard import elastic, topology
 from spotguard.agreement import Decision
 from spotguard.broadcast import EMERGENCY
 from spotguard.cadence import IntervalTimer
@@ -52,8 +49,6 @@ from spotguard.exit_policy import (  # noqa: F401 - re-exported: where these liv
 )
 from spotguard.goodput import GoodputRecorder
 from spotguard.options import (
-    FIELD_GROUPS,
-    RENAMED,
     CoordinationOptions,
     ExitOptions,
     GuardOptions,
@@ -61,17 +56,14 @@ from spotguard.options import (
     SaveOptions,
     SnapshotOptions,
     StorageOptions,
+    former_attribute,
 )
-from spotguard.snapshots.shard_file import SnapshotLoadError
 from spotguard.snapshots.tier import SnapshotTier
+from spotguard.snapshotting import SNAPSHOT, GuardSnapshots
 from spotguard.timeline import Timeline
 from spotguard.watcher import Watcher, add_sources
 
 log = logging.getLogger(__name__)
-
-SNAPSHOT = "snapshot"  # the reason of an agreed step that is a snapshot's, not a save's
-# Rank 0 could not list the committed steps: no snapshot is newer than this, so none is loaded.
-_UNKNOWN_STEP = sys.maxsize
 
 
 class Guard:
@@ -117,9 +109,12 @@ class Guard:
         self._checkpoint_key = resolve_key(self.options.storage.checkpoint_key)  # kept out of reprs and logs
         self._min_nodes = elastic.min_nodes(self.options.exiting.min_nodes)
         self._goodput = GoodputRecorder(self.options.saving.cadence())
-        snapshots = self.options.snapshots
-        self._snapshot_every = snapshots.snapshot_every or 0  # step-counted snapshots (0: none, or timed)
-        self._snapshot_cadence = snapshots.cadence()
+        # The tier is made at its first need: after the Checkpointer (its group), once the store is known.
+        self._snapshots = GuardSnapshots(
+            self.options.snapshots,
+            self.checkpoint_dir,
+            lambda: (self._checkpointer().comm, self._coordination.store, self._coordination.prefix),
+        )
 
         self.interrupted = False  # step() returned True for an emergency
         self.emergency_saved = False  # ... and its checkpoint was committed where a new VM finds it
@@ -135,14 +130,9 @@ class Guard:
     def __getattr__(self, name: str) -> Any:
         """The settings were attributes of the guard before they were grouped in `guard.options`:
         reading one by its former name still works, with a DeprecationWarning."""
-        where = _FORMER_ATTRIBUTES.get(name) if not name.startswith("_") and name != "options" else None
-        if where is None:
+        if name.startswith("_") or name == "options":  # not set yet: never a setting
             raise AttributeError(f"'Guard' object has no attribute {name!r}")
-        group, field = where
-        warnings.warn(
-            f"Guard.{name} is deprecated: read guard.options.{group}.{field}", DeprecationWarning, stacklevel=2
-        )
-        return self._min_nodes if name == "min_nodes" else getattr(getattr(self.options, group), field)
+        return former_attribute(self.options, name)
 
     @property
     def notice(self) -> Notice | None:
@@ -163,7 +153,7 @@ class Guard:
             node=self.topology.node,
             node_leader=self.topology.is_node_leader,
         )
-        self._group = self._ckpt = self._watcher = self._timer = self._snapshot_timer = self._tier = None
+        self._group = self._ckpt = self._watcher = self._timer = self._snapshot_timer = None
         self._coordination = _NotStarted()
         self._goodput.reset()
         self._started_at = time.monotonic()
@@ -203,8 +193,10 @@ class Guard:
         self._watcher.start()
         if self.options.saving.save_interval_s and self.topology.is_coordinator:
             self._timer = IntervalTimer(self._interval, lambda: self._request("interval"))
-        if self.options.snapshots.snapshot_interval_s and self.topology.is_coordinator:
-            self._snapshot_timer = IntervalTimer(self._snapshot_interval, lambda: self._request(SNAPSHOT))
+        if self._snapshots.timed and self.topology.is_coordinator:
+            self._snapshot_timer = IntervalTimer(
+                lambda: self._snapshots.interval(self._goodput, self._run_hours()), lambda: self._request(SNAPSHOT)
+            )
 
     def _checkpointer(self) -> Checkpointer:
         """The Checkpointer (and rank 0's ledger), made at the first need: with a stated topology and no
@@ -233,30 +225,8 @@ class Guard:
             checkpoint_key=self._checkpoint_key,
         )
         if self.topology.is_coordinator:
-            start = records.Start(
-                world_size=self.topology.world_size,
-                node=self.topology.node,
-                save_interval_s=saving.save_interval_s,
-                save_every=saving.save_every,
-                version=__version__,
-            )
-            self._goodput.open(self._ckpt.remote, lambda: self._last_step, start)
+            self._goodput.open(self._ckpt.remote, lambda: self._last_step, self.topology, saving)
         return self._ckpt
-
-    def _snapshots(self) -> SnapshotTier | None:
-        """The snapshot tier when snapshots are asked for, made at its first need (after the Checkpointer)."""
-        if self._tier is None and self.options.snapshots.enabled:
-            options, ckpt = self.options.snapshots, self._checkpointer()
-            self._tier = SnapshotTier(
-                checkpoint_dir=self.checkpoint_dir,
-                snapshot_dir=options.snapshot_dir,
-                replicas=options.snapshot_replicas,
-                comm=ckpt.comm,
-                store=self._coordination.store,
-                prefix=self._coordination.prefix,
-                cadence=self._snapshot_cadence,
-            )
-        return self._tier
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
         self.close(exc)
@@ -311,18 +281,14 @@ class Guard:
             saves_done()  # the ledger's exit record comes after the last save's
             self._goodput.close()  # after the last save's record, before the store closes
             self._ckpt.close()
-        if self._tier is not None:
-            try:
-                self._tier.close(wait=not self.interrupted)  # after an emergency, leave without the snapshot
-            except Exception:  # noqa: BLE001 - logged by the tier; the snapshot before it stays
-                log.exception("the last snapshot failed")
+        self._snapshots.close(wait=not self.interrupted)  # after an emergency, leave without the snapshot
         if self._group is not None:
             dist.destroy_process_group(self._group)
 
     @property
     def snapshots(self) -> SnapshotTier | None:
-        """The snapshot tier once it is made (`snapshots.last`: the last snapshot's measurements), else None."""
-        return self._tier
+        """The snapshot tier while it runs (`snapshots.last`: the last snapshot's measurements), else None."""
+        return self._snapshots.tier
 
     @property
     def last_save(self) -> SaveReport | None:
@@ -335,19 +301,9 @@ class Guard:
         self._require_started("resume")
         started = time.monotonic()
         try:
-            try:
-                step = self._resume_snapshot(state)
-                tier = "snapshot"
-            except SnapshotLoadError as exc:  # on every rank; the state may be overwritten in part
-                log.error("%s; loading the durable checkpoint over it", exc)
-                step = self._checkpointer().resume(state)
-                if step is None:
-                    raise CheckpointError(f"{exc}, and there is no durable checkpoint to load over it") from None
-                tier = "durable"
-            if step is None:
-                step, tier = self._checkpointer().resume(state), "durable"
-            if self._tier is not None:
-                self._tier.forget_after(step)  # snapshots newer than this belong to a past that will not happen
+            step, tier = self._snapshots.resume(
+                state, self._checkpointer(), coordinator=self.topology.is_coordinator, ask_for_save=self._request
+            )
         except CheckpointUnavailable as exc:
             if self._exit.exit_code is None:
                 raise
@@ -355,39 +311,13 @@ class Guard:
             log.error("%s; exiting with code %d (start again once the storage answers)", exc, UNAVAILABLE_EXIT_CODE)
             raise SystemExit(UNAVAILABLE_EXIT_CODE) from None
         next_step = 0 if step is None else step + 1
-        self._goodput.resumed(
-            step, next_step, time.monotonic() - started, self._ckpt.run, tier=tier if step is not None else None
-        )
+        self._goodput.resumed(step, next_step, time.monotonic() - started, self._ckpt.run, tier=tier)
         if step is None:
             self.timeline.add("fresh-start", checkpoint_dir=self.checkpoint_dir)
             return 0
         self._coordination.reset(step)
         self.timeline.add("resumed", step=step, next_step=next_step, tier=tier)
         return next_step
-
-    def _resume_snapshot(self, state: MutableMapping[str, Any]) -> int | None:
-        """Load the newest whole snapshot when it is newer than (or as new as) every durable step.
-
-        After one newer than them, a durable save is asked for at once: the snapshot lives only in the
-        nodes' memory, and losing more nodes than it is replicated to would lose it.
-        """
-        tier = self._snapshots()
-        if tier is None:
-            return None
-        durable = None
-        if self.topology.is_coordinator:
-            try:
-                durable = self._ckpt.newest_committed()
-            except Exception as exc:  # noqa: BLE001 - the durable path below says so again, and decides
-                log.warning("the committed steps cannot be listed (%s: %s): no snapshot is loaded without "
-                            "knowing they are older", type(exc).__name__, exc)  # fmt: skip
-                durable = _UNKNOWN_STEP
-        step = tier.restore(state, durable)
-        if step is not None and self.topology.is_coordinator:
-            log.info("resumed from the snapshot of step %d in the nodes' memory (durable: %s)", step, durable)
-            if durable is None or step > durable:
-                self._request("snapshot-resume")
-        return step
 
     def step(self, step: int, state: Mapping[str, Any]) -> bool:
         """Call after every training step; True once the emergency checkpoint of `step` is committed.
@@ -406,8 +336,9 @@ class Guard:
         every = self.options.saving.save_every
         if every and step % every == 0 and not again:
             self._save(step, state, reason="periodic", wait=False)
-        if self._snapshot_every and step % self._snapshot_every == 0 and not again:
-            self._snapshot(step, state)
+        snapshot_every = self._snapshots.every
+        if snapshot_every and step % snapshot_every == 0 and not again:
+            self._snapshots.take(step, state)
         return False
 
     def request_checkpoint(self, reason: str = "manual") -> None:
@@ -431,7 +362,7 @@ class Guard:
         if not emergencies:
             reasons = [d.event.get("reason", "periodic") for d in due]
             if SNAPSHOT in reasons:
-                self._snapshot(step, state)
+                self._snapshots.take(step, state)
             saves = [r for r in reasons if r != SNAPSHOT]
             if saves:
                 self._save(step, state, reason=saves[-1], wait=False)
@@ -494,12 +425,6 @@ class Guard:
             return None
         return report
 
-    def _snapshot(self, step: int, state: Mapping[str, Any]) -> None:
-        try:
-            self._snapshots().snapshot(step, state)  # type: ignore[union-attr]
-        except Exception:  # noqa: BLE001 - invariant 3: a failed snapshot never crashes the training loop
-            log.exception("the snapshot of step %d failed", step)
-
     def _on_notice(self, notice: Notice) -> None:
         """Watcher thread: turn a notice into an event every rank sees."""
         notice = dataclasses.replace(notice, node=self.topology.node)
@@ -543,28 +468,14 @@ class Guard:
         """The next wait of the interval timer: fixed, or the cadence's choice now."""
         if self._goodput.cadence is None:
             return self.options.saving.save_interval_s  # type: ignore[return-value]
-        return self._goodput.next_interval((time.monotonic() - self._started_at) / 3600)
+        return self._goodput.next_interval(self._run_hours())
 
-    def _snapshot_interval(self) -> float:
-        """The next wait of the snapshot timer: fixed, or the snapshot cadence's choice now."""
-        if self._snapshot_cadence is None:
-            return self.options.snapshots.snapshot_interval_s  # type: ignore[return-value]
-        hours = (time.monotonic() - self._started_at) / 3600
-        return self._goodput.next_interval(hours, self._snapshot_cadence)
+    def _run_hours(self) -> float:
+        return (time.monotonic() - self._started_at) / 3600
 
     def _require_started(self, what: str) -> None:
         if not self._started:
             raise RuntimeError(_not_started(what))
-
-
-# The settings earlier versions kept as public Guard attributes -> where each lives now
-# (guard.options.<group>.<field>); the checkpoint key never was one.
-_FORMER_ATTRIBUTES = {
-    name: (FIELD_GROUPS[RENAMED.get(name, name)], RENAMED.get(name, name))
-    for name in ("cloud", "local_dir", "metadata_url", "poll_interval", "save_interval_s", "save_every", "keep_last",
-                 "signals", "grace_s", "exit_code", "lost_exit_code", "agreement_timeout_s", "save_on_rebalance",
-                 "write_threads", "thread_count", "stream_uploads", "min_nodes")
-}  # fmt: skip
 
 
 def _not_started(what: str) -> str:

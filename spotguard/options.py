@@ -361,6 +361,29 @@ GROUPS: dict[str, type] = {f.name: f.default_factory for f in dataclasses.fields
 FIELD_GROUPS: dict[str, str] = {f.name: group for group, kind in GROUPS.items() for f in dataclasses.fields(kind)}
 
 
+# The settings earlier versions kept as public Guard attributes -> where each lives now
+# (guard.options.<group>.<field>); the checkpoint key never was one.
+FORMER_ATTRIBUTES = {
+    name: (FIELD_GROUPS[RENAMED.get(name, name)], RENAMED.get(name, name))
+    for name in ("cloud", "local_dir", "metadata_url", "poll_interval", "save_interval_s", "save_every", "keep_last",
+                 "signals", "grace_s", "exit_code", "lost_exit_code", "agreement_timeout_s", "save_on_rebalance",
+                 "write_threads", "thread_count", "stream_uploads", "min_nodes")
+}  # fmt: skip
+
+
+def former_attribute(options: GuardOptions, name: str) -> Any:
+    """A setting read by the name of the Guard attribute it was before the groups, with a
+    DeprecationWarning at the reader's line; AttributeError for any other name."""
+    where = FORMER_ATTRIBUTES.get(name)
+    if where is None:
+        raise AttributeError(f"'Guard' object has no attribute {name!r}")
+    group, field = where
+    warnings.warn(f"Guard.{name} is deprecated: read guard.options.{group}.{field}", DeprecationWarning, stacklevel=3)
+    if name == "min_nodes":  # what the guard uses: $SPOTGUARD_MIN_NODES when not given
+        return elastic.min_nodes(options.exiting.min_nodes)
+    return getattr(getattr(options, group), field)
+
+
 def describe() -> list[tuple[str, str, list[tuple[str, str, str]]]]:
     """(group name, class name and what it is for, [(field, default as the docs show it, meaning)])."""
     out = []

@@ -17,12 +17,14 @@ import spotguard
 from spotguard.checkpoint.departure import HandoffError
 from spotguard.checkpoint.state import load_from_dcp, state_digest, to_dcp
 from spotguard.cli import main
+from spotguard.goodput import GoodputRecorder
 from spotguard.options import SnapshotOptions
 from spotguard.snapshots import shard_file
 from spotguard.snapshots.node_dir import NodeDir, name_of
 from spotguard.snapshots.peers import PeerServer, fetch_into, push
 from spotguard.snapshots.recovery import Plan, choose
 from spotguard.snapshots.shard_file import SnapshotError
+from spotguard.snapshotting import GuardSnapshots
 
 
 def trained(seed: int = 0, steps: int = 3) -> dict:
@@ -280,18 +282,17 @@ def test_timed_snapshots_are_agreed_like_interval_saves(tmp_path):
     assert not list((tmp_path / "ckpt").glob("step-*"))  # a snapshot, not a save
 
 
-def test_auto_snapshot_interval_weighs_the_measured_stall_against_the_interruption_rate(tmp_path):
-    with spotguard.Guard(
-        str(tmp_path / "ckpt"), cloud="none", snapshot_interval_s="auto", snapshot_dir=str(tmp_path / "m"),
-        exit_code=None,
-    ) as guard:  # fmt: skip
-        assert guard._snapshot_interval() == 10.0  # the lower bound until a snapshot is measured
-        guard._snapshot_cadence.observe_save(0.05)
-        # Young/Daly with the prior of one interruption a day: sqrt(2 x 0.05 s x 86,400 s)
-        assert guard._snapshot_interval() == pytest.approx((2 * 0.05 * 86400) ** 0.5, rel=0.01)
-        guard._snapshot_cadence.observe_save(20.0)
-        guard._snapshot_cadence.observe_save(20.0)
-        assert guard._snapshot_interval() == 900.0  # held at the upper bound
+def test_auto_snapshot_interval_weighs_the_measured_stall_against_the_interruption_rate():
+    snapshots = GuardSnapshots(SnapshotOptions(snapshot_interval_s="auto"), "/tmp/unused", context=None)
+    goodput = GoodputRecorder(None)
+    assert snapshots.interval(goodput, 0.0) == 10.0  # the lower bound until a snapshot is measured
+    snapshots.cadence.observe_save(0.05)
+    # Young/Daly with the prior of one interruption a day: sqrt(2 x 0.05 s x 86,400 s)
+    assert snapshots.interval(goodput, 0.0) == pytest.approx((2 * 0.05 * 86400) ** 0.5, rel=0.01)
+    snapshots.cadence.observe_save(20.0)
+    snapshots.cadence.observe_save(20.0)
+    assert snapshots.interval(goodput, 0.0) == 900.0  # held at the upper bound
+    assert GuardSnapshots(SnapshotOptions(snapshot_interval_s=42), "/tmp/unused", None).interval(goodput, 0) == 42
 
 
 def test_a_snapshot_that_does_not_fit_the_state_is_dropped_and_never_half_loaded(tmp_path):

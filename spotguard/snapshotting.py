@@ -1,0 +1,139 @@
+"""A guard's snapshots: when it takes them, and a resume that weighs them against the durable tier.
+
+The tier itself (`spotguard.snapshots`) stands on the checkpoint layer; this is the guard's side of
+it: the tier made at its first need, the step count or the timer (fixed or adaptive) that decides a
+snapshot, a failed snapshot never reaching the training loop, and the resume that loads the newest
+whole snapshot when it is as new as the durable checkpoints, else the durable path.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
+
+import torch.distributed as dist
+
+from spotguard.checkpoint import Checkpointer, CheckpointError
+from spotguard.checkpoint.comm import Comm
+from spotguard.goodput import GoodputRecorder
+from spotguard.options import SnapshotOptions
+from spotguard.snapshots.shard_file import SnapshotLoadError
+from spotguard.snapshots.tier import SnapshotTier
+
+log = logging.getLogger(__name__)
+
+SNAPSHOT = "snapshot"  # the reason of an agreed step that is a snapshot's, not a save's
+# Rank 0 could not list the committed steps: no snapshot is newer than this, so none is loaded.
+_UNKNOWN_STEP = sys.maxsize
+
+
+class GuardSnapshots:
+    """One guard's snapshots of its state for `checkpoint_dir`; `context()` gives the tier's process group
+    (a `Comm`), the job's store and the guard's prefix in it, when the tier is made."""
+
+    def __init__(
+        self, options: SnapshotOptions, checkpoint_dir: str, context: Callable[[], tuple[Comm, dist.Store, str]]
+    ) -> None:
+        self.options = options
+        self.every = options.snapshot_every or 0  # step-counted snapshots (0: none, or timed)
+        self.cadence = options.cadence()
+        self.tier: SnapshotTier | None = None
+        self._checkpoint_dir = checkpoint_dir
+        self._context = context
+
+    @property
+    def timed(self) -> bool:
+        return self.options.snapshot_interval_s is not None
+
+    def made(self) -> SnapshotTier | None:
+        """The tier when snapshots are asked for, made at its first need."""
+        if self.tier is None and self.options.enabled:
+            comm, store, prefix = self._context()
+            self.tier = SnapshotTier(
+                checkpoint_dir=self._checkpoint_dir,
+                snapshot_dir=self.options.snapshot_dir,
+                replicas=self.options.snapshot_replicas,
+                comm=comm,
+                store=store,
+                prefix=prefix,
+                cadence=self.cadence,
+            )
+        return self.tier
+
+    def take(self, step: int, state: Mapping[str, Any]) -> None:
+        try:
+            self.made().snapshot(step, state)  # type: ignore[union-attr]
+        except Exception:  # noqa: BLE001 - invariant 3: a failed snapshot never crashes the training loop
+            log.exception("the snapshot of step %d failed", step)
+
+    def interval(self, goodput: GoodputRecorder, run_hours: float) -> float:
+        """The next wait of the snapshot timer: fixed, or the snapshot cadence's choice now."""
+        if self.cadence is None:
+            return self.options.snapshot_interval_s  # type: ignore[return-value]
+        return goodput.next_interval(run_hours, self.cadence)
+
+    def resume(
+        self,
+        state: MutableMapping[str, Any],
+        ckpt: Checkpointer,
+        *,
+        coordinator: bool,
+        ask_for_save: Callable[[str], None],
+    ) -> tuple[int | None, str | None]:
+        """Load the newest whole snapshot if it is as new as every durable step, else the newest durable
+        step: (the step, "snapshot" or "durable"), or (None, None) for a fresh start. A collective.
+
+        After a snapshot newer than every durable step, rank 0 asks for a durable save at once: the
+        snapshot lives only in the nodes' memory, and losing more nodes than it is replicated to
+        would lose it. Afterwards each node deletes its snapshots of later steps: they belong to a
+        past that will not happen.
+        """
+        try:
+            step, tier = self._resume_snapshot(state, ckpt, coordinator, ask_for_save), "snapshot"
+        except SnapshotLoadError as exc:  # on every rank; the state may be overwritten in part
+            log.error("%s; loading the durable checkpoint over it", exc)
+            step, tier = ckpt.resume(state), "durable"
+            if step is None:
+                raise CheckpointError(f"{exc}, and there is no durable checkpoint to load over it") from None
+        if step is None:
+            step, tier = ckpt.resume(state), "durable"
+        if self.tier is not None:
+            self.tier.forget_after(step)
+        return step, tier if step is not None else None
+
+    def _resume_snapshot(
+        self,
+        state: MutableMapping[str, Any],
+        ckpt: Checkpointer,
+        coordinator: bool,
+        ask_for_save: Callable[[str], None],
+    ) -> int | None:
+        tier = self.made()
+        if tier is None:
+            return None
+        durable = None
+        if coordinator:
+            try:
+                durable = ckpt.newest_committed()
+            except Exception as exc:  # noqa: BLE001 - the durable path says so again, and decides
+                log.warning("the committed steps cannot be listed (%s: %s): no snapshot is loaded without "
+                            "knowing they are older", type(exc).__name__, exc)  # fmt: skip
+                durable = _UNKNOWN_STEP
+        step = tier.restore(state, durable)
+        if step is not None and coordinator:
+            log.info("resumed from the snapshot of step %d in the nodes' memory (durable: %s)", step, durable)
+            if durable is None or step > durable:
+                ask_for_save("snapshot-resume")
+        return step
+
+    def close(self, *, wait: bool) -> None:
+        """Stop the tier (with `wait`, after its snapshot in flight); a later start makes a new one."""
+        tier, self.tier = self.tier, None
+        if tier is None:
+            return
+        try:
+            tier.close(wait=wait)
+        except Exception:  # noqa: BLE001 - logged by the tier; the snapshot before it stays
+            log.exception("the last snapshot failed")
