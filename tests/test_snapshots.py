@@ -43,9 +43,15 @@ def digest(state: dict) -> str:
     return state_digest(state["model"].state_dict())
 
 
+def write_shard(path, state_dict, step=5, rank=0, world=1):
+    """A snapshot file made the way a rank makes one: laid out, filled, finished."""
+    shard = shard_file.MappedShard(path, state_dict).fill(state_dict)
+    return shard.finish(run="r", step=step, rank=rank, world_size=world)
+
+
 def write(tmp_path, state, step=5, rank=0, world=1):
     path = tmp_path / "shard.snap"
-    info = shard_file.write(path, to_dcp(state), run="r", step=step, rank=rank, world_size=world)
+    info = write_shard(path, to_dcp(state), step, rank, world)
     return path, info
 
 
@@ -87,6 +93,13 @@ def test_a_write_that_fails_leaves_nothing_under_the_final_name(tmp_path, monkey
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_fill_that_fails_leaves_no_part_file(tmp_path):
+    shard = shard_file.MappedShard(tmp_path / "s.snap", {"a": torch.ones(4), "b": torch.ones(2)})
+    with pytest.raises(ValueError):  # not the state the layout was made from
+        shard.fill({"a": torch.ones(4)})
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_node_dir_lists_complete_files_and_keeps_only_the_steps_asked(tmp_path):
     node = NodeDir(tmp_path, "run")
     for step in (3, 6, 9):
@@ -103,7 +116,7 @@ def test_a_freed_snapshot_file_is_written_over_by_the_next_one(tmp_path):
     node = NodeDir(tmp_path, "run")
     big, small = trained(0), {"t": torch.arange(10.0)}
     first = node.prepare(name_of(1, 0, 1))
-    shard_file.write(first, to_dcp(big), run="r", step=1, rank=0, world_size=1)
+    write_shard(first, to_dcp(big), step=1)
     inode = first.stat().st_ino
     node.keep_only({2}, spares=1)  # step 1 freed: its file set aside
     assert node.held() == [] and len(list((node.path / "spare").iterdir())) == 1

@@ -116,8 +116,17 @@ class MappedShard:
             self.discard()
             raise
 
-    def fill(self, state_dict: Mapping[str, Any]) -> None:
-        """Copy `state_dict` (the one the layout was made from, or its staged copy) into the file."""
+    def fill(self, state_dict: Mapping[str, Any]) -> MappedShard:
+        """Copy `state_dict` (the one the layout was made from, or its staged copy) into the file; the
+        shard, for `finish`. On a failure the file is discarded."""
+        try:
+            self._fill(state_dict)
+        except BaseException:
+            self.discard()
+            raise
+        return self
+
+    def _fill(self, state_dict: Mapping[str, Any]) -> None:
         body = torch.frombuffer(self._map, dtype=torch.uint8)
         try:
             body[: len(self._skeleton)].copy_(torch.frombuffer(self._skeleton, dtype=torch.uint8))
@@ -164,17 +173,6 @@ _POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # map every page at once, not one 
 
 def _padded(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
-
-
-def write(path: Path, state_dict: Mapping[str, Any], *, run: str, step: int, rank: int, world_size: int) -> ShardInfo:
-    """Write `state_dict` to `path` in one go, whole or not at all."""
-    shard = MappedShard(path, state_dict)
-    try:
-        shard.fill(state_dict)
-    except BaseException:
-        shard.discard()
-        raise
-    return shard.finish(run=run, step=step, rank=rank, world_size=world_size)
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:

@@ -138,7 +138,7 @@ class SnapshotTier:
             if on_device(state_dict):  # into pinned buffers at the copy's full speed; into the file in the background
                 copied = self._stager.stage(state_dict)
             else:  # straight into the file's mapped pages: the copy is the write
-                copied = _filled(shard_file.MappedShard(path, state_dict, self.node_dir.take_spare), state_dict)
+                copied = shard_file.MappedShard(path, state_dict, self.node_dir.take_spare).fill(state_dict)
         except Exception as exc:  # noqa: BLE001 - reported as this rank's failed snapshot
             copied = exc
         stall = time.monotonic() - started
@@ -265,7 +265,7 @@ class SnapshotTier:
             if isinstance(copied, BaseException):
                 raise copied
             if not isinstance(copied, shard_file.MappedShard):  # staged in host buffers
-                copied = _filled(shard_file.MappedShard(path, copied, self.node_dir.take_spare), copied)
+                copied = shard_file.MappedShard(path, copied, self.node_dir.take_spare).fill(copied)
             info = copied.finish(run=self.run, step=step, rank=self.rank, world_size=self.world_size)
             size, write_s = info.body_bytes, time.monotonic() - started
             for buddy in self.buddies:
@@ -312,15 +312,6 @@ def _report(store: dist.Store, key: str, world_size: int, ok: bool) -> bool:
         return False
     store.compare_set(f"{key}/verdict", "", "failed" if store.check([f"{key}/failed"]) else "ok")
     return True
-
-
-def _filled(shard: shard_file.MappedShard, state_dict: Mapping[str, Any]) -> shard_file.MappedShard:
-    try:
-        shard.fill(state_dict)
-    except BaseException:
-        shard.discard()
-        raise
-    return shard
 
 
 def _size(nbytes: int) -> str:
