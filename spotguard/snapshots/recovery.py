@@ -3,13 +3,13 @@
 Each rank lists its share of its node's files (their trailers: no data is read) and tells rank 0;
 rank 0 picks the newest step that is whole (every rank's shard held somewhere, at the job's present
 world size) and as new as the newest durable checkpoint at least, and where each rank finds its
-shard, preferring its own node. Each rank then checks its shard's CRC32C: read from its node, or
-as it arrives from a buddy (read straight into the state's tensors: one copy). A shard that fails
+shard, preferring its own node. Each rank then reads its shard straight into the state's tensors
+(one copy), from its node or from a buddy, its CRC32C checked as it is read. A shard that fails
 is struck off (that holder's copy of that rank's shard at that step) and rank 0 chooses again:
 another holder, else an older snapshot, else none. Only once every rank has a checked shard is the
-state loaded (`load_from_dcp`): a snapshot loads whole or not at all. A rank that read from a buddy
-has overwritten its tensors already; if the snapshot is then given up, another copy, an older
-snapshot or the durable checkpoint is loaded over the whole state, or resume raises (`guard.resume`).
+state loaded (`load_from_dcp`): a snapshot loads whole or not at all. A rank that read a shard has
+overwritten its tensors already; if the snapshot is then given up, another copy, an older snapshot
+or the durable checkpoint is loaded over the whole state, or resume raises (`guard.resume`).
 """
 
 from __future__ import annotations
@@ -97,20 +97,19 @@ def get_shard(
     address_of: Callable[[int], str],
     live: Callable[[], Mapping[str, Any]],
 ) -> tuple[str | None, dict[str, Any] | None]:
-    """This rank's shard of `plan`, checked: (None, None) when its node holds it (loaded once every rank
-    has its own), (None, the state dict) when it was read from a buddy straight into the tensors of
-    `live()` (the DCP state dict to load into), or (why it could not, None)."""
+    """This rank's shard of `plan`, read from its node's memory or from a buddy straight into the tensors
+    of `live()` (the DCP state dict to load into) and checked as it is read: (None, the state dict
+    for `load_from_dcp`), or (why it could not, None)."""
     name = name_of(plan.step, rank, world_size)
     source = plan.sources[rank]
     try:
         if source // ranks_per_node == rank // ranks_per_node:
             path = node_dir.file(name)
             try:
-                shard_file.verify(path)
+                return None, shard_file.load(path, live())[1]
             except SnapshotError:
                 path.unlink(missing_ok=True)  # never offered again
                 raise
-            return None, None
         info, loaded = fetch_into(address_of(source), name, live())
         log.info("snapshot of step %d: read %d bytes of rank %d's shard from rank %d", plan.step,
                  info.body_bytes, rank, source)  # fmt: skip

@@ -203,23 +203,6 @@ def trailer_of(f: BinaryIO, size: int) -> ShardInfo:
     return info
 
 
-def verify(path: Path) -> ShardInfo:
-    """The trailer of `path` once its body matches the CRC32C there; SnapshotError otherwise."""
-    with open(path, "rb") as f:
-        info = trailer_of(f, os.fstat(f.fileno()).st_size)
-        f.seek(0)
-        crc, left, buffer = 0, info.body_bytes, bytearray(_READ)
-        while left:
-            n = f.readinto(memoryview(buffer)[: min(_READ, left)])
-            if not n:
-                raise SnapshotError("the file ended early")
-            crc = crc32c_extend(crc, memoryview(buffer)[:n])
-            left -= n
-    if f"{crc:08x}" != info.crc32c:
-        raise SnapshotError(f"CRC32C {crc:08x} does not match the trailer's {info.crc32c}")
-    return info
-
-
 class Source(Protocol):
     """Where a snapshot's body is read from, in order: a file, or a peer's connection."""
 
@@ -227,21 +210,46 @@ class Source(Protocol):
 
 
 class _FileSource:
+    """A snapshot file as a `Source`: the body's CRC32C computed as it is read."""
+
     def __init__(self, f: BinaryIO) -> None:
         self.f = f
+        self.got = 0
+        self.crc = 0
 
     def read_exactly(self, view: memoryview) -> None:
         if self.f.readinto(view) != len(view):
             raise SnapshotError("the file ended early")
+        self.crc = crc32c_extend(self.crc, view)
+        self.got += len(view)
+
+    def read_rest(self, body_bytes: int) -> None:
+        buffer = memoryview(bytearray(_READ))
+        while self.got < body_bytes:
+            self.read_exactly(buffer[: min(_READ, body_bytes - self.got)])
 
 
-def load(path: Path, live: Mapping[str, Any]) -> dict[str, Any]:
-    """The state dict in `path`, its tensors read straight into the matching tensors of `live` (the
-    DCP state dict of the state being resumed) where shape and dtype agree, else into new ones."""
+def load(path: Path, live: Mapping[str, Any]) -> tuple[ShardInfo, dict[str, Any]]:
+    """The trailer and the state dict of the snapshot file at `path`, in one read: its tensors read
+    straight into the matching tensors of `live` (the DCP state dict of the state being resumed)
+    where shape and dtype agree, else into new ones, and its body's CRC32C checked as it is read
+    (SnapshotError when it does not match: `live` may then be overwritten in part)."""
     with open(path, "rb") as f:
         info = trailer_of(f, os.fstat(f.fileno()).st_size)
         f.seek(0)
-        return read_body(_FileSource(f), info.skeleton_bytes, live)
+        source = _FileSource(f)
+        try:
+            loaded = read_body(source, info.skeleton_bytes, live)
+        except SnapshotError as exc:  # damage in the skeleton, say: the checksum names the cause
+            source.read_rest(info.body_bytes)
+            if f"{source.crc:08x}" == info.crc32c:
+                raise
+            problem: BaseException | None = exc
+        else:
+            problem = None
+    if source.got != info.body_bytes or f"{source.crc:08x}" != info.crc32c:
+        raise SnapshotError(f"CRC32C {source.crc:08x} does not match the trailer's {info.crc32c}") from problem
+    return info, loaded
 
 
 def read_body(source: Source, skeleton_bytes: int, live: Mapping[str, Any]) -> dict[str, Any]:

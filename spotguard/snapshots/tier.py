@@ -159,29 +159,25 @@ class SnapshotTier:
         local_rank = self.rank % self.ranks_per_node  # the layout the buddies assume: nodes' ranks contiguous
         held = recovery.holdings(self.node_dir, self.run, local_rank, self.ranks_per_node)
         live = functools.cache(lambda: to_dcp(state))  # made only to load: on a fresh optimizer it adds state
-        fetched: dict[str, Any] = {"touched": False}  # read from a buddy into `live`: for the plan agreed last
+        fetched: dict[str, Any] = {"touched": False}  # this rank's shard, read into `live` for the plan agreed last
 
         def get_shard(plan: recovery.Plan) -> str | None:
-            fetched["touched"] |= plan.sources[self.rank] // self.ranks_per_node != local_node
+            fetched["touched"] = True
             problem, fetched["loaded"] = recovery.get_shard(
                 plan, self.rank, self.world_size, self.node_dir, self.ranks_per_node,
                 lambda r: self._address_of(r, self._conn), live,
             )  # fmt: skip
             return problem
 
-        local_node = self.rank // self.ranks_per_node
         plan = recovery.agree_on_plan(self.comm, held, self.ranks_per_node, durable, get_shard)
         if plan is None:
             touched = self.comm.gather(fetched["touched"])
-            if self.comm.broadcast(touched is not None and any(touched)):  # a copy given up was read in part
+            if self.comm.broadcast(touched is not None and any(touched)):  # a shard was read, then given up
                 raise shard_file.SnapshotLoadError("no snapshot could be read whole after a rank began reading one")
             return None
         problem = None
         try:
-            loaded = fetched.get("loaded")
-            if loaded is None:
-                loaded = shard_file.load(self.node_dir.file(name_of(plan.step, self.rank, self.world_size)), live())
-            load_from_dcp(state, loaded)
+            load_from_dcp(state, fetched["loaded"])
         except FAILURES as exc:
             problem = describe(exc, self.rank)
         problems = [p for p in (self.comm.gather(problem) or []) if p]
