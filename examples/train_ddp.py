@@ -94,6 +94,12 @@ def batches(args: argparse.Namespace, start: int, rank: int, sampler: ResumableB
         sampler.set_epoch(sampler.epoch + 1)
 
 
+def say(record: dict) -> None:
+    """One JSON line on stdout in one write: with stdout unbuffered, print() writes the text and the
+    newline apart, and a log line (stderr, often the same pipe) could land between them."""
+    print(json.dumps(record) + "\n", end="", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -153,9 +159,9 @@ def main() -> None:
                     "epoch": sampler.epoch if sampler is not None else 0,
                     "samples": samples,
                 }
-                print(json.dumps(line), flush=True)
+                say(line)
             elif rank == 0:
-                print(json.dumps({"step": step, "loss": round(loss.item(), 6)}), flush=True)
+                say({"step": step, "loss": round(loss.item(), 6)})
             if args.step_time:
                 time.sleep(args.step_time)
             if guard.step(step, state):

@@ -134,3 +134,24 @@ def test_sigterm_to_the_launcher_takes_the_same_emergency_path(tmp_path, referen
     assert [c.reason for c in committed] == ["emergency"], err[-3000:]
     resume_and_compare(ckpt, tmp_path, reference)
     assert_ledger(ckpt, committed[0].step, "SIGTERM", capsys)
+
+
+def test_the_example_prints_each_step_line_in_one_write(monkeypatch):
+    """With stdout unbuffered, a line written in two pieces lets a log line (stderr, the same pipe
+    under the multi-node harness) land inside it, and the harness could not read the step."""
+    import importlib.util
+    import io
+
+    spec = importlib.util.spec_from_file_location("train_ddp", Path(__file__).parents[1] / "examples" / "train_ddp.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    writes = []
+
+    class Recorder(io.StringIO):
+        def write(self, text):
+            writes.append(text)
+            return len(text)
+
+    monkeypatch.setattr("sys.stdout", Recorder())
+    example.say({"step": 3, "loss": 0.5})
+    assert [w for w in writes if w] == ['{"step": 3, "loss": 0.5}\n']
