@@ -25,13 +25,11 @@ from typing import Any, BinaryIO
 
 from cloud_adapters.deadline import Deadline
 from spotguard.checkpoint.departure import HandoffError
+from spotguard.checkpoint.handoff.doorway import Doorway
 from spotguard.checkpoint.handoff.wire import (
     CHUNK,
-    FRAME,
     IDLE_TIMEOUT_S,
-    MAX_HELLO,
     advertised_host,
-    json_object,
     recv_into,
     recv_json,
     send_json,
@@ -43,8 +41,13 @@ from spotguard.snapshots.shard_file import ShardInfo, SnapshotError
 
 log = logging.getLogger(__name__)
 
-_ACCEPT_POLL_S = 0.5
+_POLL_S = 0.5  # how often the server looks whether it was closed
 MAX_CONNECTIONS = 64  # transfers served at once; a node's peers are its buddies and a few fetching ranks
+# Connections still owing their request (the doorway's cap, each HELLO_DEADLINE_S at most). The handoff
+# knows its senders and keeps 2 places each; this server does not know who will fetch on resume, so it
+# keeps as many as it serves. A real request comes with its connection and waits milliseconds: a flood
+# would need this many new connections within them to push one out, and strangers hold no more descriptors.
+_PENDING_REQUESTS = MAX_CONNECTIONS
 
 
 class PeerServer:
@@ -54,7 +57,7 @@ class PeerServer:
         self.node_dir = node_dir
         self.token = secrets.token_hex(16)
         self._sock = socket.create_server((advertised_host(), 0))
-        self._sock.settimeout(_ACCEPT_POLL_S)
+        self._doorway = Doorway(self._sock, _PENDING_REQUESTS, "the snapshot peer server")
         self._stopped = threading.Event()
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._handlers: set[threading.Thread] = set()
@@ -77,37 +80,45 @@ class PeerServer:
             handler.join(timeout=IDLE_TIMEOUT_S)
 
     def _serve(self) -> None:
-        while not self._stopped.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError as exc:  # out of file descriptors, say: try again, unless closed meanwhile
-                if self._stopped.wait(_ACCEPT_POLL_S):
-                    return
-                log.warning("the snapshot peer server could not accept a connection: %s", exc)
-                continue
-            if not self._slots.acquire(blocking=False):  # a flood: the job's own peers are a handful
-                conn.close()
-                continue
-            handler = threading.Thread(target=self._handle, args=(conn,), daemon=True)
+        """The doorway's thread: a connection takes a place (a slot, a handler) only once its whole
+        request is in, within HELLO_DEADLINE_S, and carries the token."""
+        try:
+            while not self._stopped.is_set():
+                for conn, request in self._doorway.poll(_POLL_S):
+                    self._admit(conn, request)
+        finally:
+            self._doorway.close()
+
+    def _admit(self, conn: socket.socket, request: dict[str, Any]) -> None:
+        token = request.get("token")
+        if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self.token.encode()):
+            self._refuse(conn, "HandoffError: a wrong token")
+        elif not self._slots.acquire(blocking=False):  # a flood: the job's own peers are a handful
+            self._refuse(conn, f"HandoffError: busy ({MAX_CONNECTIONS} transfers under way)")
+        else:
+            handler = threading.Thread(target=self._handle, args=(conn, request), daemon=True)
             self._handlers.add(handler)
             handler.start()
 
-    def _handle(self, conn: socket.socket) -> None:
+    def _refuse(self, conn: socket.socket, why: str) -> None:
+        """Say why without waiting (the socket is non-blocking, the answer fits its empty buffer), then close."""
         try:
-            self._serve_one(conn)
+            send_json(conn, {"ok": False, "error": why})
+        except OSError:
+            pass
+        self._doorway.refuse(conn)
+
+    def _handle(self, conn: socket.socket, request: dict[str, Any]) -> None:
+        try:
+            self._serve_one(conn, request)
         finally:
             self._slots.release()
             self._handlers.discard(threading.current_thread())
 
-    def _serve_one(self, conn: socket.socket) -> None:
+    def _serve_one(self, conn: socket.socket, request: dict[str, Any]) -> None:
         with conn:
-            conn.settimeout(IDLE_TIMEOUT_S)
             try:
-                request = _recv_request(conn)
-                if not hmac.compare_digest(str(request.get("token", "")).encode(), self.token.encode()):
-                    raise HandoffError("a wrong token")
+                conn.settimeout(IDLE_TIMEOUT_S)  # the request was read without blocking
                 if request.get("op") == "put":
                     self._take(conn, request)
                 elif request.get("op") == "get":
@@ -175,19 +186,6 @@ def _opened(f: BinaryIO) -> tuple[int, ShardInfo]:
     """The size and trailer of the open snapshot file `f` (the very file then sent)."""
     size = os.fstat(f.fileno()).st_size
     return size, shard_file.trailer_of(f, size)
-
-
-def _recv_request(sock: socket.socket) -> dict[str, Any]:
-    """The first frame of a connection: small, read in full only when it is (nothing is trusted before
-    the token is checked)."""
-    head = bytearray(FRAME.size)
-    recv_into(sock, memoryview(head), Deadline())
-    (length,) = FRAME.unpack(head)
-    if length > MAX_HELLO:
-        raise HandoffError(f"a {length}-byte request is too large")
-    body = bytearray(length)
-    recv_into(sock, memoryview(body), Deadline())
-    return json_object(body)
 
 
 def _connect(address: str) -> tuple[socket.socket, str]:

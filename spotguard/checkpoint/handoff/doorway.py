@@ -77,12 +77,14 @@ class Doorway:
     each HELLO_DEADLINE_S in all. Past the cap the oldest goes: whoever took the places first cannot
     lock out a sender that comes later (its hello arrives with its connection). A failed accept()
     (out of descriptors, a connection aborted before it was taken) is logged once per kind and survived.
+    `name` says whose listener it is in the logs (the handoff's, the snapshot peer server's).
     """
 
-    def __init__(self, listener: socket.socket, cap: int) -> None:
+    def __init__(self, listener: socket.socket, cap: int, name: str = "the handoff listener") -> None:
         listener.setblocking(False)
         self._listener = listener
         self._cap = cap
+        self._name = name
         self._waiting: dict[int, PendingHello] = {}  # by descriptor, oldest first: the deadlines come in this order
         self._selector = selectors.DefaultSelector()
         self._selector.register(listener, selectors.EVENT_READ)
@@ -110,7 +112,7 @@ class Doorway:
         self._selector.close()
         self._listener.close()
         if self._dropped:
-            log.warning("the handoff listener dropped %d connections without a good hello", self._dropped)
+            log.warning("%s dropped %d connections without a good first frame", self._name, self._dropped)
 
     def _accept(self) -> PendingHello | None:
         try:
@@ -132,7 +134,7 @@ class Doorway:
     def _survive(self, exc: OSError) -> None:
         if exc.errno not in self._accept_errors:
             self._accept_errors.add(exc.errno)
-            log.warning("the handoff listener could not accept a connection (%s); it goes on listening", exc)
+            log.warning("%s could not accept a connection (%s); it goes on listening", self._name, exc)
         if exc.errno in _ACCEPT_EXHAUSTED:
             time.sleep(_ACCEPT_EXHAUSTED_PAUSE_S)
 
@@ -140,7 +142,7 @@ class Doorway:
         try:
             hello = waiting.read()
         except Exception as exc:  # noqa: BLE001 - whatever a stranger sends, the listener goes on
-            log.debug("dropped a handoff connection: %s", exc)
+            log.debug("%s dropped a connection: %s", self._name, exc)
             self._drop(waiting)
             return None
         if hello is not None:
