@@ -113,7 +113,7 @@ class Guard:
         self._snapshots = GuardSnapshots(
             self.options.snapshots,
             self.checkpoint_dir,
-            lambda: (self._checkpointer().comm, self._coordination.store, self._coordination.prefix),
+            lambda: (self._checkpointer(), self._coordination.store, self._coordination.prefix),
         )
 
         self.interrupted = False  # step() returned True for an emergency

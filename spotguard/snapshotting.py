@@ -16,7 +16,7 @@ from typing import Any
 import torch.distributed as dist
 
 from spotguard.checkpoint import Checkpointer, CheckpointError
-from spotguard.checkpoint.comm import Comm
+from spotguard.checkpoint.job import job_identity
 from spotguard.goodput import GoodputRecorder
 from spotguard.options import SnapshotOptions
 from spotguard.snapshots.shard_file import SnapshotLoadError
@@ -30,11 +30,15 @@ _UNKNOWN_STEP = sys.maxsize
 
 
 class GuardSnapshots:
-    """One guard's snapshots of its state for `checkpoint_dir`; `context()` gives the tier's process group
-    (a `Comm`), the job's store and the guard's prefix in it, when the tier is made."""
+    """One guard's snapshots of its state for `checkpoint_dir`; `context()` gives the guard's Checkpointer
+    (its process group and checkpoint location), the job's store and the guard's prefix in it, when
+    the tier is made."""
 
     def __init__(
-        self, options: SnapshotOptions, checkpoint_dir: str, context: Callable[[], tuple[Comm, dist.Store, str]]
+        self,
+        options: SnapshotOptions,
+        checkpoint_dir: str,
+        context: Callable[[], tuple[Checkpointer, dist.Store, str]],
     ) -> None:
         self.options = options
         self.every = options.snapshot_every or 0  # step-counted snapshots (0: none, or timed)
@@ -48,11 +52,21 @@ class GuardSnapshots:
         return self.options.snapshot_interval_s is not None
 
     def made(self) -> SnapshotTier | None:
-        """The tier when snapshots are asked for, made at its first need."""
+        """The tier when snapshots are asked for, made at its first need (a collective: the first
+        snapshot or resume, on every rank)."""
         if self.tier is None and self.options.enabled:
-            comm, store, prefix = self._context()
+            ckpt, store, prefix = self._context()
+            comm = ckpt.comm
+            job = None
+            if comm.is_coordinator:  # one read of the checkpoint location, not one per rank
+                try:
+                    job = job_identity(ckpt.remote)
+                except Exception as exc:  # noqa: BLE001 - no identity, no snapshots: the tier says so
+                    log.warning("the job identity in %s cannot be read or written (%s: %s)", self._checkpoint_dir,
+                                type(exc).__name__, exc)  # fmt: skip
             self.tier = SnapshotTier(
                 checkpoint_dir=self._checkpoint_dir,
+                job=comm.broadcast(job),
                 snapshot_dir=self.options.snapshot_dir,
                 replicas=self.options.snapshot_replicas,
                 comm=comm,
@@ -83,50 +97,79 @@ class GuardSnapshots:
         ask_for_save: Callable[[str], None],
     ) -> tuple[int | None, str | None]:
         """Load the newest whole snapshot if it is as new as every durable step, else the newest durable
-        step: (the step, "snapshot" or "durable"), or (None, None) for a fresh start. A collective.
+        step that loads: (the step, "snapshot" or "durable"), or (None, None) for a fresh start. A
+        collective.
 
-        After a snapshot newer than every durable step, rank 0 asks for a durable save at once: the
+        The snapshot is weighed against what actually loads: when the newest durable step turns out
+        damaged and an older one loads, a whole snapshot newer than that one is loaded over it. After
+        a snapshot newer than every durable step, rank 0 asks for a durable save at once: the
         snapshot lives only in the nodes' memory, and losing more nodes than it is replicated to
         would lose it. Afterwards each node deletes its snapshots of later steps: they belong to a
         past that will not happen.
         """
-        try:
-            step, tier = self._resume_snapshot(state, ckpt, coordinator, ask_for_save), "snapshot"
-        except SnapshotLoadError as exc:  # on every rank; the state may be overwritten in part
-            log.error("%s; loading the durable checkpoint over it", exc)
-            step, tier = ckpt.resume(state), "durable"
-            if step is None:
-                raise CheckpointError(f"{exc}, and there is no durable checkpoint to load over it") from None
+        tier = self.made()
+        newest = self._newest_durable(ckpt, coordinator) if tier is not None else None
+        step, failed = self._restore(tier, state, newest, coordinator, ask_for_save)
+        source = "snapshot"
         if step is None:
-            step, tier = ckpt.resume(state), "durable"
-        if self.tier is not None:
-            self.tier.forget_after(step)
-        return step, tier if step is not None else None
+            step, source = self._durable(state, ckpt, failed), "durable"
+            if step is not None:  # the newest durable step may be damaged and an older one loaded
+                newer, failed = self._restore(tier, state, step, coordinator, ask_for_save, newer=True)
+                if newer is not None:
+                    step, source = newer, "snapshot"
+                elif failed is not None:
+                    step = self._durable(state, ckpt, failed)
+        if tier is not None:
+            tier.forget_after(step)
+        return step, source if step is not None else None
 
-    def _resume_snapshot(
-        self,
+    @staticmethod
+    def _restore(
+        tier: SnapshotTier | None,
         state: MutableMapping[str, Any],
-        ckpt: Checkpointer,
+        durable: int | None,
         coordinator: bool,
         ask_for_save: Callable[[str], None],
-    ) -> int | None:
-        tier = self.made()
+        *,
+        newer: bool = False,
+    ) -> tuple[int | None, SnapshotLoadError | None]:
+        """(the step of the newest whole snapshot as new as the durable step `durable` (rank 0's word) at
+        least, or with `newer` newer than it, loaded, or None; why one did not load whole, in which case
+        the state may be overwritten in part)."""
         if tier is None:
-            return None
-        durable = None
-        if coordinator:
-            try:
-                durable = ckpt.newest_committed()
-            except Exception as exc:  # noqa: BLE001 - the durable path says so again, and decides
-                log.warning("the committed steps cannot be listed (%s: %s): no snapshot is loaded without "
-                            "knowing they are older", type(exc).__name__, exc)  # fmt: skip
-                durable = _UNKNOWN_STEP
-        step = tier.restore(state, durable)
+            return None, None
+        try:
+            step = tier.restore(state, durable + 1 if newer and durable is not None else durable)
+        except SnapshotLoadError as exc:  # on every rank
+            log.error("%s; loading the durable checkpoint over it", exc)
+            return None, exc
         if step is not None and coordinator:
             log.info("resumed from the snapshot of step %d in the nodes' memory (durable: %s)", step, durable)
             if durable is None or step > durable:
                 ask_for_save("snapshot-resume")
+        return step, None
+
+    @staticmethod
+    def _durable(state: MutableMapping[str, Any], ckpt: Checkpointer, failed: SnapshotLoadError | None) -> int | None:
+        """The newest durable step that loads, loaded; after a snapshot that did not load whole (`failed`),
+        there must be one."""
+        step = ckpt.resume(state)
+        if step is None and failed is not None:
+            raise CheckpointError(f"{failed}, and there is no durable checkpoint to load over it") from None
         return step
+
+    @staticmethod
+    def _newest_durable(ckpt: Checkpointer, coordinator: bool) -> int | None:
+        """Rank 0's newest committed step (the others: None); a step no snapshot reaches when the
+        committed steps cannot be listed."""
+        if not coordinator:
+            return None
+        try:
+            return ckpt.newest_committed()
+        except Exception as exc:  # noqa: BLE001 - the durable path says so again, and decides
+            log.warning("the committed steps cannot be listed (%s: %s): no snapshot is loaded without "
+                        "knowing they are older", type(exc).__name__, exc)  # fmt: skip
+            return _UNKNOWN_STEP
 
     def close(self, *, wait: bool) -> None:
         """Stop the tier (with `wait`, after its snapshot in flight); a later start makes a new one."""

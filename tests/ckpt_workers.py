@@ -279,8 +279,29 @@ def wrapped_round_trip(group, rank: int, ckpt: str, wrap: str) -> None:
     assert_same(_local(snapshot(fresh_model, fresh_optim)), _local(snapshot(model, optim)))
 
 
+def guarded_snapshots(group, rank: int, ckpt: str, snapshot_dirs: list[str], steps: int, out: str) -> None:
+    """Train a DDP model under a Guard with snapshots every 2 steps, rank r's kept in `snapshot_dirs[r]`;
+    resume first. Each rank writes how long its resume and its training took."""
+    import spotguard
+
+    model, optim = _ddp_setup(seed=0, width=32)
+    state = {"model": model, "optim": optim}
+    started = time.monotonic()
+    with spotguard.Guard(
+        ckpt, cloud="none", snapshot_every=2, snapshot_dir=snapshot_dirs[rank], exit_code=None
+    ) as guard:
+        start = guard.resume(state)
+        resumed = time.monotonic()
+        for step in range(start, steps):
+            train(model, optim, range(step, step + 1), rank)
+            guard.step(step, state)
+    done = {"start": start, "resume_s": resumed - started, "train_s": time.monotonic() - resumed}
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(done))
+
+
 SCENARIOS = {
-    f.__name__: f for f in (ddp_train_save, ddp_resume, emergency_during_periodic, big_save, wrapped_round_trip)
+    f.__name__: f
+    for f in (ddp_train_save, ddp_resume, emergency_during_periodic, big_save, wrapped_round_trip, guarded_snapshots)
 }
 
 

@@ -46,7 +46,7 @@ def digest(state: dict) -> str:
 def write_shard(path, state_dict, step=5, rank=0, world=1):
     """A snapshot file made the way a rank makes one: laid out, filled, finished."""
     shard = shard_file.MappedShard(path, state_dict).fill(state_dict)
-    return shard.finish(run="r", step=step, rank=rank, world_size=world)
+    return shard.finish(run="r", job="j", step=step, rank=rank, world_size=world)
 
 
 def write(tmp_path, state, step=5, rank=0, world=1):
@@ -123,7 +123,7 @@ def test_a_freed_snapshot_file_is_written_over_by_the_next_one(tmp_path):
     second = node.prepare(name_of(2, 0, 1))
     shard = shard_file.MappedShard(second, small, node.take_spare)
     shard.fill(small)
-    info = shard.finish(run="r", step=2, rank=0, world_size=1)
+    info = shard.finish(run="r", job="j", step=2, rank=0, world_size=1)
     assert second.stat().st_ino == inode  # the same file, its pages reused
     assert shard_file.load(second, {})[0] == info  # a longer spare's tail cut off
     assert torch.equal(shard_file.load(second, {})[1]["t"], small["t"])

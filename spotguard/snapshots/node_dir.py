@@ -1,34 +1,64 @@
 """A node's snapshot directory: where its ranks' snapshots and the replicas it keeps for other nodes live.
 
-    <root>/<run>/step-<step>/shard-<rank>-of-<world size>.snap
-    <root>/<run>/spare/...      files of freed snapshots, written over by the next ones
+    <base>/spotguard-<uid>/<run>/step-<step>/shard-<rank>-of-<world size>.snap
+    <base>/spotguard-<uid>/<run>/spare/...      files of freed snapshots, written over by the next ones
 
-`root` is host memory that outlives the training processes (a tmpfs such as /dev/shm), so a
-restart of the workers finds what the node held. `run` keys the job (a hash of its checkpoint
-location), so jobs sharing a node never see each other's files. A file under its final name is
-complete (see `shard_file`); what a crash left behind as `.part` is swept away with old steps.
+`base` is host memory that outlives the training processes (a tmpfs such as /dev/shm), so a
+restart of the workers finds what the node held. In it each user has a root of their own
+(`private_root`): made 0700 and checked (a directory, not a link, owned by this user, writable by
+no one else, in a base where no one else can move it away), so another local user can neither
+read a job's weights nor plant a file or a link that the job would write through. `run` keys the
+job's checkpoint location (`spotguard.checkpoint.job.location_key`), so jobs sharing a node never
+see each other's files. A file under its final name is complete (see `shard_file`); what a crash
+left behind as `.part` is swept away with old steps.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import re
 import shutil
+import stat
 import time
 from pathlib import Path
 
-DEFAULT_ROOT = "/dev/shm/spotguard"
-ROOT_ENV = "SPOTGUARD_SNAPSHOT_DIR"
+DEFAULT_BASE = "/dev/shm"
+BASE_ENV = "SPOTGUARD_SNAPSHOT_DIR"
 _STEP = re.compile(r"step-(\d{10})")
 _SHARD = re.compile(r"shard-(\d{5})-of-(\d{5})\.snap")
 NAME = re.compile(r"step-\d{10}/shard-\d{5}-of-\d{5}\.snap")  # what a peer may ask for or send
 
 
-def run_key(checkpoint_dir: str) -> str:
-    """The same on every restart of one job (its checkpoint location), different for another job."""
-    return hashlib.sha256(checkpoint_dir.encode()).hexdigest()[:16]
+class UnusableDir(OSError):
+    """The snapshot directory cannot be used safely (or at all) on this node."""
+
+
+def private_root(base: str | os.PathLike[str]) -> Path:
+    """This user's snapshot root in `base`, `<base>/spotguard-<uid>`: made 0700 where absent, and
+    refused (UnusableDir, or the OSError that made or read it) unless it is a real directory of
+    this user's that no one else can write, in a base where no one else can rename it away."""
+    base = Path(base)
+    base.mkdir(parents=True, exist_ok=True)
+    if _open_to_others(os.stat(base)) and not os.stat(base).st_mode & stat.S_ISVTX:
+        raise UnusableDir(f"{base} is writable by other users and not sticky: they could swap the snapshot root")
+    root = base / f"spotguard-{os.geteuid()}"
+    try:
+        os.mkdir(root, 0o700)
+    except FileExistsError:
+        pass
+    found = os.lstat(root)  # never follows a link: a planted one is refused, not written through
+    if not stat.S_ISDIR(found.st_mode):
+        raise UnusableDir(f"{root} is not a directory (a link or a file someone else made?)")
+    if found.st_uid != os.geteuid():
+        raise UnusableDir(f"{root} belongs to uid {found.st_uid}, not to this user ({os.geteuid()})")
+    if found.st_mode & 0o077:  # ours, but readable by others (an older version's, or a umask's doing)
+        os.chmod(root, 0o700)
+    return root
+
+
+def _open_to_others(found: os.stat_result) -> bool:
+    return bool(found.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
 
 
 def name_of(step: int, rank: int, world_size: int) -> str:

@@ -148,13 +148,11 @@ class PeerServer:
 
 def receive_file(sock: socket.socket, path: Path, size: int, body_bytes: int, node_dir: NodeDir) -> ShardInfo:
     """Write the `size` bytes that come on `sock` to `path`: straight into the file's mapped pages (a
-    spare's when the node has one), renamed into place only once the body's CRC32C, computed as it
+    spare's when the node has one, reserved before the first byte is taken), renamed into place only once the body's CRC32C, computed as it
     arrives, matches the trailer's."""
     part = path.with_name(path.name + ".part")
-    node_dir.take_spare(part)
-    fd = os.open(part, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = shard_file.reserve(part, size, node_dir.take_spare)  # no room: refused now, never a SIGBUS
     try:
-        os.ftruncate(fd, size)
         crc = got = 0
         with mmap.mmap(fd, size) as mapped:
             view = memoryview(mapped)

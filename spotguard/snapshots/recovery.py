@@ -38,16 +38,26 @@ class Plan:
     sources: tuple[int, ...]  # sources[r]: a rank whose node holds rank r's shard
 
 
-def holdings(node_dir: NodeDir, run: str, local_rank: int, local_world_size: int) -> list[Holding]:
-    """The complete files of this node that fall to this local rank to vouch for (by their trailers)."""
+def holdings(node_dir: NodeDir, owner: tuple[str, str], local_rank: int, local_world_size: int) -> list[Holding]:
+    """The complete files of this node that fall to this local rank to vouch for (by their trailers).
+
+    `owner`: (run, job), the checkpoint location's key and the job identity it holds. A file of
+    another job in the same place (a job started over after its checkpoint_dir was deleted) is
+    never offered: it is deleted.
+    """
     found = []
     for held in node_dir.held():
         if held.rank % local_world_size != local_rank:
             continue
         try:
             info = shard_file.read_info(held.path)
-            if (info.run, info.step, info.rank, info.world_size) != (run, held.step, held.rank, held.world_size):
+            if (info.run, info.step, info.rank, info.world_size) != (owner[0], held.step, held.rank, held.world_size):
                 raise SnapshotError("its trailer names another file")
+            if info.job != owner[1]:
+                log.info("deleting snapshot file %s: it belongs to job %s, not to this one (%s)", held.path,
+                         info.job, owner[1])  # fmt: skip
+                held.path.unlink(missing_ok=True)
+                continue
         except (OSError, SnapshotError) as exc:
             log.warning("skipping snapshot file %s: %s", held.path, exc)
             continue

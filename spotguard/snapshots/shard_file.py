@@ -2,7 +2,7 @@
 
     body: skeleton (torch.save of the state with every tensor on "meta") | each tensor's bytes, in order
           (each part padded to 64 bytes)
-    trailer: JSON (run, step, rank, world size, the skeleton's and the body's lengths, the body's
+    trailer: JSON (run, job, step, rank, world size, the skeleton's and the body's lengths, the body's
              CRC32C) | its length (8 bytes) | MAGIC
 
 The body is laid out first and filled through a memory map (`MappedShard`): copying the state in
@@ -19,6 +19,7 @@ import io
 import json
 import mmap
 import os
+import stat
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -48,7 +49,8 @@ class SnapshotLoadError(SnapshotError):
 class ShardInfo:
     """What a snapshot file's trailer says; `body_bytes + trailer` is the file's size."""
 
-    run: str
+    run: str  # the checkpoint location's key
+    job: str  # the job identity its checkpoint location holds
     step: int
     rank: int
     world_size: int
@@ -106,11 +108,8 @@ class MappedShard:
         self.body_bytes = _padded(len(self._skeleton)) + sum(size for _, _, size in self._tensors)
         self.path = path
         self._part = path.with_name(path.name + ".part")
-        if take_spare is not None:
-            take_spare(self._part)
-        self._fd = os.open(self._part, os.O_RDWR | os.O_CREAT, 0o600)
+        self._fd = reserve(self._part, self.body_bytes, take_spare)
         try:
-            os.ftruncate(self._fd, self.body_bytes)
             self._map = mmap.mmap(self._fd, self.body_bytes, flags=mmap.MAP_SHARED | _POPULATE)
         except BaseException:
             self.discard()
@@ -138,11 +137,11 @@ class MappedShard:
         finally:
             del body  # no view of the map may outlive it (closing a map with views raises)
 
-    def finish(self, *, run: str, step: int, rank: int, world_size: int) -> ShardInfo:
+    def finish(self, *, run: str, job: str, step: int, rank: int, world_size: int) -> ShardInfo:
         """Checksum the body, append the trailer, and give the file its final name."""
         try:
             crc = crc32c_extend(0, self._map)
-            info = ShardInfo(run, step, rank, world_size, len(self._skeleton), self.body_bytes, f"{crc:08x}")
+            info = ShardInfo(run, job, step, rank, world_size, len(self._skeleton), self.body_bytes, f"{crc:08x}")
             self._map.close()
             trailer = info.encoded()
             os.pwrite(self._fd, trailer, self.body_bytes)
@@ -165,6 +164,28 @@ class MappedShard:
             os.close(self._fd)
             self._fd = -1
         self._part.unlink(missing_ok=True)
+
+
+def reserve(part: Path, size: int, take_spare: Callable[[Path], bool] | None = None) -> int:
+    """A descriptor of a new file `part` of `size` bytes whose pages are reserved: a full tmpfs
+    fails here with ENOSPC (an OSError), never later as a SIGBUS on a store into a mapped page
+    that cannot be backed. The file is this process's own: created exclusively, never through a
+    link (a spare moved in from the node's private directory is opened without following one)."""
+    part.unlink(missing_ok=True)  # a crash's leftover: the directory is private, so it is ours
+    reused = take_spare is not None and take_spare(part)
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | (0 if reused else os.O_CREAT | os.O_EXCL)
+    fd = os.open(part, flags, 0o600)
+    try:
+        found = os.fstat(fd)
+        if not stat.S_ISREG(found.st_mode) or found.st_uid != os.geteuid():
+            raise SnapshotError(f"{part} is not a file of this user's")
+        os.ftruncate(fd, size)  # a longer spare's tail goes
+        os.posix_fallocate(fd, 0, size)
+    except BaseException:
+        os.close(fd)
+        part.unlink(missing_ok=True)
+        raise
+    return fd
 
 
 _ALIGN = 64  # every part of the body starts 64-byte aligned: a tensor is a view of the mapped bytes

@@ -30,11 +30,12 @@ import torch.distributed as dist
 
 from spotguard.cadence import Cadence
 from spotguard.checkpoint.comm import FAILURES, Comm, describe
+from spotguard.checkpoint.job import location_key
 from spotguard.checkpoint.staging import Stager, on_device
 from spotguard.checkpoint.state import load_from_dcp, to_dcp
 from spotguard.kvstore import Connection
 from spotguard.snapshots import recovery, shard_file
-from spotguard.snapshots.node_dir import DEFAULT_ROOT, ROOT_ENV, NodeDir, name_of, run_key
+from spotguard.snapshots.node_dir import BASE_ENV, DEFAULT_BASE, NodeDir, name_of, private_root
 from spotguard.snapshots.peers import PeerServer, push
 
 log = logging.getLogger(__name__)
@@ -62,12 +63,19 @@ class SnapshotDone:
 
 
 class SnapshotTier:
-    """Snapshots of one rank's state; made by the Guard when `SnapshotOptions` ask for them."""
+    """Snapshots of one rank's state; made by the Guard when `SnapshotOptions` ask for them.
+
+    `job` is the identity the checkpoint location holds (`spotguard.checkpoint.job`; the same on
+    every rank), written into every snapshot: files of another job are never loaded. None (it could
+    not be read), or a snapshot directory this node cannot use safely, means no snapshots: this
+    rank votes "no room" at the first snapshot, so the whole job learns it at once and trains on.
+    """
 
     def __init__(
         self,
         *,
         checkpoint_dir: str,
+        job: str | None,
         snapshot_dir: str | None,
         replicas: int,
         comm: Comm,
@@ -88,8 +96,9 @@ class SnapshotTier:
             log.warning("snapshots: %d node(s) can keep %d replica(s) of each shard, not %d", nodes, self.replicas,
                         replicas)  # fmt: skip
         self.buddies = [(self.rank + k * self.ranks_per_node) % self.world_size for k in range(1, self.replicas + 1)]
-        self.run = run_key(checkpoint_dir)
-        self.node_dir = NodeDir(snapshot_dir or os.environ.get(ROOT_ENV) or DEFAULT_ROOT, self.run)
+        self.run = location_key(checkpoint_dir)
+        self.job = job
+        self.node_dir = self._open_node_dir(snapshot_dir or os.environ.get(BASE_ENV) or DEFAULT_BASE)
         self.cadence = cadence
         self.last: SnapshotDone | None = None
         self.complete: int | None = None  # the newest snapshot known complete everywhere
@@ -102,8 +111,9 @@ class SnapshotTier:
         self._begun: int | None = None  # the step of the snapshot last begun
         self._room: bool | None = None  # None until the first snapshot checked it
         self._files_per_step = self.ranks_per_node * (1 + self.replicas)  # this node's, own and replicas
-        self._server = PeerServer(self.node_dir)
-        store.set(f"{self._prefix}addr/{self.rank}", self._server.address)
+        self._server = PeerServer(self.node_dir) if self.node_dir is not None else None
+        if self._server is not None:  # a rank without a directory holds nothing to serve
+            store.set(f"{self._prefix}addr/{self.rank}", self._server.address)
 
     # ---- the training thread ---------------------------------------------------------
     def snapshot(self, step: int, state: Mapping[str, Any]) -> None:
@@ -157,7 +167,9 @@ class SnapshotTier:
         """Load the newest whole snapshot newer than (or as new as) the durable step `durable`
         (rank 0's word; a collective); its step, or None when there is none to load."""
         local_rank = self.rank % self.ranks_per_node  # the layout the buddies assume: nodes' ranks contiguous
-        held = recovery.holdings(self.node_dir, self.run, local_rank, self.ranks_per_node)
+        held = []
+        if self.node_dir is not None and self.job is not None:
+            held = recovery.holdings(self.node_dir, (self.run, self.job), local_rank, self.ranks_per_node)
         live = functools.cache(lambda: to_dcp(state))  # made only to load: on a fresh optimizer it adds state
         fetched: dict[str, Any] = {"touched": False}  # this rank's shard, read into `live` for the plan agreed last
 
@@ -200,7 +212,8 @@ class SnapshotTier:
         """This node's snapshots of steps after `step` (the step a resume started from; None: a fresh
         start) belong to a past that will not happen: deleted, so that no later snapshot of the same
         step number can ever be made whole with them."""
-        self.node_dir.keep_only({h.step for h in self.node_dir.held() if step is not None and h.step <= step})
+        if self.node_dir is not None:
+            self.node_dir.keep_only({h.step for h in self.node_dir.held() if step is not None and h.step <= step})
 
     def close(self, wait: bool = True) -> None:
         """Stop serving peers; with `wait`, first finish the snapshot in flight (after an emergency the
@@ -209,19 +222,44 @@ class SnapshotTier:
             if wait:
                 self.wait()
         finally:
-            self._server.close(wait)
+            if self._server is not None:
+                self._server.close(wait)
 
     # ---- internals ------------------------------------------------------------------------
+    def _open_node_dir(self, base: str) -> NodeDir | None:
+        """This node's directory for the job, in the user's private root; None (said once per node)
+        when it cannot be used or the job has no identity."""
+        try:
+            if self.job is None:
+                raise ValueError("the checkpoint location's job identity could not be read")
+            return NodeDir(private_root(base), self.run)
+        except (OSError, ValueError) as exc:
+            log.log(logging.WARNING if self.comm.is_node_leader else logging.DEBUG,
+                    "snapshots are off on this node: %s (snapshot dir %s)", exc, base)  # fmt: skip
+            return None
+
     def _check_room(self, state_dict: Mapping[str, Any] | None) -> bool:
         """Whether every node has room for the tier (a collective through the store); logs the sizes.
-        A state that cannot be read (None) counts as no room."""
-        if state_dict is None:
-            _report(self._conn.store, f"{self._prefix}room", self.world_size, False)
-            return self._verdict(f"{self._prefix}room") == "ok"
+        A state that cannot be read (None), or a directory that cannot be used, counts as no room."""
+        fits = False
+        if state_dict is not None and self.node_dir is not None:
+            try:
+                fits = self._fits(state_dict, self.node_dir)
+            except OSError as exc:
+                log.warning("snapshots: %s cannot be used: %s", self.node_dir.path, exc)
+        key = f"{self._prefix}room"
+        _report(self._conn.store, key, self.world_size, fits)
+        verdict = self._verdict(key)
+        if verdict != "ok" and self.comm.is_coordinator:
+            log.warning("snapshots are off: a node lacks the room, or not every rank answered (%s)", verdict)
+        return verdict == "ok"
+
+    def _fits(self, state_dict: Mapping[str, Any], node_dir: NodeDir) -> bool:
+        """Whether this node has room for the tier (logged with the sizes)."""
         shard = sum(t.numel() * t.element_size() for t in shard_file.tensors_of(state_dict))
         files = self.ranks_per_node * shard * (1 + self.replicas) * GENERATIONS
         host_copy = self.ranks_per_node * shard if on_device(state_dict) else 0  # GPU state: pinned buffers
-        free = self.node_dir.free_bytes()
+        free = node_dir.free_bytes()
         fits = files + host_copy <= free
         if self.comm.is_node_leader:
             log.log(
@@ -229,15 +267,10 @@ class SnapshotTier:
                 "snapshots need %s on this node: %d rank(s) x %s x (own + %d replica(s)) x %d generations at most "
                 "in %s, plus %s of host copies; %s free%s",
                 _size(files + host_copy), self.ranks_per_node, _size(shard), self.replicas, GENERATIONS,
-                self.node_dir.path, _size(host_copy), _size(free),
+                node_dir.path, _size(host_copy), _size(free),
                 "" if fits else ": no room, so no snapshots (make the tmpfs larger or snapshot less state)",
             )  # fmt: skip
-        key = f"{self._prefix}room"
-        _report(self._conn.store, key, self.world_size, fits)
-        verdict = self._verdict(key)
-        if verdict != "ok" and self.comm.is_coordinator:
-            log.warning("snapshots are off: a node lacks the room, or not every rank answered (%s)", verdict)
-        return verdict == "ok"
+        return fits
 
     def _verdict(self, key: str) -> str:
         """`<key>/verdict` once the last rank set it; after VERDICT_WAIT_S, "failed" for every rank (the
@@ -262,7 +295,7 @@ class SnapshotTier:
                 raise copied
             if not isinstance(copied, shard_file.MappedShard):  # staged in host buffers
                 copied = shard_file.MappedShard(path, copied, self.node_dir.take_spare).fill(copied)
-            info = copied.finish(run=self.run, step=step, rank=self.rank, world_size=self.world_size)
+            info = copied.finish(run=self.run, job=self.job, step=step, rank=self.rank, world_size=self.world_size)
             size, write_s = info.body_bytes, time.monotonic() - started
             for buddy in self.buddies:
                 push(self._address_of(buddy, self._background_conn), path, name_of(step, self.rank, self.world_size))

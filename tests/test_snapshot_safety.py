@@ -1,0 +1,300 @@
+"""The snapshot tier is one user's and one job's, and a bad or full snapshot directory never ends
+training: a private root per user (what another local user plants there is refused, never written
+through), space reserved before a byte is stored (a full tmpfs is a failed snapshot, never a
+SIGBUS), files keyed by the job's location and identity, an unusable directory that counts as
+"no room" on every rank at once, and a resume that weighs a snapshot against the durable step that
+actually loads."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spotguard.checkpoint.job import IDENTITY_NAME, location_key
+from spotguard.checkpoint.state import to_dcp
+from spotguard.snapshots import shard_file
+from spotguard.snapshots.node_dir import NodeDir, UnusableDir, name_of, private_root
+from spotguard.snapshots.peers import PeerServer, push
+from tests.ckpt_workers import run_ranks
+from tests.test_checkpoint import flip_byte, shard
+from tests.test_snapshots import digest, resumes, run, trained, write
+
+ROOT = Path(__file__).resolve().parents[1]
+NOBODY = 65534
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: to act as another user, or to mount a tmpfs")
+
+
+def snaps(where: Path) -> list[Path]:
+    return sorted(where.rglob("*.snap"))
+
+
+# ---- 1. a private root -------------------------------------------------------------------------------
+
+
+def test_each_user_gets_a_root_of_their_own_made_0700(tmp_path):
+    root = private_root(tmp_path)
+    assert root == tmp_path / f"spotguard-{os.geteuid()}"
+    assert stat.S_IMODE(root.lstat().st_mode) == 0o700
+    root.chmod(0o755)  # as an older version left it: readable by every local user
+    assert stat.S_IMODE(private_root(tmp_path).lstat().st_mode) == 0o700
+    run(tmp_path, 5)  # snapshots of steps 0 and 4, in the private root
+    assert snaps(tmp_path / "memory")
+    for snap in snaps(tmp_path / "memory"):
+        assert snap.is_relative_to(tmp_path / "memory" / f"spotguard-{os.geteuid()}")
+        assert stat.S_IMODE(snap.stat().st_mode) == 0o600
+
+
+@as_root
+@pytest.mark.parametrize("planted", ["a directory of another user's", "a link to a directory of ours"])
+def test_a_root_another_user_planted_means_no_snapshots_and_nothing_written_there(tmp_path, caplog, planted):
+    base = tmp_path / "memory"
+    base.mkdir()
+    base.chmod(0o1777)  # as /dev/shm: anyone may create a name in it
+    root = base / f"spotguard-{os.geteuid()}"
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    if planted.startswith("a directory"):
+        root.mkdir(mode=0o777)
+        os.chown(root, NOBODY, NOBODY)
+        target = root
+    else:
+        root.symlink_to(target)
+    with caplog.at_level(logging.WARNING):
+        start, _, guard = run(tmp_path, 9)
+    assert start == 0 and "snapshots are off on this node" in caplog.text
+    assert "snapshots are off: a node lacks the room" in caplog.text  # the whole job learnt it from the vote
+    assert list(target.iterdir()) == []  # nothing of the job's in the stranger's hands
+
+
+@as_root
+def test_a_base_others_can_write_without_the_sticky_bit_is_refused(tmp_path):
+    base = tmp_path / "open"
+    base.mkdir()
+    base.chmod(0o777)  # anyone could rename this user's root away and put their own in its place
+    with pytest.raises(UnusableDir, match="not sticky"):
+        private_root(base)
+
+
+@pytest.mark.parametrize("side", ["the training thread", "a replica received"])
+def test_a_link_or_a_file_planted_under_a_snapshot_name_is_never_written_through(tmp_path, side):
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    node = NodeDir(private_root(tmp_path / "memory"), "run")
+    name = name_of(4, 0, 1)
+    part = node.prepare(name).with_name(Path(name).name + ".part")
+    part.symlink_to(victim)
+    if side == "the training thread":
+        path = node.file(name)
+        state = to_dcp(trained())
+        shard_file.MappedShard(path, state).fill(state).finish(run="run", job="j", step=4, rank=0, world_size=1)
+    else:
+        source, _ = write(tmp_path, trained())
+        server = PeerServer(node)
+        try:
+            push(server.address, source, name)
+        finally:
+            server.close()
+    assert victim.read_bytes() == b"precious"
+    made = node.file(name)
+    assert not made.is_symlink() and stat.S_IMODE(made.stat().st_mode) == 0o600
+    assert made.stat().st_uid == os.geteuid()
+
+
+@as_root
+def test_a_planted_world_readable_file_keeps_neither_its_owner_nor_its_mode(tmp_path):
+    node = NodeDir(private_root(tmp_path / "memory"), "run")
+    path = node.prepare(name_of(4, 0, 1))
+    part = path.with_name(path.name + ".part")
+    part.write_bytes(b"")
+    part.chmod(0o666)
+    os.chown(part, NOBODY, NOBODY)
+    state = to_dcp(trained())
+    shard_file.MappedShard(path, state).fill(state).finish(run="run", job="j", step=4, rank=0, world_size=1)
+    made = path.stat()
+    assert (made.st_uid, stat.S_IMODE(made.st_mode)) == (os.geteuid(), 0o600)
+
+
+# ---- 2. a full tmpfs ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 4 MiB tmpfs of this test's own (skipped where it cannot be mounted)."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)]).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+FILL_THEN_TRAIN = """
+import logging, os, sys
+import torch
+import spotguard
+
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout)
+base, ckpt, filler = sys.argv[1:4]
+torch.manual_seed(0)
+model = torch.nn.Linear(256, 256)  # 257 KiB of weights, 771 KiB with AdamW's moments
+optim = torch.optim.AdamW(model.parameters())
+state = {"model": model, "optim": optim}
+with spotguard.Guard(ckpt, cloud="none", snapshot_every=2, snapshot_dir=base, exit_code=None) as guard:
+    guard.resume(state)
+    for step in range(8):
+        model(torch.randn(4, 256)).sum().backward()
+        optim.step()
+        if step == 1:  # after the first snapshot: another process takes what is left of the tmpfs
+            with open(filler, "wb") as f:
+                try:
+                    while True:
+                        f.write(b"x" * 65536)
+                        f.flush()
+                except OSError:
+                    pass
+        guard.step(step, state)
+        print("trained step", step, flush=True)
+print("done", flush=True)
+"""
+
+
+def test_a_tmpfs_filled_between_snapshots_fails_the_snapshot_not_the_process(tmp_path, small_tmpfs):
+    proc = subprocess.run(
+        [sys.executable, "-c", FILL_THEN_TRAIN, str(small_tmpfs), str(tmp_path / "ckpt"), str(small_tmpfs / "filler")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode} (-7 is SIGBUS):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    assert "trained step 7" in proc.stdout and "done" in proc.stdout
+    assert "No space left on device" in proc.stdout  # the failed snapshot, said
+
+
+RECEIVE_ON_FULL_TMPFS = """
+import sys
+from pathlib import Path
+import torch
+from spotguard.checkpoint.departure import HandoffError
+from spotguard.checkpoint.state import to_dcp
+from spotguard.snapshots import shard_file
+from spotguard.snapshots.node_dir import NodeDir, name_of, private_root
+from spotguard.snapshots.peers import PeerServer, push
+
+full, source = Path(sys.argv[1]), Path(sys.argv[2])
+state = to_dcp({"w": torch.ones(2 << 20)})  # 8 MiB: more than the tmpfs holds
+shard_file.MappedShard(source, state).fill(state).finish(run="r", job="j", step=1, rank=0, world_size=1)
+server = PeerServer(NodeDir(private_root(full), "r"))
+try:
+    push(server.address, source, name_of(1, 0, 1))
+except (HandoffError, OSError) as exc:  # refused, or the connection closed on the sender mid-file
+    print("refused:", exc, flush=True)
+server.close()
+print("alive", flush=True)
+"""
+
+
+def test_a_replica_that_does_not_fit_is_refused_and_the_receiver_lives(tmp_path, small_tmpfs):
+    proc = subprocess.run(
+        [sys.executable, "-c", RECEIVE_ON_FULL_TMPFS, str(small_tmpfs), str(tmp_path / "source.snap")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode} (-7 is SIGBUS):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    assert "refused:" in proc.stdout and "alive" in proc.stdout
+    assert "snapshot peer request refused: OSError: [Errno 28] No space left on device" in proc.stderr
+    assert not list(small_tmpfs.rglob("*.part"))
+
+
+# ---- 3. one job's ------------------------------------------------------------------------------------
+
+
+def test_two_jobs_with_the_same_relative_checkpoint_dir_never_share_snapshots(tmp_path, monkeypatch):
+    memory = tmp_path / "memory"
+    for job in ("a", "b"):
+        (tmp_path / job).mkdir()
+    monkeypatch.chdir(tmp_path / "a")
+    run_here(memory, 11)  # job A: snapshots of steps 4 and 8 under "ckpt"
+    monkeypatch.chdir(tmp_path / "b")
+    start, _ = run_here(memory, 3)  # job B also says Guard("ckpt")
+    assert start == 0  # not A's step 8
+    assert not list((tmp_path / "b" / "ckpt").glob("step-*"))  # and nothing of A's committed as B's
+    keys = {p.relative_to(memory).parts[1] for p in snaps(memory)}
+    assert keys == {location_key(str(tmp_path / "a" / "ckpt")), location_key(str(tmp_path / "b" / "ckpt"))}
+
+
+def run_here(memory: Path, stop: int) -> tuple[int, dict]:
+    """`run` with the relative checkpoint_dir "ckpt" (two jobs typing the same string)."""
+    import spotguard
+
+    state = trained(1, steps=0)
+    with spotguard.Guard("ckpt", cloud="none", snapshot_every=4, snapshot_dir=str(memory), exit_code=None) as guard:
+        start = guard.resume(state)
+        for step in range(start, stop):
+            guard.step(step, state)
+    return start, state
+
+
+def test_a_job_started_over_ignores_and_sweeps_the_deleted_runs_snapshots(tmp_path, caplog):
+    run(tmp_path, 11)  # snapshots 4 and 8
+    identity = json.loads((tmp_path / "ckpt" / IDENTITY_NAME).read_text())["job"]
+    assert {shard_file.read_info(p).job for p in snaps(tmp_path / "memory")} == {identity}
+    start, _, _ = run(tmp_path, 9)  # a restart of the same job resumes its snapshot
+    assert start == 9
+    shutil.rmtree(tmp_path / "ckpt")  # the run is started over
+    with caplog.at_level(logging.INFO):
+        start, _, _ = run(tmp_path, 3)
+    assert start == 0
+    assert "it belongs to job" in caplog.text
+    kept = {shard_file.read_info(p).job for p in snaps(tmp_path / "memory")}
+    assert identity not in kept  # the old job's files are gone, not kept for ever
+    assert json.loads((tmp_path / "ckpt" / IDENTITY_NAME).read_text())["job"] != identity
+
+
+# ---- 5. an unusable directory -------------------------------------------------------------------------
+
+
+def test_a_snapshot_dir_under_a_regular_file_means_training_without_snapshots(tmp_path, caplog):
+    (tmp_path / "file").write_text("not a directory")
+    with caplog.at_level(logging.WARNING):
+        start, _, _ = run(tmp_path, 9, snapshot_dir=str(tmp_path / "file" / "memory"))
+    assert start == 0
+    assert "snapshots are off on this node" in caplog.text and "snapshots are off: a node lacks the room" in caplog.text
+    start, _, _ = run(tmp_path, 10, snapshot_dir=str(tmp_path / "file" / "memory"))  # a resume too
+    assert start == 0  # nothing durable, nothing in memory: afresh, without an error
+
+
+def test_one_rank_with_an_unusable_dir_turns_snapshots_off_for_all_at_once(tmp_path):
+    (tmp_path / "file").write_text("not a directory")
+    dirs = [str(tmp_path / "memory0"), str(tmp_path / "file" / "memory1")]
+    run_ranks("guarded_snapshots", 2, ckpt=str(tmp_path / "ckpt"), snapshot_dirs=dirs, steps=9, out=str(tmp_path))
+    done = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(d["train_s"] < 60 for d in done), done  # no rank waited out the room verdict (300 s)
+    assert snaps(tmp_path / "memory0") == []  # rank 0 has room, yet none of its snapshots: the job is off
+
+
+# ---- 9. resume weighs a snapshot against what loads ------------------------------------------------------
+
+
+def test_a_damaged_newest_durable_step_yields_to_an_intact_newer_snapshot(tmp_path, caplog):
+    _, reference, _ = run(tmp_path / "ref", 35, save_every=10)
+    run(tmp_path, 31, save_every=10)  # durable 10, 20, 30; snapshots 24 and 28
+    flip_byte(shard(tmp_path / "ckpt" / "step-0000000030"))
+    with caplog.at_level(logging.INFO):
+        start, state, _ = run(tmp_path, 35, save_every=10)
+    assert start == 29  # the snapshot of 28, not the durable 20 that loaded (start 21)
+    assert resumes(tmp_path)[-1]["tier"] == "snapshot"
+    assert digest(state) == digest(reference)
+
