@@ -166,9 +166,10 @@ print("done", flush=True)
 """
 
 
-def test_a_tmpfs_filled_between_snapshots_fails_the_snapshot_not_the_process(tmp_path, small_tmpfs):
+def survives(script: str, *args: Path) -> subprocess.CompletedProcess:
+    """`script` run in a process of its own (a SIGBUS there fails the test, not the test run); it must exit 0."""
     proc = subprocess.run(
-        [sys.executable, "-c", FILL_THEN_TRAIN, str(small_tmpfs), str(tmp_path / "ckpt"), str(small_tmpfs / "filler")],
+        [sys.executable, "-c", script, *map(str, args)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -176,6 +177,11 @@ def test_a_tmpfs_filled_between_snapshots_fails_the_snapshot_not_the_process(tmp
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
     assert proc.returncode == 0, f"exit {proc.returncode} (-7 is SIGBUS):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    return proc
+
+
+def test_a_tmpfs_filled_between_snapshots_fails_the_snapshot_not_the_process(tmp_path, small_tmpfs):
+    proc = survives(FILL_THEN_TRAIN, small_tmpfs, tmp_path / "ckpt", small_tmpfs / "filler")
     assert "trained step 7" in proc.stdout and "done" in proc.stdout
     assert "No space left on device" in proc.stdout  # the failed snapshot, said
 
@@ -204,15 +210,7 @@ print("alive", flush=True)
 
 
 def test_a_replica_that_does_not_fit_is_refused_and_the_receiver_lives(tmp_path, small_tmpfs):
-    proc = subprocess.run(
-        [sys.executable, "-c", RECEIVE_ON_FULL_TMPFS, str(small_tmpfs), str(tmp_path / "source.snap")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
-    assert proc.returncode == 0, f"exit {proc.returncode} (-7 is SIGBUS):\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}"
+    proc = survives(RECEIVE_ON_FULL_TMPFS, small_tmpfs, tmp_path / "source.snap")
     assert "refused:" in proc.stdout and "alive" in proc.stdout
     assert "snapshot peer request refused: OSError: [Errno 28] No space left on device" in proc.stderr
     assert not list(small_tmpfs.rglob("*.part"))
