@@ -102,14 +102,33 @@ _OPCODE_NAMES = {ord(op.code): op.name for op in pickletools.opcodes}
 # Opcodes that push a value, immutable or new, or move values between stack, memo and marks;
 # GLOBAL and STACK_GLOBAL push what find_class gives.
 _INERT = """
-    PROTO FRAME STOP MARK POP POP_MARK DUP MEMOIZE PUT BINPUT LONG_BINPUT GET BINGET LONG_BINGET
+    PROTO FRAME STOP MARK POP POP_MARK MEMOIZE PUT BINPUT LONG_BINPUT
     NONE NEWTRUE NEWFALSE INT BININT BININT1 BININT2 LONG LONG1 LONG4 FLOAT BINFLOAT
     STRING BINSTRING SHORT_BINSTRING UNICODE BINUNICODE SHORT_BINUNICODE BINUNICODE8
-    BINBYTES SHORT_BINBYTES BINBYTES8 BYTEARRAY8 EMPTY_TUPLE TUPLE TUPLE1 TUPLE2 TUPLE3 FROZENSET
+    BINBYTES SHORT_BINBYTES BINBYTES8 BYTEARRAY8 EMPTY_TUPLE TUPLE TUPLE1 TUPLE2 TUPLE3
     GLOBAL STACK_GLOBAL
 """.split()
-# Opcodes that push a new list, dict or set, which later opcodes may fill.
-_CONTAINERS = "EMPTY_LIST LIST EMPTY_DICT DICT EMPTY_SET".split()
+# Opcodes that push a new list, dict or set, which later opcodes may fill (DICT: see the table).
+_CONTAINERS = "EMPTY_LIST LIST EMPTY_DICT EMPTY_SET".split()
+# Opcodes that push again a value pushed before.
+_REUSING = "DUP GET BINGET LONG_BINGET".split()
+
+# The memo lets a pickle put one value in many others, and C code walks a value down every
+# reference anew (hash, ==, repr, a copy): 60 tuples that each hold the one before twice take 120 to
+# 240 bytes and expand to 2**60 nodes, and hashing the last (a dict key) runs in C, holding the GIL,
+# for ever. Real DCP metadata reuses only strings, globals, dtypes, layouts and Enum members. So
+# each reuse (GET, DUP) is charged what its value expands to beyond the one node the opcode pays
+# for (a node per value, plus one per 8 bytes of a str or bytes and per 64 bits of an int), a value
+# once reused may not change (a pickler fills a value before anything holds it), and a load is
+# refused once its charges pass _REUSE_PER_BYTE per byte of pickle (plus _REUSE_BASE). What a load
+# builds then expands to at most that much beyond its own opcodes, which bounds every walk of it, in
+# the load and after. A value that is hashed (a dict key, a set member, what a function such as the
+# lookups is called with) may expand to _HASHED_SIZE at most: hash() recurses in C with no depth
+# check, and a million nested tuples crash the process.
+_REUSE_PER_BYTE = 4
+_REUSE_BASE = 1 << 16
+_HASHED_SIZE = 1 << 12
+_LEAVES = {type, bool, float, type(None), torch.dtype, torch.layout, _MEM_FORMAT_ENCODING}  # hold nothing
 # Refused, as DCP never writes them: INST and OBJ (calls of their own kind), PERSID and BINPERSID,
 # EXT1/2/4 (copyreg's registry), NEXT_BUFFER and READONLY_BUFFER (out-of-band data).
 
@@ -118,6 +137,34 @@ _ABSENT = object()
 
 def _code(opcode: str) -> int:
     return getattr(pickle, opcode)[0]
+
+
+def _reusing(load: _Handler) -> _Handler:
+    """`load`, which pushes again a value pushed before: charged what it expands to."""
+
+    def reuse(self: _MetadataUnpickler) -> None:
+        load(self)
+        value = self.stack[-1]
+        kind = type(value)
+        if (kind is str and len(value) < 8) or kind in _LEAVES:  # most reuses (no more than their node)
+            return
+        self._left -= self._expanded(value, self._left + 1, reused=True) - 1
+        if self._left < 0:
+            raise RefusedPickle(
+                f"refused to unpickle: values reused from the memo expand to more than {_REUSE_PER_BYTE} nodes a byte"
+            )
+
+    return reuse
+
+
+def _hashing(load: _Handler, opcode: str, hashed: slice) -> _Handler:
+    """`load`, which builds a dict or frozenset of the items above the mark and hashes those in `hashed`."""
+
+    def build(self: _MetadataUnpickler) -> None:
+        self._hashed(self.stack[hashed], opcode)
+        load(self)
+
+    return build
 
 
 def _creating(load: _Handler) -> _Handler:
@@ -147,7 +194,8 @@ class _MetadataUnpickler(pickle._Unpickler):
     check any of that, so this is the pure-Python one with an opcode table of its own: opcodes
     that change an object accept only one this load created (a container an opcode pushed, or
     an instance `object.__new__` allocated), opcodes that call accept only what find_class
-    gave, and opcodes DCP never writes are refused.
+    gave, and opcodes DCP never writes are refused. Values reused from the memo are charged what
+    they expand to, so that no walk of what it builds can take long (see _REUSE_PER_BYTE).
     """
 
     def __init__(self, data: bytes) -> None:
@@ -155,6 +203,8 @@ class _MetadataUnpickler(pickle._Unpickler):
         # By id, holding each object: no id is reused by a new object while the load runs.
         self._found: dict[int, tuple[Any, str]] = {}
         self._made: dict[int, Any] = {}
+        self._done: set[int] = set()  # of those made, the ones that may not change any more
+        self._left = _REUSE_PER_BYTE * len(data) + _REUSE_BASE  # what reuses may still add
 
     def find_class(self, module: str, name: str) -> Any:
         # Looked up by name, never imported: importing a module can run code too.
@@ -180,6 +230,42 @@ class _MetadataUnpickler(pickle._Unpickler):
             raise RefusedPickle(
                 f"refused to unpickle: {opcode} would change {self._describe(obj)}, which this pickle did not create"
             )
+        if id(obj) in self._done:
+            raise RefusedPickle(
+                f"refused to unpickle: {opcode} would change {self._describe(obj)} once reused or built"
+            )
+
+    def _expanded(self, value: Any, limit: int, *, reused: bool = False) -> int:
+        """What `value` expands to (see _REUSE_PER_BYTE), counted until it passes `limit`. When it is
+        `reused`, what it holds may not change any more: the change would not be charged."""
+        size, pending = 0, [value]
+        while pending and size <= limit:
+            obj = pending.pop()
+            size += 1
+            if isinstance(obj, (str, bytes, bytearray)):
+                size += len(obj) >> 3
+            elif isinstance(obj, int):
+                size += obj.bit_length() >> 6
+            elif isinstance(obj, pathlib.PurePath):
+                size += len(str(obj)) >> 3
+            elif type(obj) not in _LEAVES and not self._is_found(obj):
+                if isinstance(obj, dict):
+                    pending += obj.keys()
+                    pending += obj.values()
+                elif isinstance(obj, (tuple, list, set, frozenset)):
+                    pending += obj
+                elif hasattr(obj, "__dict__"):  # an instance this load made or called into being
+                    pending += vars(obj).values()
+                if reused and self._made.get(id(obj), _ABSENT) is obj:
+                    self._done.add(id(obj))
+        return size
+
+    def _hashed(self, values: list[Any], opcode: str) -> None:
+        for value in values:  # a str caches its hash, and holds nothing
+            if type(value) is not str and self._expanded(value, _HASHED_SIZE) > _HASHED_SIZE:
+                raise RefusedPickle(
+                    f"refused to unpickle: {opcode} would hash a value that expands to more than {_HASHED_SIZE} nodes"
+                )
 
     def _may_call(self, obj: Any, opcode: str) -> Any:
         if not self._is_found(obj):
@@ -189,14 +275,19 @@ class _MetadataUnpickler(pickle._Unpickler):
         return obj
 
     def load_build(self) -> None:
-        self._may_change(self.stack[-2], "BUILD")
+        inst = self.stack[-2]
+        self._may_change(inst, "BUILD")
         super().load_build()
+        # A pickler writes an object's BUILD last; after it, an attribute it set could stand in for a
+        # method that a later BUILD or APPEND would call (a lookup as __setstate__ or append, hashing).
+        self._done.add(id(inst))
 
     def load_append(self) -> None:
         self._may_change(self.stack[-2], "APPEND")
         super().load_append()
 
     def load_setitem(self) -> None:
+        self._hashed(self.stack[-2:-1], "SETITEM")
         self._may_change(self.stack[-3], "SETITEM")
         super().load_setitem()
 
@@ -206,15 +297,18 @@ class _MetadataUnpickler(pickle._Unpickler):
         super().load_appends()
 
     def load_setitems(self) -> None:
+        self._hashed(self.stack[::2], "SETITEMS")
         self._may_change(self.metastack[-1][-1], "SETITEMS")
         super().load_setitems()
 
     def load_additems(self) -> None:
+        self._hashed(self.stack, "ADDITEMS")
         self._may_change(self.metastack[-1][-1], "ADDITEMS")
         super().load_additems()
 
     def load_reduce(self) -> None:
-        self._may_call(self.stack[-2], "REDUCE")
+        if not isinstance(self._may_call(self.stack[-2], "REDUCE"), type):
+            self._hashed(self.stack[-1:], "REDUCE")  # a function may hash its arguments (the lookups do)
         super().load_reduce()  # what it returns may be shared (an Enum member): not created here
 
     def load_newobj(self) -> None:
@@ -232,7 +326,10 @@ class _MetadataUnpickler(pickle._Unpickler):
     dispatch = _OpcodeTable(
         {_code(op): pickle._Unpickler.dispatch[_code(op)] for op in _INERT}
         | {_code(op): _creating(pickle._Unpickler.dispatch[_code(op)]) for op in _CONTAINERS}
+        | {_code(op): _reusing(pickle._Unpickler.dispatch[_code(op)]) for op in _REUSING}
         | {
+            pickle.DICT[0]: _creating(_hashing(pickle._Unpickler.load_dict, "DICT", slice(0, None, 2))),
+            pickle.FROZENSET[0]: _hashing(pickle._Unpickler.load_frozenset, "FROZENSET", slice(None)),
             pickle.BUILD[0]: load_build,
             pickle.APPEND[0]: load_append,
             pickle.SETITEM[0]: load_setitem,
