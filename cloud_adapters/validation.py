@@ -4,6 +4,8 @@ place so that every knob refuses the same things with the same one-line error.
 NaN and infinity are refused wherever a finite number is meant: NaN compares false with
 everything, so it slips through any `value <= 0` test (a NaN grace period loses the signal,
 a NaN poll interval turns polling into a busy loop), and an infinite wait never ends.
+A finite but huge number of seconds is refused too: it overflows the arithmetic it meets (a
+deadline of now + 1e12 s is past datetime's year 9999, so SIGTERM's notice could not be made).
 """
 
 from __future__ import annotations
@@ -14,11 +16,20 @@ import operator
 from typing import Any
 
 EXIT_STATUS_MAX = 255  # a process exit status is one byte: 256 would exit 0
+# The most seconds any setting may hold: far above any real wait (a deadline, a poll, a save
+# interval), far below the first overflow a wait meets: threading's TIMEOUT_MAX and a torch Store
+# timeout (int64 nanoseconds: 292 years), a datetime deadline (now + about 7,900 years). A multiple
+# of it (the watcher polls some advisories every 30th interval: 2.5 years) stays below them too.
+MAX_SECONDS = 30 * 24 * 3600
+MAX_SECONDS_SHOWN = f"30 days ({MAX_SECONDS} s)"
 
 
 def seconds(name: str, value: Any) -> float:
-    """A finite number of seconds > 0, as a float."""
-    return positive(name, value, "number of seconds")
+    """A finite number of seconds > 0 and at most MAX_SECONDS, as a float."""
+    number = positive(name, value, "number of seconds")
+    if number > MAX_SECONDS:
+        raise ValueError(f"{name} must be at most {MAX_SECONDS_SHOWN}, got {value!r}")
+    return number
 
 
 def positive(name: str, value: Any, what: str = "number") -> float:

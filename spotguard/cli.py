@@ -25,15 +25,15 @@ from cloud_adapters.stores import check_location, local_path
 log = logging.getLogger("spotguard")
 
 
-def _positive(text: str) -> float:
+def _seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
     try:
-        return check.seconds("the value", value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}") from None
+        return check.seconds("", value)  # argparse names the flag: "argument --grace: must be ..."
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).strip()) from None
 
 
 def _url(text: str) -> str:
@@ -78,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     watch = sub.add_parser("watch", help="watch for interruption notices and print one line per notice")
     watch.add_argument("--cloud", choices=CLOUDS + ("none", "auto"), default="auto")
     watch.add_argument("--metadata-url", type=_url, help="metadata service base URL (an emulator, say)")
-    watch.add_argument("--interval", type=_positive, default=1.0, help="seconds between polls (default 1)")
+    watch.add_argument("--interval", type=_seconds, default=1.0, help="seconds between polls (default 1)")
     watch.add_argument("--json", action="store_true", help="one JSON object per line")
     watch.add_argument("--once", action="store_true", help="exit 0 after the first interruption")
     watch.add_argument(
@@ -87,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=("SIGTERM",),
         help="comma-separated signals that count as an interruption (default SIGTERM)",
     )
-    watch.add_argument("--grace", type=_positive, default=25.0, help="deadline after a signal, seconds")
+    watch.add_argument("--grace", type=_seconds, default=25.0, help="deadline after a signal, seconds")
     watch.add_argument(
         "--exec",
         dest="exec_cmd",
@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--cloud", choices=CLOUDS, required=True)
     sim.add_argument("--host", default="127.0.0.1")
     sim.add_argument("--port", type=_port, default=0)
-    sim.add_argument("--notice-after", type=_positive, metavar="S", help="raise an interruption after S seconds")
+    sim.add_argument("--notice-after", type=_seconds, metavar="S", help="raise an interruption after S seconds")
 
     demo = sub.add_parser("demo", help="an end-to-end run: training, interruption, emergency save, resume")
     demo.add_argument("--dir", help="checkpoint directory (default: a fresh temporary one)")

@@ -22,6 +22,7 @@ import spotguard
 from cloud_adapters.aws.emulator import AWSMetadataEmulator
 from cloud_adapters.gcp.emulator import GCPMetadataEmulator
 from cloud_adapters.storage import LocalStore
+from cloud_adapters.validation import MAX_SECONDS
 from spotguard.checkpoint import list_checkpoints
 from spotguard.ledger import read_ledger
 
@@ -70,6 +71,17 @@ def test_sigterm_ends_the_loop_with_a_committed_checkpoint(tmp_path):
         fresh["optim"].state_dict()["state"][0]["momentum_buffer"],
         state["optim"].state_dict()["state"][0]["momentum_buffer"],
     )
+
+
+def test_sigterm_with_the_longest_grace_still_ends_the_loop_with_a_committed_checkpoint(tmp_path):
+    """grace_s=1e12 was accepted and its SIGTERM lost: the notice's deadline (now + grace) overflowed
+    datetime inside the watcher's poll, after the signal was read. The bound leaves room for it."""
+    state = make_state()
+    with spotguard.Guard(tmp_path, cloud="none", exit_code=None, grace_s=MAX_SECONDS) as guard:
+        stopped = train(guard, state, on_step=lambda s: s == 5 and os.kill(os.getpid(), signal.SIGTERM))
+        assert guard.notice is not None and guard.notice.seconds_left() > MAX_SECONDS - 60
+    assert stopped is not None and guard.emergency_saved
+    assert committed(tmp_path) == [(stopped, "emergency")]
 
 
 def test_a_gcp_preemption_is_saved_well_before_its_deadline(tmp_path):
@@ -212,6 +224,13 @@ def test_interval_saves_and_rebalance_saves_are_agreed_then_taken_in_the_backgro
         ({"save_interval_s": float("inf")}, ValueError, "save_interval_s must be a finite"),
         ({"agreement_timeout_s": -1.0}, ValueError, "agreement_timeout_s must be a finite"),
         ({"save_interval_s": "auto", "max_save_interval_s": float("inf")}, ValueError, "max_save_interval_s must be"),
+        # finite but huge: a deadline past datetime's range (SIGTERM lost), a wait past threading.TIMEOUT_MAX
+        ({"grace_s": 1e12}, ValueError, "grace_s must be at most 30 days (2592000 s), got 1000000000000.0"),
+        ({"poll_interval_s": 1e10}, ValueError, "poll_interval_s must be at most 30 days"),
+        ({"save_interval_s": 1e10}, ValueError, "save_interval_s must be at most 30 days"),
+        ({"save_interval_s": "auto", "max_save_interval_s": 1e10}, ValueError, "max_save_interval_s must be at most"),
+        ({"agreement_timeout_s": 1e10}, ValueError, "agreement_timeout_s must be at most 30 days"),
+        ({"snapshot_interval_s": 1e10}, ValueError, "snapshot_interval_s must be at most 30 days"),
         ({"save_every": 0.5}, TypeError, "save_every must be an int, not float"),
         ({"save_every": 0}, ValueError, "save_every must be >= 1"),
         ({"keep_last": 1.5}, TypeError, "keep_last must be an int, not float"),

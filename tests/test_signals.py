@@ -10,6 +10,7 @@ import time
 import pytest
 
 from cloud_adapters.signals import SignalSource, parse_signal
+from cloud_adapters.validation import MAX_SECONDS
 
 
 def start_watch(*flags):
@@ -45,6 +46,23 @@ def test_a_signal_becomes_one_interruption(sig, flags):
     grace = (parse_iso8601(notice["deadline"]) - parse_iso8601(detected)).total_seconds()
     assert abs(grace - 20) < 0.01
     assert abs(parse_iso8601(detected).timestamp() - sent) < 5
+
+
+def test_a_signal_at_the_longest_grace_still_becomes_an_interruption():
+    """--grace 1e12 was accepted and the SIGTERM then lost: its deadline (now + grace) overflowed
+    datetime in the watcher's poll, after the signal had been read from the pipe."""
+    proc = start_watch("--once", "--grace", str(MAX_SECONDS))
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0
+    notice = json.loads(out)
+    assert notice["action"] == "SIGTERM" and notice["detail"]["grace_s"] == MAX_SECONDS
+
+
+@pytest.mark.parametrize("grace", [1e12, MAX_SECONDS + 1])
+def test_a_grace_past_the_bound_is_refused(grace):
+    with pytest.raises(ValueError, match=r"^grace_s must be at most 30 days \(2592000 s\), got "):
+        SignalSource(grace_s=grace)
 
 
 def test_a_signal_ends_the_watch_service_after_printing_it():

@@ -110,10 +110,13 @@ def test_exec_runs_once_for_one_interruption_whose_times_move(tmp_path):
     "args,message",
     [
         (["--cloud", "mars"], "invalid choice"),
-        (["--interval", "0"], "must be a finite number > 0"),
-        (["--interval", "nan"], "must be a finite number > 0"),
-        (["--interval", "inf"], "must be a finite number > 0"),
-        (["--grace", "nan"], "must be a finite number > 0"),
+        (["--interval", "0"], "argument --interval: must be a finite number of seconds > 0"),
+        (["--interval", "nan"], "argument --interval: must be a finite number of seconds > 0"),
+        (["--interval", "inf"], "argument --interval: must be a finite number of seconds > 0"),
+        (["--grace", "nan"], "argument --grace: must be a finite number of seconds > 0"),
+        # huge but finite: it overflowed the watcher's wait (threading.TIMEOUT_MAX) and the signal's deadline
+        (["--interval", "1e10"], "argument --interval: must be at most 30 days (2592000 s)"),
+        (["--grace", "1e12"], "argument --grace: must be at most 30 days (2592000 s)"),
         (["--interval", "soon"], "not a number"),
         (["--metadata-url", "ftp://x"], "must look like http://HOST[:PORT]"),
         (["--metadata-url", "http://127.0.0.1:99999"], "invalid port"),

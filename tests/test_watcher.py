@@ -162,6 +162,14 @@ def test_interval_must_be_finite_and_positive(interval):
         Watcher([], print, interval_s=interval)
 
 
+@pytest.mark.parametrize("setting", ["interval_s", "max_backoff_s"])
+def test_a_wait_past_the_bound_is_refused(setting):
+    """interval_s=1e10 was accepted and each source's thread then died on its first wait (past
+    threading.TIMEOUT_MAX)."""
+    with pytest.raises(ValueError, match=rf"^{setting} must be at most 30 days \(2592000 s\), got 10000000000.0$"):
+        Watcher([], print, **{setting: 1e10})
+
+
 def test_advisories_announced_long_ahead_are_polled_less_often(aws):
     polls = collections.Counter()
     sources = aws_sources(aws.url)
