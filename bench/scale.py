@@ -106,7 +106,8 @@ class Worker:
         self.emulator = AWSMetadataEmulator() if self.doomed_leader in ranks else None
         if self.emulator is not None:
             self.emulator.start()
-        self.checkpoint_dir = tempfile.mkdtemp(prefix="spotguard-scale-")
+        # One job, one checkpoint_dir on every rank (it keys the guards in the store); nothing is saved in it.
+        self.checkpoint_dir = os.path.join(tempfile.gettempdir(), f"spotguard-scale-{port}")
         self.current: list[Rank] = []
 
     def enter(self, prefix: str, step_s: float) -> str:

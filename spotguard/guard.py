@@ -179,7 +179,7 @@ class Guard:
         )
         self._coordination = Coordination(
             store,
-            topology.run_prefix(store, self._group, self.topology),
+            topology.run_prefix(store, self._group, self.topology, self.checkpoint_dir),
             self.topology,
             timeout_s=self.options.coordination.agreement_timeout_s,
             on_agreed=self._on_agreed,

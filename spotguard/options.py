@@ -216,7 +216,9 @@ class CoordinationOptions:
         "this process's place in the job, stated as `init_process_group(store=, rank=, world_size=)` takes it "
         "(with `store` and `world_size`): the guard then coordinates through `store` alone and needs a process "
         "group only when it saves or resumes, so several guards can live in one process; the k-th guard each "
-        "rank enters on one store is one guard, so give each job attempt a store of its own",
+        "rank of a job enters on one store is one guard (per `TORCHELASTIC_RESTART_COUNT` on one node): ranks "
+        "whose counts cannot match, as after an attempt in which a rank never entered, are an error at start "
+        "(see [Limits](../limits.md))",
         shown="the default group's",
     )
     world_size: int | None = _option(None, "the job's number of ranks, with `rank`", shown="the default group's")
@@ -234,14 +236,29 @@ class CoordinationOptions:
 
     def __post_init__(self) -> None:
         _set(self, "agreement_timeout_s", check.seconds("agreement_timeout_s", self.agreement_timeout_s))
+        if self.store is not None and not isinstance(self.store, dist.Store):
+            raise TypeError(f"store must be a torch.distributed.Store, not {type(self.store).__name__}")
         if self.rank is None and self.world_size is None:
             if self.local_rank is not None or self.node is not None:
                 raise ValueError("local_rank and node need rank and world_size too")
             return
         if self.rank is None or self.world_size is None:
             raise ValueError("rank and world_size go together")
-        if self.store is None and self.world_size > 1:
+        # Checked here, not when the guard starts: the one check against the default process group
+        # waits for start (topology.explicit), since the group may be made after Guard().
+        rank, world = check.count("rank", self.rank, minimum=0), check.count("world_size", self.world_size)
+        if rank >= world:
+            raise ValueError(f"rank must lie in [0, world_size={world}), not {rank}")
+        local = check.optional(check.count, "local_rank", self.local_rank, 0)
+        if local is not None and local > rank:
+            raise ValueError(f"local_rank ({local}) cannot exceed rank ({rank})")
+        if self.node is not None and not isinstance(self.node, str):
+            raise TypeError(f"node must be a str, not {type(self.node).__name__}")
+        if self.store is None and world > 1:
             raise ValueError("a stated rank and world_size need the store the ranks share (store=)")
+        _set(self, "rank", rank)
+        _set(self, "world_size", world)
+        _set(self, "local_rank", local)
 
     @property
     def stated(self) -> tuple[int, int, int | None, str | None] | None:
@@ -282,18 +299,18 @@ class SnapshotOptions:
     )
 
     def __post_init__(self) -> None:
-        every, interval = self.snapshot_every, self.snapshot_interval_s
+        every, interval, name = self.snapshot_every, self.snapshot_interval_s, "snapshot_every"
         if every is None and interval is None and os.environ.get(SNAPSHOT_EVERY_ENV):
             value = os.environ[SNAPSHOT_EVERY_ENV].strip()
             if value == "auto":
                 interval = "auto"
-            elif value.isdigit():
-                every = int(value)
+            elif value.isascii() and value.isdigit():  # str.isdigit() alone takes "²", which int() refuses
+                every, name = int(value), f"${SNAPSHOT_EVERY_ENV}"
             else:
                 raise ValueError(f'${SNAPSHOT_EVERY_ENV} must be a number of steps or "auto", not {value!r}')
         if every is not None and interval is not None:
             raise ValueError("give snapshot_every (steps) or snapshot_interval_s (seconds), not both")
-        _set(self, "snapshot_every", check.optional(check.count, "snapshot_every", every))
+        _set(self, "snapshot_every", check.optional(check.count, name, every))
         if interval != "auto":
             if isinstance(interval, str):
                 raise ValueError(f'snapshot_interval_s must be a number of seconds or "auto", not {interval!r}')
@@ -302,6 +319,8 @@ class SnapshotOptions:
         _set(self, "snapshot_replicas", check.count("snapshot_replicas", self.snapshot_replicas))
         if self.snapshot_dir is not None and not isinstance(self.snapshot_dir, (str, os.PathLike)):
             raise TypeError(f"snapshot_dir must be a path, not {type(self.snapshot_dir).__name__}")
+        if self.snapshot_dir is not None and not os.fspath(self.snapshot_dir):  # "" would mean the default
+            raise ValueError("snapshot_dir must not be empty (leave it out for the default)")
 
     @property
     def enabled(self) -> bool:

@@ -9,6 +9,13 @@ import socket
 import torch.distributed as dist
 
 from spotguard.checkpoint.comm import local_rank
+from spotguard.checkpoint.job import location_key
+from spotguard.kvstore import Connection
+
+# How long a starting guard waits for the rank before it to enter the same guard, when that rank has
+# not yet: a TCPStore's own default timeout for a key nobody sets. The wait ends as soon as that rank
+# arrives, so this only bounds how late a rank that is gone, or a split (see _meet), is reported.
+MEET_TIMEOUT_S = 300.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,46 +61,79 @@ def current() -> Topology:
 
 
 def explicit(rank: int, world_size: int, local: int | None = None, node: str | None = None) -> Topology:
-    """The topology a caller states, as `init_process_group(store=, rank=, world_size=)` takes it:
-    several Guards can then live in one process. Where a default process group exists, it must agree."""
-    for name, value in (("rank", rank), ("world_size", world_size), ("local_rank", local)):
-        if value is not None and (type(value) is not int or value < 0):
-            raise ValueError(f"{name} must be an int >= 0, not {value!r}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must lie in [0, world_size={world_size}), not {rank}")
-    if (
-        dist.is_available()
-        and dist.is_initialized()
-        and (dist.get_rank(), dist.get_world_size())
-        != (
-            rank,
-            world_size,
-        )
-    ):
-        raise ValueError(
-            f"rank={rank}, world_size={world_size} differ from the default process group's "
-            f"({dist.get_rank()}, {dist.get_world_size()})"
-        )
-    local = local_rank(rank) if local is None else local
-    if local > rank:
-        raise ValueError(f"local_rank ({local}) cannot exceed rank ({rank})")
+    """The topology a caller states, as `init_process_group(store=, rank=, world_size=)` takes it (its
+    values checked at `Guard()`, by CoordinationOptions): several Guards can then live in one process.
+    Where a default process group exists, it must agree: checked here, when the guard starts or first
+    saves, since the group may be made after `Guard()`."""
+    if dist.is_available() and dist.is_initialized():
+        if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
+            raise ValueError(
+                f"rank={rank}, world_size={world_size} differ from the default process group's "
+                f"({dist.get_rank()}, {dist.get_world_size()})"
+            )
+    if local is None:
+        local = local_rank(rank)
+        if local > rank:
+            raise ValueError(f"LOCAL_RANK={local} exceeds the stated rank {rank}: state local_rank= too")
     return Topology(rank, world_size, local, world_size > 1, node or node_name(rank))
 
 
-def run_prefix(store: dist.Store, group: dist.ProcessGroup | None, topology: Topology) -> str:
+def run_prefix(
+    store: dist.Store, group: dist.ProcessGroup | None, topology: Topology, checkpoint_dir: str
+) -> str:
     """A store prefix unique to this Guard in this job, the same on every rank.
 
-    torchrun's agents keep their store across worker restarts, and an elastic job's agents count
-    restarts differently (a node that joined later has fewer), so with a process group rank 0 draws
-    a number from the store and tells the others through the group. Without one (a topology the
-    caller stated, before any process group), each rank counts the Guards it has entered on this
-    store: the k-th Guard of every rank is one Guard, so each job attempt needs a store of its own.
+    Under the job's key (torchrun's run id and a key of the normalised `checkpoint_dir`, so that two
+    jobs sharing a store never meet): torchrun's agents keep their store across worker restarts, and
+    count restarts differently (an agent whose own workers failed counts one, the others restart theirs
+    without counting; a node that joined later has fewer), so with a process group rank 0 draws a
+    number from the store and tells the others through the group. Without one (a topology the caller
+    stated, before any process group), each rank counts the Guards it has entered under the attempt's
+    key: the world size, and torchrun's restart count where one agent runs every rank (on several
+    nodes it would split the ranks of one attempt). The k-th Guard of every rank is one Guard; a rank
+    that never entered in an earlier attempt under the same key leaves the counts apart for good,
+    which `_meet` reports as the Guard starts.
     """
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "local")
+    job = f"spotguard/{os.environ.get('TORCHELASTIC_RUN_ID', 'local')}/{location_key(checkpoint_dir)}/"
     if group is None and topology.distributed:
-        entered = store.add(f"spotguard/{run_id}/entered/{topology.rank}", 1)
-        return f"spotguard/{run_id}/e{entered}/"
-    drawn = [store.add(f"spotguard/{run_id}/guards", 1) if group is None or dist.get_rank() == 0 else None]
+        attempt = f"{job}w{topology.world_size}/"
+        if "TORCHELASTIC_RESTART_COUNT" in os.environ and os.environ.get("GROUP_WORLD_SIZE", "1") == "1":
+            attempt += f"r{os.environ['TORCHELASTIC_RESTART_COUNT']}/"
+        return _meet(store, attempt, topology.rank, topology.world_size)
+    drawn = [store.add(f"{job}guards", 1) if group is None or dist.get_rank() == 0 else None]
     if group is not None:
         dist.broadcast_object_list(drawn, src=0, group=group)
-    return f"spotguard/{run_id}/{drawn[0]}/"
+    return f"{job}{drawn[0]}/"
+
+
+def _meet(store: dist.Store, base: str, rank: int, world: int) -> str:
+    """This rank's k-th Guard under `base`, once its neighbours' counts allow them to be in their k-th
+    too: a one-line RuntimeError where they cannot. O(1) requests (an `add`, a `set`, a count of each
+    neighbour, at most one wait), never a read of every rank's key.
+
+    Counts only grow, so a neighbour past k, or short of k - 1, can never be in this Guard. One at k - 1
+    has not entered yet, or (the split) it is in its previous Guard for good: a rank waits for the rank
+    before it to arrive, never for a later one, so ranks started one by one in rank order (threads of
+    one process) never wait for one not started yet. Rank 0 waits for none: the counts it reads catch
+    most splits there, not all (docs/limits.md).
+    """
+    count = store.add(f"{base}entered/{rank}", 1)
+    prefix = f"{base}e{count}/"
+    store.set(f"{prefix}arrived/{rank}", "1")
+    before = (rank - 1) % world
+    counts = {other: store.add(f"{base}entered/{other}", 0) for other in dict.fromkeys((before, (rank + 1) % world))}
+    for other, theirs in counts.items():
+        if not count - 1 <= theirs <= count:
+            raise _split(rank, count, other, f"has entered {theirs}")
+    if rank > 0 and counts[before] < count:
+        if Connection(store, own=False).get(f"{prefix}arrived/{before}", MEET_TIMEOUT_S) is None:
+            raise _split(rank, count, before, f"has entered {counts[before]} and no other in {MEET_TIMEOUT_S:g} s")
+    return prefix
+
+
+def _split(rank: int, count: int, other: int, what: str) -> RuntimeError:
+    return RuntimeError(
+        f"rank {rank} enters its guard no. {count} on this store but rank {other} {what}, so they would never "
+        f"meet to save: is rank {other} running? Else a rank missed its guard in an earlier attempt on this "
+        "store; give each attempt a store of its own, or start the guards after init_process_group()"
+    )

@@ -5,8 +5,13 @@ import warnings
 
 import pytest
 
+import torch.distributed as dist
+
 import spotguard
 from spotguard import CoordinationOptions, ExitOptions, GuardOptions, NoticeOptions, SaveOptions, StorageOptions
+from spotguard.options import SnapshotOptions
+
+STORE = dist.HashStore()
 
 
 def test_keyword_shortcuts_and_groups_make_the_same_settings(tmp_path):
@@ -60,12 +65,42 @@ def test_renamed_keywords_still_work_with_a_deprecation_warning(tmp_path):
         ({"rank": 0}, ValueError, "rank and world_size go together"),
         ({"checkpoint_key": ""}, ValueError, "checkpoint_key must not be empty"),
         ({"min_nodes": 0}, ValueError, "min_nodes (or $SPOTGUARD_MIN_NODES) must be a positive int"),
+        # a stated topology: refused at Guard(), not when the guard starts (store="x" was an AttributeError there)
+        ({"store": STORE, "rank": 5, "world_size": 2}, ValueError, "rank must lie in [0, world_size=2), not 5"),
+        ({"store": "x", "rank": 0, "world_size": 2}, TypeError, "store must be a torch.distributed.Store, not str"),
+        ({"store": "x"}, TypeError, "store must be a torch.distributed.Store, not str"),
+        ({"store": STORE, "rank": 1, "world_size": 4, "local_rank": 2}, ValueError, "local_rank (2) cannot exceed rank"),
+        ({"store": STORE, "rank": -1, "world_size": 4}, ValueError, "rank must be >= 0, got -1"),
+        ({"store": STORE, "rank": 1.0, "world_size": 4}, TypeError, "rank must be an int, not float"),
+        ({"store": STORE, "rank": 0, "world_size": 0}, ValueError, "world_size must be >= 1, got 0"),
+        ({"store": STORE, "rank": 0, "world_size": 2, "local_rank": -1}, ValueError, "local_rank must be >= 0"),
+        ({"store": STORE, "rank": 0, "world_size": 2, "node": 3}, TypeError, "node must be a str, not int"),
+        ({"snapshot_dir": ""}, ValueError, "snapshot_dir must not be empty"),
     ],
 )
 def test_wrong_settings_are_one_line_errors_at_the_call(tmp_path, kwargs, error, message):
     with pytest.raises(error) as raised:
         spotguard.Guard(tmp_path, **kwargs)
     assert str(raised.value).startswith(message) and "\n" not in str(raised.value)
+
+
+def test_a_stated_topology_is_kept_as_plain_ints():
+    import numpy as np
+
+    options = CoordinationOptions(store=STORE, rank=np.int64(3), world_size=np.int32(4), local_rank=np.int8(1))
+    assert (options.rank, options.world_size, options.local_rank) == (3, 4, 1)
+    assert all(type(v) is int for v in (options.rank, options.world_size, options.local_rank))
+
+
+@pytest.mark.parametrize("value, message", [("\u00b2", "must be a number of steps"), ("0", "must be >= 1")])
+def test_snapshot_every_from_the_environment_is_named_when_wrong(monkeypatch, value, message):
+    """'²'.isdigit() is True but int('²') raises an error that named nothing; 0 named snapshot_every."""
+    monkeypatch.setenv("SPOTGUARD_SNAPSHOT_EVERY", value)
+    with pytest.raises(ValueError) as raised:
+        SnapshotOptions()
+    assert str(raised.value).startswith("$SPOTGUARD_SNAPSHOT_EVERY " + message), raised.value
+    monkeypatch.setenv("SPOTGUARD_SNAPSHOT_EVERY", " 12 ")
+    assert SnapshotOptions().snapshot_every == 12
 
 
 def test_the_checkpoint_key_stays_out_of_reprs(tmp_path):
