@@ -291,8 +291,9 @@ class SnapshotOptions:
     )
     snapshot_dir: str | None = _option(
         None,
-        "where this node keeps snapshots: a tmpfs survives a restart of the workers, not of the VM",
-        shown="`$SPOTGUARD_SNAPSHOT_DIR`, else `/dev/shm/spotguard`",
+        "where this node keeps snapshots, in a root of the user's own made in it (`spotguard-<uid>`, mode 0700); "
+        "a tmpfs survives a restart of the workers, not of the VM",
+        shown="`$SPOTGUARD_SNAPSHOT_DIR` (empty: unset), else `/dev/shm`",
     )
     snapshot_replicas: int = _option(
         1, "other nodes that keep a copy of each rank's snapshot (at most the nodes less one)"
