@@ -16,7 +16,7 @@ from typing import Any
 import torch.distributed as dist
 
 from spotguard.checkpoint import Checkpointer, CheckpointError
-from spotguard.checkpoint.job import job_identity
+from spotguard.checkpoint.job import job_identity, location_key
 from spotguard.goodput import GoodputRecorder
 from spotguard.options import SnapshotOptions
 from spotguard.snapshots.shard_file import SnapshotLoadError
@@ -46,6 +46,7 @@ class GuardSnapshots:
         self.tier: SnapshotTier | None = None
         self._checkpoint_dir = checkpoint_dir
         self._context = context
+        self._owner: tuple[str, str | None] | None = None  # (run, job): rank 0's, once made
 
     @property
     def timed(self) -> bool:
@@ -56,25 +57,31 @@ class GuardSnapshots:
         snapshot or resume, on every rank)."""
         if self.tier is None and self.options.enabled:
             ckpt, store, prefix = self._context()
-            comm = ckpt.comm
-            job = None
-            if comm.is_coordinator:  # one read of the checkpoint location, not one per rank
-                try:
-                    job = job_identity(ckpt.remote)
-                except Exception as exc:  # noqa: BLE001 - no identity, no snapshots: the tier says so
-                    log.warning("the job identity in %s cannot be read or written (%s: %s)", self._checkpoint_dir,
-                                type(exc).__name__, exc)  # fmt: skip
+            if self._owner is None:  # once per guard: a retry after a failed tier is one rank's alone
+                self._owner = ckpt.comm.broadcast(self._read_owner(ckpt))
             self.tier = SnapshotTier(
-                checkpoint_dir=self._checkpoint_dir,
-                job=comm.broadcast(job),
+                run=self._owner[0],
+                job=self._owner[1],
                 snapshot_dir=self.options.snapshot_dir,
                 replicas=self.options.snapshot_replicas,
-                comm=comm,
+                comm=ckpt.comm,
                 store=store,
                 prefix=prefix,
                 cadence=self.cadence,
             )
         return self.tier
+
+    def _read_owner(self, ckpt: Checkpointer) -> tuple[str, str | None] | None:
+        """(the location's key, its job identity) on rank 0: one read of the checkpoint location, not
+        one per rank, and one key for the job wherever the location resolves differently."""
+        if not ckpt.comm.is_coordinator:
+            return None
+        try:
+            return location_key(self._checkpoint_dir), job_identity(ckpt.remote)
+        except Exception as exc:  # noqa: BLE001 - no identity, no snapshots: the tier says so
+            log.warning("the job identity in %s cannot be read or written (%s: %s)", self._checkpoint_dir,
+                        type(exc).__name__, exc)  # fmt: skip
+            return location_key(self._checkpoint_dir), None
 
     def take(self, step: int, state: Mapping[str, Any]) -> None:
         try:
@@ -113,7 +120,8 @@ class GuardSnapshots:
         source = "snapshot"
         if step is None:
             step, source = self._durable(state, ckpt, failed), "durable"
-            if step is not None:  # the newest durable step may be damaged and an older one loaded
+            # The newest durable step may be damaged and an older one loaded (rank 0 knows which).
+            if step is not None and tier is not None and ckpt.comm.broadcast(newest != step):
                 newer, failed = self._restore(tier, state, step, coordinator, ask_for_save, newer=True)
                 if newer is not None:
                     step, source = newer, "snapshot"

@@ -100,10 +100,11 @@ def run_prefix(
         if "TORCHELASTIC_RESTART_COUNT" in os.environ and os.environ.get("GROUP_WORLD_SIZE", "1") == "1":
             attempt += f"r{os.environ['TORCHELASTIC_RESTART_COUNT']}/"
         return _meet(store, attempt, topology.rank, topology.world_size)
-    drawn = [store.add(f"{job}guards", 1) if group is None or dist.get_rank() == 0 else None]
+    # Rank 0's whole prefix: a location may resolve differently on another node (its mounts, $HOME).
+    drawn = [f"{job}{store.add(f'{job}guards', 1)}/" if group is None or dist.get_rank() == 0 else None]
     if group is not None:
         dist.broadcast_object_list(drawn, src=0, group=group)
-    return f"{job}{drawn[0]}/"
+    return drawn[0]
 
 
 def _meet(store: dist.Store, base: str, rank: int, world: int) -> str:

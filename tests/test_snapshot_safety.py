@@ -20,7 +20,7 @@ import pytest
 
 from spotguard.checkpoint.job import IDENTITY_NAME, location_key
 from spotguard.checkpoint.state import to_dcp
-from spotguard.snapshots import shard_file
+from spotguard.snapshots import shard_file, tier
 from spotguard.snapshots.node_dir import NodeDir, UnusableDir, name_of, private_root
 from spotguard.snapshots.peers import PeerServer, push
 from tests.ckpt_workers import run_ranks
@@ -74,13 +74,45 @@ def test_a_root_another_user_planted_means_no_snapshots_and_nothing_written_ther
     assert list(target.iterdir()) == []  # nothing of the job's in the stranger's hands
 
 
-@as_root
 def test_a_base_others_can_write_without_the_sticky_bit_is_refused(tmp_path):
     base = tmp_path / "open"
     base.mkdir()
     base.chmod(0o777)  # anyone could rename this user's root away and put their own in its place
     with pytest.raises(UnusableDir, match="not sticky"):
         private_root(base)
+    with pytest.raises(UnusableDir, match="not sticky"):
+        private_root(base / "deeper")  # nor a base reached through it
+
+
+@as_root
+def test_a_base_another_user_made_first_is_refused(tmp_path):
+    base = tmp_path / "snaps"
+    base.mkdir(mode=0o755)
+    os.chown(base, NOBODY, NOBODY)  # its owner could rename this user's root and put a link there
+    with pytest.raises(UnusableDir, match="belongs to uid 65534"):
+        private_root(base)
+    (tmp_path / "mine").mkdir()
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "mine")
+    os.chown(link, NOBODY, NOBODY, follow_symlinks=False)  # a link of theirs could be pointed elsewhere
+    with pytest.raises(UnusableDir, match="belongs to uid 65534"):
+        private_root(link)
+
+
+def test_a_base_made_under_a_group_writable_umask_is_used(tmp_path):
+    old = os.umask(0o002)
+    try:
+        root = private_root(tmp_path / "new" / "base")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "new" / "base").stat().st_mode) == 0o755 and root.is_dir()
+
+
+def test_a_root_of_ours_that_others_could_write_is_refused(tmp_path):
+    root = private_root(tmp_path)
+    root.chmod(0o777)  # someone may have planted a link in it meanwhile
+    with pytest.raises(UnusableDir, match="writable by other users"):
+        private_root(tmp_path)
 
 
 @pytest.mark.parametrize("side", ["the training thread", "a replica received"])
@@ -281,6 +313,17 @@ def test_one_rank_with_an_unusable_dir_turns_snapshots_off_for_all_at_once(tmp_p
     done = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(d["train_s"] < 60 for d in done), done  # no rank waited out the room verdict (300 s)
     assert snaps(tmp_path / "memory0") == []  # rank 0 has room, yet none of its snapshots: the job is off
+
+
+def test_a_peer_server_that_cannot_start_means_no_snapshots_not_a_failed_resume(tmp_path, monkeypatch, caplog):
+    def no_port(node_dir):
+        raise OSError(98, "Address already in use")
+
+    monkeypatch.setattr(tier, "PeerServer", no_port)
+    with caplog.at_level(logging.WARNING):
+        start, _, _ = run(tmp_path, 9)
+    assert start == 0 and "its peer server cannot start (OSError: [Errno 98]" in caplog.text
+    assert "snapshots are off: a node lacks the room" in caplog.text and snaps(tmp_path / "memory") == []
 
 
 # ---- 9. resume weighs a snapshot against what loads ------------------------------------------------------

@@ -37,11 +37,13 @@ class UnusableDir(OSError):
 def private_root(base: str | os.PathLike[str]) -> Path:
     """This user's snapshot root in `base`, `<base>/spotguard-<uid>`: made 0700 where absent, and
     refused (UnusableDir, or the OSError that made or read it) unless it is a real directory of
-    this user's that no one else can write, in a base where no one else can rename it away."""
-    base = Path(base)
-    base.mkdir(parents=True, exist_ok=True)
-    if _open_to_others(os.stat(base)) and not os.stat(base).st_mode & stat.S_ISVTX:
-        raise UnusableDir(f"{base} is writable by other users and not sticky: they could swap the snapshot root")
+    this user's that no one else can write, on a path no one else can change (`_check_path`)."""
+    base = Path(os.path.abspath(base))
+    for part in (*reversed(base.parents), base):
+        if not part.exists():
+            part.mkdir()
+            part.chmod(0o755)  # not a umask's 0775: a group-writable directory on the way is refused below
+    _check_path(base)
     root = base / f"spotguard-{os.geteuid()}"
     try:
         os.mkdir(root, 0o700)
@@ -52,9 +54,24 @@ def private_root(base: str | os.PathLike[str]) -> Path:
         raise UnusableDir(f"{root} is not a directory (a link or a file someone else made?)")
     if found.st_uid != os.geteuid():
         raise UnusableDir(f"{root} belongs to uid {found.st_uid}, not to this user ({os.geteuid()})")
-    if found.st_mode & 0o077:  # ours, but readable by others (an older version's, or a umask's doing)
+    if _open_to_others(found):  # others could have planted links in it: nothing there can be trusted
+        raise UnusableDir(f"{root} is writable by other users: delete it, and it is made anew (0700)")
+    if found.st_mode & 0o077:  # ours, but readable by others (as an older version left it)
         os.chmod(root, 0o700)
     return root
+
+
+def _check_path(base: Path) -> None:
+    """Every directory and link from / to `base`, as written and as it resolves, is root's or this
+    user's, and one that others may write is sticky: no one else can rename or relink what the
+    root is reached through (a base another user made first, say, or a link of theirs)."""
+    for path in (base, Path(os.path.realpath(base))):
+        for part in (*reversed(path.parents), path):
+            found = os.lstat(part)
+            if found.st_uid not in (0, os.geteuid()):
+                raise UnusableDir(f"{part} belongs to uid {found.st_uid}: they could swap the snapshot root")
+            if not stat.S_ISLNK(found.st_mode) and _open_to_others(found) and not found.st_mode & stat.S_ISVTX:
+                raise UnusableDir(f"{part} is writable by other users and not sticky: they could swap the snapshot root")
 
 
 def _open_to_others(found: os.stat_result) -> bool:

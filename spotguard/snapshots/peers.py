@@ -86,6 +86,8 @@ class PeerServer:
             while not self._stopped.is_set():
                 for conn, request in self._doorway.poll(_POLL_S):
                     self._admit(conn, request)
+        except Exception:  # noqa: BLE001 - the listener itself broke: peers then fail over to other copies
+            log.exception("the snapshot peer server stopped")
         finally:
             self._doorway.close()
 
@@ -98,7 +100,12 @@ class PeerServer:
         else:
             handler = threading.Thread(target=self._handle, args=(conn, request), daemon=True)
             self._handlers.add(handler)
-            handler.start()
+            try:
+                handler.start()
+            except RuntimeError as exc:  # no thread to be had: the place is given back
+                self._handlers.discard(handler)
+                self._slots.release()
+                self._refuse(conn, f"HandoffError: busy ({exc})")
 
     def _refuse(self, conn: socket.socket, why: str) -> None:
         """Say why without waiting (the socket is non-blocking, the answer fits its empty buffer), then close."""

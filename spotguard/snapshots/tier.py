@@ -30,7 +30,6 @@ import torch.distributed as dist
 
 from spotguard.cadence import Cadence
 from spotguard.checkpoint.comm import FAILURES, Comm, describe
-from spotguard.checkpoint.job import location_key
 from spotguard.checkpoint.staging import Stager, on_device
 from spotguard.checkpoint.state import load_from_dcp, to_dcp
 from spotguard.kvstore import Connection
@@ -65,16 +64,17 @@ class SnapshotDone:
 class SnapshotTier:
     """Snapshots of one rank's state; made by the Guard when `SnapshotOptions` ask for them.
 
-    `job` is the identity the checkpoint location holds (`spotguard.checkpoint.job`; the same on
-    every rank), written into every snapshot: files of another job are never loaded. None (it could
-    not be read), or a snapshot directory this node cannot use safely, means no snapshots: this
-    rank votes "no room" at the first snapshot, so the whole job learns it at once and trains on.
+    `run` keys the checkpoint location and `job` is the identity it holds (`spotguard.checkpoint.job`;
+    rank 0's, the same on every rank), written into every snapshot: files of another job are never
+    loaded. None (it could not be read), a snapshot directory this node cannot use safely, or a peer
+    server that cannot start, means no snapshots: this rank votes "no room" at the first snapshot,
+    so the whole job learns it at once and trains on.
     """
 
     def __init__(
         self,
         *,
-        checkpoint_dir: str,
+        run: str,
         job: str | None,
         snapshot_dir: str | None,
         replicas: int,
@@ -96,7 +96,7 @@ class SnapshotTier:
             log.warning("snapshots: %d node(s) can keep %d replica(s) of each shard, not %d", nodes, self.replicas,
                         replicas)  # fmt: skip
         self.buddies = [(self.rank + k * self.ranks_per_node) % self.world_size for k in range(1, self.replicas + 1)]
-        self.run = location_key(checkpoint_dir)
+        self.run = run
         self.job = job
         self.node_dir = self._open_node_dir(snapshot_dir or os.environ.get(BASE_ENV) or DEFAULT_BASE)
         self.cadence = cadence
@@ -111,9 +111,16 @@ class SnapshotTier:
         self._begun: int | None = None  # the step of the snapshot last begun
         self._room: bool | None = None  # None until the first snapshot checked it
         self._files_per_step = self.ranks_per_node * (1 + self.replicas)  # this node's, own and replicas
-        self._server = PeerServer(self.node_dir) if self.node_dir is not None else None
-        if self._server is not None:  # a rank without a directory holds nothing to serve
-            store.set(f"{self._prefix}addr/{self.rank}", self._server.address)
+        self._server: PeerServer | None = None  # a rank without a directory holds nothing to serve
+        if self.node_dir is not None:
+            try:
+                self._server = PeerServer(self.node_dir)
+                store.set(f"{self._prefix}addr/{self.rank}", self._server.address)
+            except Exception as exc:  # noqa: BLE001 - no port, say: this rank votes "no room" (a collective)
+                log.warning("snapshots are off on this rank: its peer server cannot start (%s: %s)",
+                            type(exc).__name__, exc)  # fmt: skip
+                self.close(wait=False)
+                self.node_dir, self._server = None, None
 
     # ---- the training thread ---------------------------------------------------------
     def snapshot(self, step: int, state: Mapping[str, Any]) -> None:
