@@ -25,6 +25,13 @@ measured in the same run: the store's fan-out floor, one `set` waking N ranks bl
 on the same processes and connections: no protocol in which every rank learns of the notice
 through the store can be faster.
 
+The liveness ring (spotguard.health.liveness: one member per node, its local rank 0; LOCAL_WORLD_SIZE
+is set to 8 in the worker processes, as torchrun would, so 1,024 ranks make 128 members) beats node to
+node over TCP, not through the store. Its store requests (keys with `health/`, told apart by a tap
+under the counting wrapper) are given per node: per second over the idle window (goal <= 1 at 1,024
+ranks), from the guards' entry to the idle window (its one-time set-up: the address set, the watched
+node's address read), and over the whole trial.
+
     python bench/scale.py [--ranks 16,64,128,256,512,1024] [--trials 5] [--procs 4 | --ranks-per-proc 64]
                           [--json] [--plot FILE]
 """
@@ -54,6 +61,7 @@ from _common import table  # also puts the checkout on sys.path
 from tests.counting import Counts, counting_store, server_requests  # noqa: E402
 
 RANKS_PER_NODE = 8
+HEALTH_KEY = "health/"  # the liveness ring's keys (spotguard.health): counted apart
 IDLE_S = 3.0  # the idle window over which an idle guard's requests are counted
 SERVER = """
 import sys, time
@@ -66,6 +74,71 @@ sys.stdin.read()  # until the parent closes it
 
 
 # -- a worker process: some of the ranks -----------------------------------------------------
+
+
+def liveness_tap(inner: Any, counts: Counts) -> Any:
+    """`inner`, counting into `counts` the calls on keys of the liveness ring (`health/` in the key),
+    as tests/counting.py counts every call (it keeps no keys); its clones are tapped too. It sits
+    under the counting wrapper, so both see the same calls."""
+    import torch.distributed as dist
+
+    def ours(*keys: str) -> bool:
+        return any(HEALTH_KEY in key for key in keys)
+
+    class Tap(dist.Store):
+        def __init__(self, store: Any) -> None:
+            super().__init__()
+            self.inner = store
+
+        def clone(self) -> Any:
+            clone = self.inner.clone()
+            return self if clone is self.inner else Tap(clone)
+
+        def set_timeout(self, timeout: timedelta) -> None:
+            self.inner.set_timeout(timeout)
+
+        def set(self, key: str, value: Any) -> None:
+            if ours(key):
+                counts.add("set")
+            self.inner.set(key, value)
+
+        def get(self, key: str) -> bytes:
+            if ours(key):
+                counts.add("get")
+            return self.inner.get(key)
+
+        def add(self, key: str, value: int) -> int:
+            if ours(key):
+                counts.add("add")
+            return self.inner.add(key, value)
+
+        def append(self, key: str, value: Any) -> None:
+            if ours(key):
+                counts.add("append")
+            self.inner.append(key, value)
+
+        def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+            if ours(key):
+                counts.add("compare_set")
+            return self.inner.compare_set(key, expected, desired)
+
+        def check(self, keys: list[str]) -> bool:
+            if ours(*keys):
+                counts.add("check")
+            return self.inner.check(keys)
+
+        def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+            if ours(*keys):
+                counts.add("wait")
+            self.inner.wait(keys, timeout) if timeout is not None else self.inner.wait(keys)
+
+        def delete_key(self, key: str) -> bool:
+            if ours(key):
+                counts.add("delete_key")
+            return self.inner.delete_key(key)
+
+    return Tap(inner)
+
 
 
 class Rank:
@@ -98,6 +171,7 @@ class Worker:
 
         self.ranks, self.world = ranks, world
         self.counts = Counts()
+        self.health = Counts()  # the liveness ring's share of `counts`
         base = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(minutes=5))
         with ThreadPoolExecutor(64) as connecting:  # in parallel: a new connection can stall 5 s on this host
             pairs = connecting.map(lambda _: (base.clone(), base.clone()), ranks)
@@ -130,7 +204,9 @@ class Worker:
                 cloud="aws" if doomed else "none",
                 metadata_url=self.emulator.url if doomed else None,
                 poll_interval_s=0.2,
-                store=counting_store(own, self.counts, spares=[spare]),
+                store=counting_store(
+                    liveness_tap(own, self.health), self.counts, spares=[liveness_tap(spare, self.health)]
+                ),
                 rank=rank,
                 world_size=self.world,
                 local_rank=rank % RANKS_PER_NODE,
@@ -196,6 +272,9 @@ class Worker:
 
 
 def worker(pipe: Any, ranks: list[int], world: int, port: int) -> None:
+    # torchrun's LOCAL_WORLD_SIZE, which spotguard reads for the ranks per node (comm.ranks_per_node()):
+    # the liveness ring has one member per node (its local rank 0), 1,024 ranks make 128 members.
+    os.environ["LOCAL_WORLD_SIZE"] = str(RANKS_PER_NODE)
     logging.disable(logging.CRITICAL)  # a failed save per rank per round (no process group): expected here
     warnings.simplefilter("ignore")  # "Guard entered outside the main thread: signals are not watched"
     w = Worker(ranks, world, port)
@@ -209,6 +288,8 @@ def worker(pipe: Any, ranks: list[int], world: int, port: int) -> None:
             pipe.send(w.train())
         elif command == "counts":
             pipe.send(w.counts.snapshot())
+        elif command == "health":
+            pipe.send(w.health.snapshot())
         elif command == "interrupt":
             w.emulator.raise_notice(kind="interruption")
             pipe.send("raised")
@@ -269,9 +350,9 @@ class Job:
         """CPU time of the worker processes so far."""
         return sum(cpu_s(proc.pid) for proc in self.procs)
 
-    def counts(self) -> dict[str, int]:
+    def counts(self, which: str = "counts") -> dict[str, int]:
         total: collections.Counter[str] = collections.Counter()
-        for c in self.all("counts"):
+        for c in self.all(which):
             total.update(c)
         return dict(total)
 
@@ -296,12 +377,15 @@ def cpu_s(pid: int) -> float:
 
 def trial(job: Job, server_pid: int, name: str, kind: str, step_s: float) -> dict[str, Any]:
     world = job.world
+    health_start = job.counts("health")
     job.all("enter", (f"{name}/", step_s))
     job.all("train")
     time.sleep(0.5)
-    idle_before, busy_before = job.counts(), job.cpu_s()
+    idle_before, busy_before, health_before = job.counts(), job.cpu_s(), job.counts("health")
     time.sleep(IDLE_S)
     idle, busy = diff(job.counts(), idle_before), (job.cpu_s() - busy_before) / IDLE_S / os.cpu_count()
+    health_idle = diff(job.counts("health"), health_before)
+    health_setup = diff(health_before, health_start)
     before, cpu_before = job.counts(), cpu_s(server_pid)
     if kind == "interruption":
         job.one(world - RANKS_PER_NODE, "interrupt")
@@ -320,6 +404,8 @@ def trial(job: Job, server_pid: int, name: str, kind: str, step_s: float) -> dic
     time.sleep(0.3)  # the deciding rank's clean-up
     round_calls, cpu = diff(job.counts(), before), cpu_s(server_pid) - cpu_before
     ranks = {int(r): v for part in job.all("leave", kind) for r, v in part.items()}
+    health_trial = diff(job.counts("health"), health_start)
+    nodes = max(1, world // RANKS_PER_NODE)
     start = min(v["start_at"] for v in ranks.values() if v["start_at"] is not None)
     known = [v["agreed_at"] for v in ranks.values()]
     steps = {v["step"] for v in ranks.values()}
@@ -336,6 +422,13 @@ def trial(job: Job, server_pid: int, name: str, kind: str, step_s: float) -> dic
         "server_cpu_s": cpu,
         "idle_requests_per_rank_per_10s": server_requests(idle) / world / IDLE_S * 10,
         "simulation_load": busy,  # the workers' CPU while idle, as a share of this machine's cores
+        # The liveness ring (one member per node; beats go node to node, not through the store): its
+        # requests per node per second over the idle window, per node from the guards' entry to the
+        # idle window (its set-up), and per node over the whole trial (the round and the exit included).
+        "liveness_idle_requests_per_node_per_s": server_requests(health_idle) / nodes / IDLE_S,
+        "liveness_setup_requests_per_node": server_requests(health_setup) / nodes,
+        "liveness_trial_requests_per_node": server_requests(health_trial) / nodes,
+        "liveness_trial_calls": health_trial,
     }
 
 
@@ -411,11 +504,19 @@ def print_report(results: list[dict[str, Any]], floors: dict[int, list[float]], 
             f"{statistics.median(r['server_cpu_s'] for r in group):.2f}",
             f"{statistics.median(r['idle_requests_per_rank_per_10s'] for r in group):.3f}",
             f"{statistics.median(r['simulation_load'] for r in group):.0%}",
+            f"{max(r['liveness_idle_requests_per_node_per_s'] for r in group):.3f}",
+            f"{max(r['liveness_setup_requests_per_node'] for r in group):.2f}",
+            f"{max(r['liveness_trial_requests_per_node'] for r in group):.2f}",
         ])  # fmt: skip
     print(table(
         ["ranks", "round", "trials", "median s", "max s", "fan-out floor s", "median / floor", "one step, all",
-         "requests per rank", "server requests", "server CPU s", "idle req / rank / 10 s", "simulation load"], rows,
+         "requests per rank", "server requests", "server CPU s", "idle req / rank / 10 s", "simulation load",
+         "liveness idle req / node / s", "liveness set-up req / node", "liveness req / node, whole trial"], rows,
     ))  # fmt: skip
+    worst = max((r["liveness_idle_requests_per_node_per_s"] for r in results if r["ranks"] >= 1024), default=None)
+    if worst is not None:
+        print(f"liveness ring at >= 1,024 ranks: at most {worst:.3f} store requests per node per second while idle "
+              f"(goal <= 1); ring members: one per node of {RANKS_PER_NODE} ranks (LOCAL_WORLD_SIZE)")
     for kind in ("interruption", "request"):
         by_n = _median_time(results, kind)
         if 128 in by_n and 1024 in by_n:

@@ -7,6 +7,7 @@ nothing. The records are the typed ones of `spotguard.ledger_records`, which `sp
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -17,11 +18,12 @@ from spotguard import __version__
 from spotguard import ledger_records as records
 from spotguard.cadence import Cadence, Choice
 from spotguard.checkpoint import SaveReport
-from spotguard.exit_policy import UNAVAILABLE_EXIT_CODE
+from spotguard.ending.exit_policy import UNAVAILABLE_EXIT_CODE
+from spotguard.health.monitor import SilentFailure
 from spotguard.ledger import Ledger, LedgerContents
 from spotguard.options import SaveOptions
 from spotguard.report import INTERRUPTED, summarize
-from spotguard.topology import Topology
+from spotguard.job.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +137,11 @@ class GoodputRecorder:
             code = error.code if isinstance(error.code, int) else 1
             why = "storage unavailable" if code == UNAVAILABLE_EXIT_CODE else "exit"
         self._record(records.Exit(code=code, why=why, committed=committed, last_step=last_step))
+
+    def silent_failure(self, failure: SilentFailure, code: int, *, last_step: int | None) -> None:
+        """A failure without a notice ends the segment: what it was, then the exit record."""
+        self._record(records.SilentEnd(**dataclasses.asdict(failure), last_step=last_step))
+        self._record(records.Exit(code=code, why=failure.cause, committed=False, last_step=last_step))
 
     def next_interval(self, run_hours: float, cadence: Cadence | None = None) -> float:
         """The interval of an adaptive cadence (the saves', or `cadence`: the snapshots') now, having

@@ -14,10 +14,13 @@ its shards, the checkpoint is committed, and `step()` returns True. When only so
 nodes of the job are reclaimed, the survivors save without them (see
 `spotguard.checkpoint.checkpointer`). Leaving the block after an emergency exits with
 `exit_code` (143) when its checkpoint was committed, `lost_exit_code` (75) when it was not.
+A node that goes silent, or a loop that stops stepping, ends the process with `lost_exit_code`
+(`spotguard.health`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -30,17 +33,18 @@ import torch.distributed as dist
 from cloud_adapters import validation as check
 from cloud_adapters.notice import INTERRUPTION, REBALANCE, Notice
 from cloud_adapters.stores import check_location
-from spotguard import elastic, topology
-from spotguard.agreement import Decision
-from spotguard.broadcast import EMERGENCY
+from spotguard.ending import elastic
+from spotguard.job import topology
+from spotguard.job.agreement import Decision
+from spotguard.job.broadcast import EMERGENCY
 from spotguard.cadence import IntervalTimer
 from spotguard.checkpoint import Checkpointer, CheckpointError, CheckpointUnavailable, SaveReport
 from spotguard.checkpoint.auth import resolve_key
 from spotguard.checkpoint.comm import new_gloo_group
 from spotguard.checkpoint.departure import Departure
 from spotguard.checkpoint.progress import seconds
-from spotguard.coordination import Coordination, EmergencyPlan
-from spotguard.exit_policy import (  # noqa: F401 - re-exported: where these lived before
+from spotguard.job.coordination import Coordination, EmergencyPlan
+from spotguard.ending.exit_policy import (  # noqa: F401 - re-exported: where these lived before
     DEFAULT_EXIT_CODE,
     DEFAULT_LOST_EXIT_CODE,
     EXIT_FILE_ENV,
@@ -48,10 +52,12 @@ from spotguard.exit_policy import (  # noqa: F401 - re-exported: where these liv
     ExitPolicy,
 )
 from spotguard.goodput import GoodputRecorder
+from spotguard.health.monitor import Health, SilentFailure
 from spotguard.options import (
     CoordinationOptions,
     ExitOptions,
     GuardOptions,
+    HealthOptions,
     NoticeOptions,
     SaveOptions,
     SnapshotOptions,
@@ -81,6 +87,8 @@ class Guard:
         coordination: this process's place in the job, the agreement's timeout (`CoordinationOptions`).
         snapshots: snapshots in the nodes' memory for losses without a notice (`SnapshotOptions`; off by
             default, or `$SPOTGUARD_SNAPSHOT_EVERY`).
+        health: failures without a notice, a node gone silent or a loop that stopped stepping (`HealthOptions`;
+            on by default, or `$SPOTGUARD_PEER_TIMEOUT` and `$SPOTGUARD_HANG_TIMEOUT`).
         **options: any field of those groups by its name, e.g. `keep_last=3`, `save_interval_s=600`,
             `exit_code=None`, `store=..., rank=..., world_size=...` (see the configuration reference).
             `poll_interval` and `thread_count` are the deprecated names of `poll_interval_s` and
@@ -98,12 +106,13 @@ class Guard:
         exiting: ExitOptions | None = None,
         coordination: CoordinationOptions | None = None,
         snapshots: SnapshotOptions | None = None,
+        health: HealthOptions | None = None,
         **options: Any,
     ) -> None:
         if cloud is not None:
             options["cloud"] = cloud
         groups = {"notices": notices, "saving": saving, "storage": storage, "exiting": exiting,
-                  "coordination": coordination, "snapshots": snapshots}  # fmt: skip
+                  "coordination": coordination, "snapshots": snapshots, "health": health}  # fmt: skip
         self.options = GuardOptions.build(groups, options)
         self.checkpoint_dir = check_location(checkpoint_dir)
         self._checkpoint_key = resolve_key(self.options.storage.checkpoint_key)  # kept out of reprs and logs
@@ -124,6 +133,8 @@ class Guard:
         self._started = False
         self._ckpt: Checkpointer | None = None
         self._last_step: int | None = None  # the last step the loop reported (for the ledger)
+        self._beats = 0  # guard.step() calls: the loop's heartbeat, read by the hang watch
+        self._health: Health | None = None
         self._last_state: Mapping[str, Any] | None = None  # the state the loop last passed to step()
         self._coordination: Coordination | _NotStarted = _NotStarted()
 
@@ -153,7 +164,7 @@ class Guard:
             node=self.topology.node,
             node_leader=self.topology.is_node_leader,
         )
-        self._group = self._ckpt = self._watcher = self._timer = self._snapshot_timer = None
+        self._group = self._ckpt = self._watcher = self._timer = self._snapshot_timer = self._health = None
         self._coordination = _NotStarted()
         self._goodput.reset()
         self._started_at = time.monotonic()
@@ -177,14 +188,29 @@ class Guard:
         store = self.options.coordination.store or (
             dist.distributed_c10d._get_default_store() if self.topology.distributed else dist.HashStore()
         )
-        self._coordination = Coordination(
+        health = self._health = Health(
+            self.topology,
+            peer_timeout_s=self.options.health.peer_timeout_s,
+            hang_timeout_s=self.options.health.hang_timeout_s,
+            beats=lambda: self._beats,
+            last_step=lambda: self._last_step,
+            end=self._end_silently,
+        )
+        coordination = self._coordination = Coordination(
             store,
             topology.run_prefix(store, self._group, self.topology, self.checkpoint_dir),
             self.topology,
             timeout_s=self.options.coordination.agreement_timeout_s,
             on_agreed=self._on_agreed,
+            on_silent=health.on_event,
         )
-        self._coordination.start()
+        coordination.start()
+        health.start(
+            store,
+            coordination.prefix,
+            publish=coordination.publish_silent_failure,
+            excused=coordination.departing.__contains__,
+        )
         notices = self.options.notices
         self._watcher = Watcher(
             [], self._on_notice, interval_s=notices.poll_interval_s, on_update=self._on_notice_update
@@ -265,6 +291,8 @@ class Guard:
 
     def _teardown(self, saves_done: Callable[[], None] = lambda: None) -> None:
         """Stop everything the guard started; `saves_done` runs once the last save has ended."""
+        if self._health is not None:
+            self._health.stop()  # first: what follows may take longer than a step, and closes connections
         for timer in (self._timer, self._snapshot_timer):
             if timer is not None:
                 timer.stop()
@@ -329,6 +357,7 @@ class Guard:
             step = _as_step(step)
         again = step == self._last_step
         due = self._coordination.reached(step)
+        self._beats += 1
         self._last_step = step
         self._last_state = state  # for the listener thread to size a coming handoff (Checkpointer.expect_handoff)
         if due:
@@ -338,8 +367,22 @@ class Guard:
             self._save(step, state, reason="periodic", wait=False)
         snapshot_every = self._snapshots.every
         if snapshot_every and step % snapshot_every == 0 and not again:
-            self._snapshots.take(step, state)
+            self._snapshot(step, state)
         return False
+
+    def long_phase(self, seconds: float, what: str = "a long phase") -> contextlib.AbstractContextManager[None]:
+        """Say that the next `seconds` pass without a `step()` (an evaluation, a data shuffle): the hang
+        timeout counts from their end. As a context manager, leaving it also counts as a step:
+
+            with guard.long_phase(600, "evaluation"):
+                evaluate(model)
+        """
+        self._require_started("long_phase")
+        seconds = check.seconds("seconds", seconds)
+        self.timeline.add("long-phase", what=what, seconds=seconds)
+        assert self._health is not None
+        self._health.allow(seconds)
+        return self._health.phase()
 
     def request_checkpoint(self, reason: str = "manual") -> None:
         """Ask every rank, from this one (any thread), to save at the next step they all agree on, in the
@@ -362,7 +405,7 @@ class Guard:
         if not emergencies:
             reasons = [d.event.get("reason", "periodic") for d in due]
             if SNAPSHOT in reasons:
-                self._snapshots.take(step, state)
+                self._snapshot(step, state)
             saves = [r for r in reasons if r != SNAPSHOT]
             if saves:
                 self._save(step, state, reason=saves[-1], wait=False)
@@ -406,15 +449,16 @@ class Guard:
         departure: Departure | None = None,
     ) -> SaveReport | None:
         try:
-            report = self._checkpointer().save(
-                step,
-                state,
-                reason=reason,
-                notice=notice,
-                deadline=notice.deadline if notice else None,
-                wait=wait,
-                departure=departure,
-            )
+            with self._busy():
+                report = self._checkpointer().save(
+                    step,
+                    state,
+                    reason=reason,
+                    notice=notice,
+                    deadline=notice.deadline if notice else None,
+                    wait=wait,
+                    departure=departure,
+                )
         except CheckpointError as exc:  # says what failed, where and why: one line is enough
             log.error("%s checkpoint of step %d failed: %s", reason, step, exc)
             self.timeline.add("save-failed", step=step, reason=reason)
@@ -424,6 +468,31 @@ class Guard:
             self.timeline.add("save-failed", step=step, reason=reason)
             return None
         return report
+
+    def _snapshot(self, step: int, state: Mapping[str, Any]) -> None:
+        with self._busy():
+            self._snapshots.take(step, state)
+
+    def _busy(self) -> contextlib.AbstractContextManager[None]:
+        """spotguard's own work on the training thread: the hang timeout does not count it."""
+        return self._health.busy() if self._health is not None else contextlib.nullcontext()
+
+    def _end_silently(self, failure: SilentFailure) -> None:
+        """A silent failure's end, on the thread that concluded it (the training thread is stuck): the exit
+        file, the ledger, then the process ends with `lost_exit_code`, whatever `exit_code` says."""
+        code = self._exit.lost_exit_code
+        self.timeline.add(
+            "silent-failure", cause=failure.cause, culprit=failure.culprit or "-", noticed_after_s=failure.noticed_after_s
+        )
+        log.error(
+            "%s: ending this process with code %d, so that the job restarts from the newest state the nodes hold",
+            failure.describe(),
+            code,
+        )
+        self._exit.record(code, committed=False, step=None, leaving=False, cause=failure.cause, culprit=failure.culprit)
+        self._goodput.silent_failure(failure, code, last_step=self._last_step)
+        self._goodput.close(timeout_s=2.0)
+        self._exit.exit_now(code)
 
     def _on_notice(self, notice: Notice) -> None:
         """Watcher thread: turn a notice into an event every rank sees."""

@@ -115,6 +115,18 @@ class Exit(Record):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class SilentEnd(Record):
+    """The job ended on a failure that came without a notice (spotguard.health): a node lost, a hang."""
+
+    EVENT: ClassVar[str] = "silent-failure"
+    cause: str  # "peer-lost" or "hang"
+    culprit: str | None = None  # the lost node, or the ranks that held the others up
+    noticed_after_s: float | None = None  # the silence or the stall when it was declared
+    seen_by: str | None = None
+    last_step: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CadenceChange(Record):
     """The automatic save interval changed (`save_interval_s="auto"`)."""
 
@@ -129,7 +141,7 @@ class CadenceChange(Record):
 
 
 RECORDS: dict[str, type[Record]] = {
-    cls.EVENT: cls for cls in (Start, Resume, Save, NoticeSeen, Progress, Exit, CadenceChange)
+    cls.EVENT: cls for cls in (Start, Resume, Save, NoticeSeen, Progress, Exit, CadenceChange, SilentEnd)
 }
 _STAMP = ("segment", "seq", "at")
 

@@ -23,10 +23,10 @@ from cloud_adapters import validation as check
 from cloud_adapters.endpoints import normalise_base_url
 from cloud_adapters.signals import parse_signal
 from cloud_adapters.sources import CLOUDS
-from spotguard import elastic
+from spotguard.ending import elastic
 from spotguard.cadence import DEFAULT_MAX_S, DEFAULT_MIN_S, Cadence
 from spotguard.checkpoint.auth import resolve_key
-from spotguard.exit_policy import DEFAULT_EXIT_CODE, DEFAULT_LOST_EXIT_CODE
+from spotguard.ending.exit_policy import DEFAULT_EXIT_CODE, DEFAULT_LOST_EXIT_CODE
 
 CLOUD_CHOICES = CLOUDS + ("none", "auto")
 # Keyword names of earlier versions: still accepted, with a DeprecationWarning.
@@ -332,6 +332,63 @@ class SnapshotOptions:
         return Cadence(SNAPSHOT_MIN_S, SNAPSHOT_MAX_S) if self.snapshot_interval_s == "auto" else None
 
 
+PEER_TIMEOUT_ENV = "SPOTGUARD_PEER_TIMEOUT"
+HANG_TIMEOUT_ENV = "SPOTGUARD_HANG_TIMEOUT"
+DEFAULT_PEER_TIMEOUT_S = 20.0
+MIN_PEER_TIMEOUT_S = 1.0  # beats go every fifth of it (at most 1 s): below this, scheduling noise is a loss
+
+
+@dataclasses.dataclass(frozen=True)
+class HealthOptions:
+    """Failures without a notice: a node that stops answering, a training loop that stops stepping (on by default)."""
+
+    peer_timeout_s: float | None = _option(
+        None,
+        "a node silent this long (frozen, powered off, cut off: no FIN) is declared lost, and the job ends "
+        "with `lost_exit_code` to restart from the nodes' memory (see [Silent failures](../guide/silent-failures.md)); "
+        "`0` switches it off",
+        shown=f"`${PEER_TIMEOUT_ENV}` (seconds, or `off`), else `{DEFAULT_PEER_TIMEOUT_S:g}`",
+    )
+    hang_timeout_s: float | str | None = _option(
+        None,
+        "no `guard.step()` for this long ends the job the same way, with every thread's stack in each rank's log; "
+        '`"auto"`: five times the longest gap between steps, from 7 to 9.5 minutes; `0` switches it off',
+        shown=f'`${HANG_TIMEOUT_ENV}` (seconds, `auto` or `off`), else `"auto"`',
+    )
+
+    def __post_init__(self) -> None:
+        peer = _from_env(self.peer_timeout_s, PEER_TIMEOUT_ENV, DEFAULT_PEER_TIMEOUT_S)
+        if isinstance(peer, str):
+            raise ValueError(f'peer_timeout_s (or ${PEER_TIMEOUT_ENV}) must be a number of seconds or "off", not {peer!r}')
+        if peer is not None:
+            peer = check.seconds("peer_timeout_s", peer)
+            if peer < MIN_PEER_TIMEOUT_S:
+                raise ValueError(f"peer_timeout_s must be at least {MIN_PEER_TIMEOUT_S:g} s (0: off), got {peer!r}")
+        _set(self, "peer_timeout_s", peer)
+        hang = _from_env(self.hang_timeout_s, HANG_TIMEOUT_ENV, "auto")
+        if isinstance(hang, str) and hang != "auto":
+            raise ValueError(f'hang_timeout_s must be a number of seconds, "auto" or 0 (off), not {hang!r}')
+        _set(self, "hang_timeout_s", hang if hang in (None, "auto") else check.seconds("hang_timeout_s", hang))
+
+
+def _from_env(value: Any, env: str, default: Any) -> Any:
+    """A timeout given, else the one in `$env`, else `default`; None when it is switched off (0, or `off`)."""
+    if value is None:
+        raw = os.environ.get(env, "").strip()
+        if not raw:
+            return default
+        if raw.lower() in ("auto", "off"):
+            value = raw.lower()
+        else:
+            try:
+                value = float(raw)
+            except ValueError:
+                raise ValueError(f'${env} must be a number of seconds, "auto" or "off", not {raw!r}') from None
+    if value == "off" or (not isinstance(value, (str, bool)) and value == 0):
+        return None
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class GuardOptions:
     """All of a Guard's settings, one group per concern."""
@@ -342,6 +399,7 @@ class GuardOptions:
     exiting: ExitOptions = dataclasses.field(default_factory=ExitOptions)
     coordination: CoordinationOptions = dataclasses.field(default_factory=CoordinationOptions)
     snapshots: SnapshotOptions = dataclasses.field(default_factory=SnapshotOptions)
+    health: HealthOptions = dataclasses.field(default_factory=HealthOptions)
 
     @classmethod
     def build(cls, groups: dict[str, Any], shortcuts: dict[str, Any]) -> GuardOptions:

@@ -7,7 +7,8 @@ One row per kind of thing, time since the first segment's start on the x axis:
                  resuming), ending where the segment ended;
   saves          a tick per save (black: committed, red cross: failed; emergency saves are taller);
   notices        a marker per interruption notice at its arrival (filled: the checkpoint committed,
-                 hollow: lost), and a red line where each interruption ended a segment.
+                 hollow: lost), a cross per failure without a notice (a node lost, a hang), and a red
+                 line where each interruption ended a segment.
 
 `.png` is a picture; `.html` is a page with the same picture as inline SVG and the text report.
 matplotlib is an optional extra: `pip install "spotguard[plot]"`.
@@ -90,6 +91,10 @@ def timeline_figure(summary: dict[str, Any]) -> Any:
             facecolors="#c0392b" if kept else "none",
             edgecolors="#c0392b",
         )
+    silent = [seg["silent"] for seg in segments if seg["silent"]]
+    if silent:  # failures without a notice: a node lost, a hang
+        ax.scatter([x["at_s"] / scale for x in silent], [ROWS["notices"]] * len(silent), marker="X", s=90,
+                   color="#7d3c98")  # fmt: skip
     ax.set_yticks(list(ROWS.values()), list(ROWS))
     ax.set_ylim(-0.6, 2.6)
     ax.set_xlim(-0.01 * wall / scale, wall / scale * 1.01)
@@ -119,6 +124,7 @@ def _legend() -> list[Any]:
         Line2D([], [], color="#c0392b", marker="x", linestyle="none", label="failed save"),
         Line2D([], [], color="#c0392b", marker="v", linestyle="none", label="notice, committed"),
         Line2D([], [], color="#c0392b", marker="v", markerfacecolor="none", linestyle="none", label="notice, lost"),
+        Line2D([], [], color="#7d3c98", marker="X", linestyle="none", label="silent failure (node lost, hang)"),
         Line2D([], [], color="#c0392b", label="interruption"),
     ]
 

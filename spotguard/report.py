@@ -22,7 +22,7 @@ from typing import Any
 
 from cloud_adapters.notice import parse_iso8601
 from spotguard.ledger import LedgerContents
-from spotguard.ledger_records import CadenceChange, Exit, NoticeSeen, Progress, Record, Resume, Save
+from spotguard.ledger_records import CadenceChange, Exit, NoticeSeen, Progress, Record, Resume, Save, SilentEnd
 
 INTERRUPTED = "interrupted"
 
@@ -44,8 +44,9 @@ def _segment(records: list[Record], origin: datetime) -> dict[str, Any]:
     exit_ = next((r for r in reversed(records) if isinstance(r, Exit)), None)
     saves = [r for r in records if isinstance(r, Save)]
     notices = [r for r in records if isinstance(r, NoticeSeen)]
+    silent = next((r for r in records if isinstance(r, SilentEnd)), None)
     steps = [r.step for r in saves if r.ok]
-    steps += [r.last_step for r in records if isinstance(r, (Progress, Exit)) and r.last_step is not None]
+    steps += [r.last_step for r in records if isinstance(r, (Progress, Exit, SilentEnd)) and r.last_step is not None]
     steps += [r.agreed_step for r in notices if r.agreed_step is not None]
     first_step = resume.next_step if resume else None
     last_step = max(steps) if steps else (first_step - 1 if first_step else None)
@@ -73,6 +74,8 @@ def _segment(records: list[Record], origin: datetime) -> dict[str, Any]:
         "emergency_save_s": sum(r.stall_s or 0.0 for r in saves if r.reason == "emergency"),
         "training_s": max(0.0, wall_s - resume_s - stall_s),
         "notices": [{**n.to_json(), "at_s": (_at(n) - origin).total_seconds()} for n in notices],
+        # a failure without a notice that ended the segment: cause, culprit, noticed_after_s
+        "silent": {**silent.to_json(), "at_s": (_at(silent) - origin).total_seconds()} if silent else None,
         "cadence": [r.to_json() for r in records if isinstance(r, CadenceChange)],
         "exit_code": exit_.code if exit_ else None,
         "ended": ended,
@@ -97,7 +100,11 @@ def summarize(contents: LedgerContents) -> dict[str, Any]:
     lost_list = []
     for i, seg in enumerate(segments):
         following = segments[i + 1] if i + 1 < len(segments) else None
-        interrupted = seg["ended"].startswith(INTERRUPTED) or (seg["ended"] == "no exit record" and following)
+        interrupted = (
+            seg["ended"].startswith(INTERRUPTED)
+            or seg["silent"] is not None
+            or (seg["ended"] == "no exit record" and following)
+        )
         if not interrupted:
             continue
         lost_list.append(_interruption(seg, following))
@@ -136,6 +143,7 @@ def summarize(contents: LedgerContents) -> dict[str, Any]:
 
 def _interruption(seg: dict[str, Any], following: dict[str, Any] | None) -> dict[str, Any]:
     notice = next((n for n in reversed(seg["notices"]) if n.get("kind") == "interruption"), None)
+    silent = seg["silent"]
     resumed_at = following["first_step"] if following else None
     if following is not None and resumed_at is None:
         resumed_at = 0  # the next segment started afresh: everything was redone
@@ -149,7 +157,10 @@ def _interruption(seg: dict[str, Any], following: dict[str, Any] | None) -> dict
     end_s = seg["start_s"] + seg["wall_s"]
     return {
         "segment": seg["segment"],
-        "at_s": notice["at_s"] if notice else end_s,
+        "at_s": notice["at_s"] if notice else silent["at_s"] if silent else end_s,
+        "cause": silent["cause"] if silent else "notice" if notice else None,  # None: unrecorded
+        "culprit": silent.get("culprit") if silent else None,
+        "noticed_after_s": silent.get("noticed_after_s") if silent else None,
         "cloud": notice.get("cloud") if notice else None,
         "action": notice.get("action") if notice else None,
         "agreed_step": notice.get("agreed_step") if notice else None,
@@ -208,14 +219,15 @@ def format_text(summary: dict[str, Any], location: str) -> str:
         )
     if s["interruption_details"]:
         lines += ["", f"  {'INTERRUPTION AT':>15} {'BY':<16} {'AGREED':>7} {'COMMITTED':>9} {'MARGIN':>8} "
-                  f"{'STEPS LOST':>10} {'LOST':>8} {'TO RESUME':>10}"]  # fmt: skip
+                  f"{'STEPS LOST':>10} {'LOST':>8} {'TO RESUME':>10}  NOTICED AFTER, CULPRIT"]  # fmt: skip
         for x in s["interruption_details"]:
-            by = f"{x['cloud']}:{x['action']}" if x["cloud"] else "unrecorded"
+            by = f"{x['cloud']}:{x['action']}" if x["cloud"] else x["cause"] or "unrecorded"
+            silent = f"  {x['noticed_after_s']:.1f} s, {x['culprit'] or '-'}" if x["noticed_after_s"] is not None else ""
             lost = "-" if x["steps_lost"] is None else f"{'' if x['exact'] else '>='}{x['steps_lost']}"
             lines.append(
                 f"  {x['at_s']:>14.1f}s {by:<16} {x['agreed_step'] if x['agreed_step'] is not None else '-':>7} "
                 f"{'yes' if x['committed'] else 'NO':>9} {_num(x['margin_s']):>8} {lost:>10} "
-                f"{_num(x['lost_s']):>8} {_num(x['time_to_resume_s']):>10}"
+                f"{_num(x['lost_s']):>8} {_num(x['time_to_resume_s']):>10}{silent}"
             )
     if s["torn_lines"]:
         lines += ["", f"  {s['torn_lines']} line(s) of the ledger were torn (a writer killed mid-line): skipped"]

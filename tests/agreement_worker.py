@@ -16,9 +16,9 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from cloud_adapters.notice import INTERRUPTION, Notice, deadline_after, utc_now
-from spotguard.agreement import StepAgreement
-from spotguard.broadcast import Broadcast
-from spotguard.kvstore import Connection
+from spotguard.job.agreement import StepAgreement
+from spotguard.job.broadcast import Broadcast
+from spotguard.job.kvstore import Connection
 
 MAX_STEPS = 400
 

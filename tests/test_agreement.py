@@ -66,7 +66,7 @@ def test_a_long_run_keeps_only_the_last_round_s_decision_in_the_store():
 
     import torch.distributed as dist
 
-    from spotguard.agreement import StepAgreement
+    from spotguard.job.agreement import StepAgreement
 
     world, rounds = 3, 8
     server = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timedelta(seconds=30), wait_for_workers=False)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import spotguard
 from cloud_adapters.aws.emulator import AWSMetadataEmulator
-from spotguard import topology
+from spotguard.job import topology
 from tests.threaded_guards import tcp_server
 
 WORLD = 4

@@ -13,8 +13,8 @@ import pytest
 import torch.distributed as dist
 
 from cloud_adapters.notice import INTERRUPTION, Notice, deadline_after, utc_now
-from spotguard.broadcast import Broadcast
-from spotguard.kvstore import Connection
+from spotguard.job.broadcast import Broadcast
+from spotguard.job.kvstore import Connection
 from tests.counting import Counts, counting_store
 from tests.servers import free_port
 
@@ -125,7 +125,7 @@ def test_concurrent_publishers_fill_consecutive_slots_and_every_listener_reads_t
 def test_a_rank_leaving_stops_every_listener(caplog):
     """No agreement can complete without a rank that left its Guard; its `left` event also wakes the
     listeners, which would otherwise block until the store's timeout."""
-    with caplog.at_level(logging.INFO, logger="spotguard.broadcast"):
+    with caplog.at_level(logging.INFO, logger="spotguard.job.broadcast"):
         ranks = Ranks(tcp_store()).__enter__()
         ranks.broadcasts[0].stop()
         ranks.broadcasts[1]._thread.join(10)

@@ -99,7 +99,7 @@ def test_emergency_save_during_periodic_save_on_two_ranks(tmp_path):
 
 NODE_LEADER_PROBE = """
 import torch.distributed as dist
-from spotguard import topology
+from spotguard.job import topology
 from spotguard.checkpoint.comm import Comm
 dist.init_process_group("gloo")
 print("leader" if Comm().is_node_leader else "follower", topology.current().local_rank, flush=True)

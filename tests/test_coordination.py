@@ -15,8 +15,8 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from spotguard.agreement import StepAgreement
-from spotguard.kvstore import Connection
+from spotguard.job.agreement import StepAgreement
+from spotguard.job.kvstore import Connection
 from tests.counting import Counts, counting_store
 from tests.threaded_guards import Job, tcp_server
 
@@ -77,7 +77,7 @@ def test_an_interruption_racing_a_requested_save_is_ordered_the_same_on_every_ra
 def test_a_rank_that_never_answers_makes_the_others_give_up_together(tmp_path, caplog):
     """Rank 3 died before it entered: nobody arrives last, so every live rank reads "abort" at the
     round's deadline (1 s here), saves nothing and trains on; nobody hangs."""
-    with caplog.at_level(logging.ERROR, logger="spotguard.agreement"):
+    with caplog.at_level(logging.ERROR, logger="spotguard.job.agreement"):
         with Job(str(tmp_path), 4, per_node=2, nodes_watched=(0,), absent=(3,), agreement_timeout_s=1.0) as job:
             time.sleep(0.3)
             job.emulators[0].raise_notice(kind="interruption")
@@ -129,7 +129,7 @@ def test_a_store_that_refuses_requests_mid_round_means_no_save_on_every_rank(cap
         agreement = StepAgreement(connection, "job/", r, world, last_step=5)
         decisions[r] = agreement.agree(1, {"type": "emergency"}, timeout_s=1.0)
 
-    with caplog.at_level(logging.WARNING, logger="spotguard.agreement"):
+    with caplog.at_level(logging.WARNING, logger="spotguard.job.agreement"):
         started = time.monotonic()
         threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
         for t in threads:

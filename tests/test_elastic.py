@@ -26,7 +26,9 @@ def test_two_nodes_one_reclaimed_the_other_goes_on_alone_then_a_new_node_joins(t
     ckpt, out = tmp_path / "ckpt", tmp_path / "out.json"
     # A background save every step: the notice and the join's SIGTERM find one in flight.
     args = [*ARGS, "--out", str(out), "--save-every", "1"]
-    nodes = [rdzv.join(0, str(ckpt), tmp_path, args), rdzv.join(1, str(ckpt), tmp_path, args)]
+    # Workers restarted by torchrun at each change of world size are never taken for lost nodes.
+    env = {"SPOTGUARD_PEER_TIMEOUT": "2"}
+    nodes = [rdzv.join(0, str(ckpt), tmp_path, args, env), rdzv.join(1, str(ckpt), tmp_path, args, env)]
     try:
         nodes[0].wait_for(r'"step": 3, "rank": 0, "world": 2')
         nodes[1].emulator.raise_notice()
@@ -34,7 +36,7 @@ def test_two_nodes_one_reclaimed_the_other_goes_on_alone_then_a_new_node_joins(t
         nodes[1].kill()  # and the VM vanishes
         nodes[0].wait_for(r'"rank": 0, "world": 1,', timeout=90)  # the survivor trains on alone
         time.sleep(1)
-        nodes.append(rdzv.join(2, str(ckpt), tmp_path, args))
+        nodes.append(rdzv.join(2, str(ckpt), tmp_path, args, env))
         assert nodes[0].finish(180) == 0, nodes[0].tail()
         assert nodes[2].finish(60) == 0, nodes[2].tail()
     finally:
@@ -49,6 +51,7 @@ def test_two_nodes_one_reclaimed_the_other_goes_on_alone_then_a_new_node_joins(t
     assert reclaimed["step"] == schedule[0][1]
     text = nodes[0].output()
     assert "leaving the elastic job" in nodes[1].output() and "leaving the elastic job" not in text
+    assert "watches node" in text and not re.search(r"declared lost|silent-failure", text)
     for _, last in schedule[:2]:  # each change of world size resumed the step committed just before it
         assert re.search(rf"resumed +step={last} +next_step={last + 1}", text), text
     emergencies = [c.step for c in list_checkpoints(str(ckpt)) if c.committed and c.reason == "emergency"]
@@ -110,7 +113,7 @@ def test_a_node_reclaimed_while_another_joins(tmp_path):
 
 
 def test_who_leaves_the_elastic_job(monkeypatch):
-    from spotguard import elastic
+    from spotguard.ending import elastic
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")  # the agent would not restart anyone: nothing to do

@@ -238,7 +238,7 @@ def test_the_ledger_schema_is_shared_by_writer_and_reader_and_versioned(tmp_path
     """Every record type goes through the writer and back unchanged; a line from before versions is
     read, a newer version's record or an unknown event is skipped and counted, a record missing a
     required field counts as torn."""
-    from spotguard.ledger_records import LEDGER_VERSION, RECORDS, CadenceChange
+    from spotguard.ledger_records import LEDGER_VERSION, RECORDS, CadenceChange, SilentEnd
 
     store = LocalStore(tmp_path)
     written = [
@@ -250,6 +250,7 @@ def test_the_ledger_schema_is_shared_by_writer_and_reader_and_versioned(tmp_path
         CadenceChange(
             interval_s=60.0, save_cost_s=None, rate_per_h=0.1, interruptions=0, hours=0.0, bound="min", explain="x"
         ),
+        SilentEnd(cause="peer-lost", culprit="host/node-2", noticed_after_s=20.4, seen_by="host/node-0", last_step=9),
         Exit(code=143, why="interrupted", committed=True, last_step=9),
     ]
     assert {type(r) for r in written} == set(RECORDS.values())

@@ -26,7 +26,7 @@ from cloud_adapters.deadline import Deadline
 from spotguard.checkpoint.departure import Departure, HandoffError
 from spotguard.checkpoint.handoff import Receiver, send_shards
 from spotguard.checkpoint.outcome import SurvivorsOutcome
-from spotguard.kvstore import Connection
+from spotguard.job.kvstore import Connection
 from tests.ckpt_workers import ROOT
 
 STEP = 7

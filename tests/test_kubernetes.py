@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from spotguard.exit_policy import DEFAULT_EXIT_CODE, DEFAULT_LOST_EXIT_CODE, EXIT_FILE_ENV
+from spotguard.ending.exit_policy import DEFAULT_EXIT_CODE, DEFAULT_LOST_EXIT_CODE, EXIT_FILE_ENV
 from spotguard.options import NoticeOptions
 from tests.checkov import assert_checkov_passes, needs_checkov
 

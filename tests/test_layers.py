@@ -60,10 +60,10 @@ def test_the_guard_and_the_cli_load_no_emulator():
 
 
 def test_the_checkpoint_layer_never_imports_the_guards_modules():
-    """spotguard.checkpoint stands on cloud_adapters and the store helpers (spotguard.kvstore, itself a
+    """spotguard.checkpoint stands on cloud_adapters and the store helpers (spotguard.job.kvstore, itself a
     leaf); the guard, its coordination, timeline and ledger build on it, never the other way."""
     graph = imports()
-    allowed = ("spotguard.checkpoint", "spotguard.kvstore")
+    allowed = ("spotguard.checkpoint", "spotguard.job.kvstore")
     upward = {
         (module, found)
         for module, names in graph.items()
@@ -72,7 +72,26 @@ def test_the_checkpoint_layer_never_imports_the_guards_modules():
         if found.startswith("spotguard") and not found.startswith(allowed) and found != "spotguard"  # its version
     }
     assert not upward
-    assert not {i for i in graph["spotguard.kvstore"] if i.startswith("spotguard")}
+    assert not {i for i in graph["spotguard.job.kvstore"] if i.startswith("spotguard")}
+
+
+def test_the_packages_below_the_guard_never_import_it():
+    """job/ (the store, the agreement) stands under health/ (silent failures), and neither knows the guard,
+    its options, its ledger or the other one above it."""
+    graph = imports()
+    above = {
+        "spotguard.job": ("spotguard.guard", "spotguard.goodput", "spotguard.options", "spotguard.health", "spotguard.ending"),
+        "spotguard.health": ("spotguard.guard", "spotguard.goodput", "spotguard.options", "spotguard.ending"),
+    }
+    upward = {
+        (module, found)
+        for package, banned in above.items()
+        for module, names in graph.items()
+        if module.startswith(package)
+        for found in names
+        if found.startswith(banned)
+    }
+    assert not upward
 
 
 def test_spotguard_checkpoint_exports_only_its_public_names():
@@ -98,7 +117,7 @@ def test_names_spotguard_checkpoint_exported_before_still_import_with_a_warning(
 def test_the_snapshot_tier_stands_on_the_checkpoint_layer_only():
     """spotguard.snapshots uses the checkpoint layer, the store helpers and the cadence (a leaf); the
     guard builds on it, never the other way."""
-    allowed = ("spotguard.snapshots", "spotguard.checkpoint", "spotguard.kvstore", "spotguard.cadence")
+    allowed = ("spotguard.snapshots", "spotguard.checkpoint", "spotguard.job.kvstore", "spotguard.cadence")
     upward = {
         (module, found)
         for module, names in imports().items()

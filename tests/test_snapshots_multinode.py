@@ -2,13 +2,15 @@
 own snapshot dir standing for its host memory, snapshots switched on by the environment alone
 (SPOTGUARD_SNAPSHOT_EVERY, no code change in examples/train_ddp.py). A node is SIGKILLed with no
 notice after the durable save D and a later snapshot S; the job is launched again with a replacement
-node (an empty snapshot dir) and resumes from what the survivors hold."""
+node (an empty snapshot dir) and resumes from what the survivors hold. A node frozen with no notice is
+declared lost by its neighbour and ends the job within seconds, then the same."""
 
 from __future__ import annotations
 
 import json
 import re
 import shutil
+import time
 
 import pytest
 
@@ -61,9 +63,12 @@ def relaunch(tmp_path) -> tuple[dict, str]:
     return json.loads(out.read_text()), "\n".join(node.output() for node in nodes)
 
 
+def ledger_lines(tmp_path) -> list[str]:
+    return (tmp_path / "ckpt" / "spotguard-ledger.jsonl").read_text().splitlines()
+
+
 def ledger_resumes(tmp_path) -> list[dict]:
-    lines = (tmp_path / "ckpt" / "spotguard-ledger.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r.get("event") == "resume"]
+    return [r for r in map(json.loads, ledger_lines(tmp_path)) if r.get("event") == "resume"]
 
 
 def committed(tmp_path) -> list[int]:
@@ -82,6 +87,38 @@ def test_a_node_lost_without_notice_resumes_from_the_peers_memory_bit_identical(
     assert resumed["digest"] == reference
     assert ledger_resumes(tmp_path)[-1]["tier"] == "snapshot"
     assert any(s > snapshot for s in committed(tmp_path))  # the durable save that follows at once
+
+
+def test_a_frozen_node_ends_the_job_in_seconds_and_the_relaunch_resumes_from_the_peers_memory(tmp_path, reference):
+    """Node 2 frozen (SIGSTOP of its agent and its worker: no FIN, no RST), with the default settings:
+    the survivors would wait 30 minutes in gloo's collective. Node 0, which watches node 2, declares it
+    lost after 20 s of silence; every survivor exits with the restart code, its exit file and the ledger
+    saying why. The relaunch with a replacement node resumes from the peers' memory, bit-identical."""
+    nodes = start_nodes(3, str(tmp_path / "ckpt"), tmp_path, ARGS, ENV)
+    try:
+        nodes[0].step_reached(25)
+        frozen = time.monotonic()
+        nodes[2].freeze()
+        codes = [node.finish(120) for node in nodes[:2]]
+        ended_after = time.monotonic() - frozen
+        last = max(int(m[1]) for m in map(STEP_LINE.match, list(nodes[0].lines)) if m)
+    finally:
+        stop_all(nodes)
+    assert codes == [1, 1] and ended_after < 60  # a hang bound; bench/silent_failures.py measures it
+    for node in nodes[:2]:
+        ended = json.loads(node.exit_file.read_text())
+        assert (ended["exit_code"], ended["committed"], ended["cause"]) == (75, False, "peer-lost")
+        assert ended["culprit"].endswith("/node-2")
+    (silent,) = [r for r in map(json.loads, ledger_lines(tmp_path)) if r["event"] == "silent-failure"]
+    assert silent["culprit"].endswith("/node-2") and silent["noticed_after_s"] >= 20
+    shutil.rmtree(nodes[2].snapshot_dir, ignore_errors=True)  # a replacement VM
+    shutil.rmtree(nodes[2].local_dir, ignore_errors=True)
+    durable = max(committed(tmp_path))
+    resumed, text = relaunch(tmp_path)
+    snapshot = int(RESUMED.search(text)[1])
+    assert durable < snapshot and last - snapshot <= SNAPSHOT_EVERY
+    assert resumed["start"] == snapshot + 1
+    assert resumed["digest"] == reference
 
 
 def test_two_nodes_lost_with_one_replica_resume_from_the_durable_checkpoint(tmp_path, reference):

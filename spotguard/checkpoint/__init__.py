@@ -6,7 +6,7 @@ the manifest, written last. A directory without a manifest does not exist for re
 The names below are the package's public surface (also exported by `spotguard`, but for
 `state_digest`, which the examples use to show that a resumed run is bit-identical); the
 modules inside are internal. Nothing here imports the guard's own modules: the checkpoint
-layer stands on `cloud_adapters` and `spotguard.kvstore` alone.
+layer stands on `cloud_adapters` and `spotguard.job.kvstore` alone.
 """
 
 import importlib

@@ -36,7 +36,7 @@ from cloud_adapters.stores import open_store
 from spotguard.checkpoint import departing
 from spotguard.checkpoint.auth import CheckpointKey, resolve_key
 from spotguard.checkpoint.background import BackgroundSaves
-from spotguard.checkpoint.comm import Comm
+from spotguard.checkpoint.comm import Comm, ranks_per_node
 from spotguard.checkpoint.departure import Departure, senders_to
 from spotguard.checkpoint.durable import Uploader
 from spotguard.checkpoint.handoff import ReceivePool, sharded_nbytes
@@ -356,5 +356,5 @@ def default_write_threads() -> int:
     Two were fastest with 2 cores and 2 ranks; on one H100 with 16 cores, an 8 GB emergency save
     from staged host buffers took 3.9 s with 16 writers against 4.2 s with 8.
     """
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    ranks_here = ranks_per_node()
     return max(2, min(16, (os.cpu_count() or 2) // max(1, ranks_here)))

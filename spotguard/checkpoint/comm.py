@@ -24,6 +24,11 @@ def local_rank(rank: int) -> int:
     return int(os.environ.get("LOCAL_RANK", rank))
 
 
+def ranks_per_node() -> int:
+    """How many ranks each node runs (torchrun's LOCAL_WORLD_SIZE, else 1); a node's ranks are consecutive."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
 def new_gloo_group(ranks: Sequence[int] | None = None, **kwargs: Any) -> dist.ProcessGroup:
     """A gloo group whose ranks connect pair by pair, when a collective first needs the pair.
 

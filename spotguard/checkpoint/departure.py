@@ -24,7 +24,7 @@ from typing import Any
 import torch.distributed as dist
 
 from spotguard.checkpoint.outcome import SurvivorsOutcome
-from spotguard.kvstore import IDLE_WAIT, Connection, EventLog
+from spotguard.job.kvstore import IDLE_WAIT, Connection, EventLog
 
 log = logging.getLogger(__name__)
 

@@ -98,10 +98,21 @@ class LocalNode:
     def kill(self) -> None:
         """The VM vanishes: SIGKILL the agent and its workers. torchrun starts each worker in a session
         of its own, so killing the agent's process group alone would leave them training on."""
+        self._signal_all(signal.SIGKILL)
+
+    def freeze(self) -> None:
+        """The VM stops answering with its connections open (frozen, powered off, cut off: no FIN, no RST):
+        SIGSTOP the agent and its workers. `kill()` ends a frozen node."""
+        self._signal_all(signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        self._signal_all(signal.SIGCONT)
+
+    def _signal_all(self, sig: signal.Signals) -> None:
         groups = {self.proc.pid} | {g for g in map(_group_of, _descendants(self.proc.pid)) if g is not None}
         for group in groups:
             try:
-                os.killpg(group, signal.SIGKILL)
+                os.killpg(group, sig)
             except ProcessLookupError:
                 pass
 

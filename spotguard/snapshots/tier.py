@@ -29,10 +29,10 @@ from typing import Any
 import torch.distributed as dist
 
 from spotguard.cadence import Cadence
-from spotguard.checkpoint.comm import FAILURES, Comm, describe
+from spotguard.checkpoint.comm import FAILURES, Comm, describe, ranks_per_node
 from spotguard.checkpoint.staging import Stager, on_device
 from spotguard.checkpoint.state import load_from_dcp, to_dcp
-from spotguard.kvstore import Connection
+from spotguard.job.kvstore import Connection
 from spotguard.snapshots import recovery, shard_file
 from spotguard.snapshots.node_dir import BASE_ENV, DEFAULT_BASE, NodeDir, name_of, private_root
 from spotguard.snapshots.peers import PeerServer, push
@@ -85,7 +85,7 @@ class SnapshotTier:
     ) -> None:
         self.comm = comm
         self.rank, self.world_size = comm.rank, comm.world_size
-        self.ranks_per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        self.ranks_per_node = ranks_per_node()
         nodes = self.world_size // self.ranks_per_node
         if self.world_size % self.ranks_per_node:
             nodes = 1  # an uneven layout: which ranks share a node is unknown, so nothing is replicated

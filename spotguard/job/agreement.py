@@ -36,7 +36,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from spotguard.kvstore import Connection
+from spotguard.job.kvstore import Connection
 
 log = logging.getLogger(__name__)
 

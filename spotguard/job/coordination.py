@@ -17,12 +17,12 @@ from typing import Any
 import torch.distributed as dist
 
 from cloud_adapters.notice import Notice
-from spotguard.agreement import Decision, StepAgreement
-from spotguard.broadcast import EMERGENCY, Broadcast
+from spotguard.job.agreement import Decision, StepAgreement
+from spotguard.job.broadcast import EMERGENCY, SILENT, Broadcast
 from spotguard.checkpoint.departure import Departure
 from spotguard.checkpoint.outcome import SaveReport
-from spotguard.kvstore import Connection
-from spotguard.topology import Topology
+from spotguard.job.kvstore import Connection
+from spotguard.job.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,8 @@ class EmergencyPlan:
 
 class Coordination:
     """`on_agreed(event, decision, notice)` runs on the listener thread after every round
-    (`decision` None: aborted; `notice`: the interruption, for an emergency)."""
+    (`decision` None: aborted; `notice`: the interruption, for an emergency); `on_silent(event)` on a
+    silent failure's event, which no round is run for (the job ends)."""
 
     def __init__(
         self,
@@ -73,13 +74,16 @@ class Coordination:
         *,
         timeout_s: float,
         on_agreed: Callable[[dict[str, Any], Decision | None, Notice | None], None],
+        on_silent: Callable[[dict[str, Any]], None] = lambda event: None,
     ) -> None:
         self.store = store
         self.prefix = prefix
         self.topology = topology
         self.timeout_s = timeout_s
         self.on_agreed = on_agreed
+        self.on_silent = on_silent
         self.notice: Notice | None = None  # the last interruption announced to this rank
+        self.departing: set[str] = set()  # the nodes that announced an interruption: their silence is no loss
         listen = Connection.of(store)  # the listener blocks on it; the agreement runs on the listener thread too
         self.broadcast = Broadcast(store, prefix, self._on_event, rank=topology.rank, connection=listen)
         self.agreement = StepAgreement(listen, prefix, topology.rank, topology.world_size, node=topology.node)
@@ -118,14 +122,21 @@ class Coordination:
     def request_checkpoint(self, reason: str) -> None:
         self.broadcast.request_checkpoint(reason)
 
+    def publish_silent_failure(self, event: dict[str, Any]) -> bool:
+        return self.broadcast.publish_silent_failure(event)
+
     # -- the listener thread --------------------------------------------------------------------
     def _on_event(self, index: int, event: dict[str, Any]) -> None:
         """Agree with every rank on the step to act at."""
+        if event["type"] == SILENT:
+            self.on_silent(event)
+            return
         timeout = self.timeout_s
         leaving = None
         notice = None
         if event["type"] == EMERGENCY:
             self.notice = notice = Notice.from_json(event["notice"])
+            self.departing.add(str(notice.node))
             left = notice.seconds_left()
             if left is not None:  # leave most of the window for the save itself
                 timeout = min(timeout, max(MIN_AGREEMENT_S, left / 4))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from cloud_adapters.notice import isoformat_z, utc_now
 from cloud_adapters.storage import write_durably
-from spotguard import elastic
+from spotguard.ending import elastic
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +46,18 @@ class ExitPolicy:
             return None
         return self.exit_code if saved else self.lost_exit_code
 
-    def record(self, code: int, *, committed: bool, step: int | None, leaving: bool) -> None:
-        """Write $SPOTGUARD_EXIT_FILE (node leader): why this node's job is about to exit."""
+    def record(
+        self,
+        code: int,
+        *,
+        committed: bool,
+        step: int | None,
+        leaving: bool,
+        cause: str = "interruption",
+        culprit: str | None = None,
+    ) -> None:
+        """Write $SPOTGUARD_EXIT_FILE (node leader): why this node's job is about to exit (`cause`: an
+        interruption notice, or a silent failure: `peer-lost`, `hang`, with the node or ranks to blame)."""
         path = os.environ.get(EXIT_FILE_ENV)
         if not path or not self.node_leader:
             return
@@ -56,6 +66,8 @@ class ExitPolicy:
             "committed": committed,
             "step": step if committed else None,
             "leaving": leaving,
+            "cause": cause,
+            **({"culprit": culprit} if culprit is not None else {}),
             "node": self.node,
             "at": isoformat_z(utc_now()),
         }

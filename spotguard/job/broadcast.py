@@ -12,6 +12,10 @@ claim wins, later ones are harmless), so many ranks receiving SIGTERM, or a sign
 metadata notice together, make one event. The winner also appends the node to
 `<prefix>claimed`, which the agreement reads once per round to tell which nodes are leaving.
 
+A silent failure (`spotguard.health`: a node lost without a notice, a hang) is claimed once per job
+(`<prefix>claim/silent`): the first rank to see one writes one `silent` event, on which every
+listener ends its process.
+
 A rank that leaves its Guard writes a `left` event. No agreement can complete without that
 rank, so every listener stops at it; this is also how a stopping listener is woken.
 """
@@ -27,7 +31,7 @@ from typing import Any
 import torch.distributed as dist
 
 from cloud_adapters.notice import Notice
-from spotguard.kvstore import IDLE_WAIT, Connection, EventLog
+from spotguard.job.kvstore import IDLE_WAIT, Connection, EventLog
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +41,7 @@ PUBLISH_TIMEOUT_S = 10.0
 EMERGENCY = "emergency"  # an interruption notice: save and stop
 CHECKPOINT = "checkpoint"  # a save the job keeps running after (interval, rebalance advisory)
 LEFT = "left"  # a rank left its Guard: the listeners stop
+SILENT = "silent"  # a failure without a notice (a node lost, a hang): the job ends (spotguard.health)
 
 
 class Broadcast:
@@ -75,22 +80,29 @@ class Broadcast:
     def publish_interruption(self, notice: Notice) -> bool:
         """Announce an interruption of `notice.node` to every rank; False if that node's was announced first."""
         event = {"type": EMERGENCY, "notice": notice.to_json()}
-        won = self._bounded(lambda: self._claim(str(notice.node), event))
+        node = str(notice.node)
+        won = self._bounded(lambda: self._claim(f"{self.prefix}claim/{EMERGENCY}/{node}", event, claimed=node))
         if won:
             log.info("published %s interruption notice of node %s to all ranks", notice.source, notice.node)
         return won
 
+    def publish_silent_failure(self, event: dict[str, Any]) -> bool:
+        """Announce a silent failure to every rank, once per job: False if another rank announced one first."""
+        event = {**event, "type": SILENT}
+        return self._bounded(lambda: self._claim(f"{self.prefix}claim/{SILENT}", event))
+
     def request_checkpoint(self, reason: str) -> int:
         return self._bounded(lambda: self.log.append({"type": CHECKPOINT, "reason": reason}, self._next))
 
-    def _claim(self, node: str, event: dict[str, Any]) -> bool:
-        """Append `event` only if nobody has claimed `node` yet; True if this call won."""
+    def _claim(self, key: str, event: dict[str, Any], claimed: str | None = None) -> bool:
+        """Append `event` only if nobody has claimed `key` yet; True if this call won. `claimed`: a node
+        whose interruption this is, added to the claimed nodes first."""
         token = json.dumps(event)
-        key = f"{self.prefix}claim/{EMERGENCY}/{node}"
         if self.store.compare_set(key, "", token).decode() != token:
             return False
         try:
-            self.store.append(self._claimed_key, node + "\n")  # before the event: its round must see it
+            if claimed is not None:
+                self.store.append(self._claimed_key, claimed + "\n")  # before the event: its round must see it
             self.log.append(event, self._next)
         except Exception:
             self.store.delete_key(key)  # release the claim, so a retry (the next poll) can make it

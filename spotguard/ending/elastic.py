@@ -23,6 +23,8 @@ import logging
 import os
 import signal
 
+from spotguard.checkpoint.comm import ranks_per_node
+
 log = logging.getLogger(__name__)
 
 MIN_NODES_ENV = "SPOTGUARD_MIN_NODES"  # torchrun's MIN (--nnodes=MIN:MAX); workers are not told it
@@ -55,7 +57,7 @@ def withdrawal(*, reclaimed: bool, leaving: bool, ranks_left: int, at_least: int
         return None
     if leaving and reclaimed:
         return "this node is reclaimed"
-    nodes_left = ranks_left // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    nodes_left = ranks_left // ranks_per_node()
     if not leaving and nodes_left < at_least:
         return f"{nodes_left} node(s) would stay, fewer than min_nodes={at_least}"
     return None

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from spotguard.checkpoint.comm import local_rank
 from spotguard.checkpoint.job import location_key
-from spotguard.kvstore import Connection
+from spotguard.job.kvstore import Connection
 
 # How long a starting guard waits for the rank before it to enter the same guard, when that rank has
 # not yet: a TCPStore's own default timeout for a key nobody sets. The wait ends as soon as that rank

@@ -1,0 +1,378 @@
+"""Silent failures, piece by piece: the ring of heartbeats between real processes over real sockets
+around a real TCPStore (a member frozen with SIGSTOP, one that ends, one excused, a stranger), the hang
+timer on a clock the test turns, the culprits of a hang's report, the settings, and the report of a
+ledger that holds such an end. The whole job under torchrun is in test_silent_failures.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from cloud_adapters.storage import LocalStore
+from spotguard.demo.processes import free_port
+from spotguard.health import stacks
+from spotguard.health.hangs import AUTO, AUTO_CEILING_S, AUTO_FLOOR_S, HangWatch
+from spotguard.health.liveness import BEAT, Liveness, PeerLoss, beat_interval
+from spotguard.ledger import Ledger, read_ledger
+from spotguard.ledger_records import Exit, Resume, SilentEnd, Start
+from spotguard.options import HealthOptions
+from spotguard.report import format_text, summarize
+from tests.counting import Counts, counting_store
+
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT_S = 1.5
+PREFIX = "job/"
+
+MEMBER = textwrap.dedent(
+    """
+    import sys, time, torch.distributed as dist
+    from spotguard.health.liveness import Liveness
+    port, index, count = map(int, sys.argv[1:4])
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
+    ring = Liveness(store, "job/", index=index, count=count, node=f"node-{index}", timeout_s=%s,
+                    on_lost=lambda loss: print("LOST", loss.node, flush=True))
+    ring.start()
+    print("READY", flush=True)
+    if sys.stdin.readline().strip() == "stop":
+        ring.stop()
+        print("STOPPED", flush=True)
+    time.sleep(3600)
+    """
+    % TIMEOUT_S
+)
+
+
+class Ring:
+    """Members 0..count-1 of one ring around a TCPStore: `in_process` here (their losses recorded), the
+    others in processes of their own (which a test can freeze, stop or kill)."""
+
+    def __init__(self, count: int, in_process: list[int], excused: set[str] = frozenset()) -> None:
+        self.port = free_port()
+        self.server = dist.TCPStore("127.0.0.1", self.port, is_master=True, wait_for_workers=False)
+        self.counts = Counts()
+        self.losses: list[tuple[float, PeerLoss]] = []
+        self.members: dict[int, Liveness] = {}
+        self.procs: dict[int, subprocess.Popen] = {}
+        for i in range(count):
+            if i in in_process:
+                client = dist.TCPStore("127.0.0.1", self.port, is_master=False, wait_for_workers=False)
+                self.members[i] = Liveness(
+                    counting_store(client, self.counts), PREFIX, index=i, count=count, node=f"node-{i}",
+                    timeout_s=TIMEOUT_S, on_lost=self._lost, excused=excused.__contains__,
+                )  # fmt: skip
+                self.members[i].start()
+            else:
+                proc = subprocess.Popen(
+                    [sys.executable, "-c", MEMBER, str(self.port), str(i), str(count)],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                    env={**os.environ, "PYTHONPATH": str(ROOT)},
+                )  # fmt: skip
+                assert proc.stdout.readline().strip() == "READY"
+                self.procs[i] = proc
+
+    def _lost(self, loss: PeerLoss) -> None:
+        self.losses.append((time.monotonic(), loss))
+
+    def watching(self, timeout: float = 10.0) -> None:
+        """Until every in-process member watches its neighbour."""
+        deadline = time.monotonic() + timeout
+        while not all(m.watched for m in self.members.values()):
+            assert time.monotonic() < deadline, "a member never found its neighbour"
+            time.sleep(0.05)
+        time.sleep(2 * beat_interval(TIMEOUT_S))
+
+    def close(self) -> None:
+        for member in self.members.values():
+            member.stop()
+        for proc in self.procs.values():
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def ring_of():
+    made: list[Ring] = []
+
+    def make(*args, **kwargs) -> Ring:
+        made.append(Ring(*args, **kwargs))
+        return made[-1]
+
+    yield make
+    for ring in made:
+        ring.close()
+
+
+def test_a_frozen_node_is_declared_lost_by_its_watcher_within_the_timeout(ring_of):
+    """Node 2 (its own process) is frozen with SIGSTOP: its connections stay open and silent. Node 0
+    watches it and declares it lost once, after the timeout and well before twice it; node 1, which
+    watches the live node 0, declares nothing."""
+    ring = ring_of(3, in_process=[0, 1])
+    ring.watching()
+    assert ring.members[0].watched == "node-2" and ring.members[1].watched == "node-0"
+    frozen_at = time.monotonic()
+    os.kill(ring.procs[2].pid, signal.SIGSTOP)
+    time.sleep(TIMEOUT_S * 3)
+    assert [loss.node for _, loss in ring.losses] == ["node-2"]
+    (at, loss), = ring.losses
+    assert TIMEOUT_S - beat_interval(TIMEOUT_S) <= at - frozen_at <= 2 * TIMEOUT_S + 1
+    assert loss.watcher == "node-0" and loss.silent_s >= TIMEOUT_S
+
+
+@pytest.mark.parametrize("how", ["stops", "is killed"])
+def test_a_node_whose_process_ends_is_not_lost(ring_of, how):
+    """A member that leaves the ring (a guard closing: the end of the job, a node leaving after its
+    notice) or whose process is killed (torchrun restarting its workers): the kernel closes the
+    connection, which is an end, not a silence."""
+    ring = ring_of(2, in_process=[0])
+    ring.watching()
+    if how == "stops":
+        ring.procs[1].stdin.write("stop\n")
+        ring.procs[1].stdin.flush()
+        assert ring.procs[1].stdout.readline().strip() == "STOPPED"
+    else:
+        ring.procs[1].kill()
+    time.sleep(TIMEOUT_S * 3)
+    assert ring.losses == []
+
+
+def test_a_silent_node_that_announced_its_interruption_is_excused(ring_of):
+    ring = ring_of(2, in_process=[0], excused={"node-1"})
+    ring.watching()
+    os.kill(ring.procs[1].pid, signal.SIGSTOP)
+    time.sleep(TIMEOUT_S * 3)
+    assert ring.losses == []
+
+
+def test_beats_go_only_to_a_watcher_that_says_the_token(ring_of):
+    import socket
+
+    ring = ring_of(2, in_process=[0, 1])
+    ring.watching()
+    host, port, token, _ = ring.server.get(f"{PREFIX}health/node/0").decode().split(" ", 3)
+    with socket.create_connection((host, int(port)), timeout=5) as stranger:
+        stranger.sendall(b"not-the-token\n")
+        assert stranger.recv(16) == b""  # dropped, never beaten to
+    with socket.create_connection((host, int(port)), timeout=5) as second:
+        second.sendall(token.encode() + b"\n")
+        assert second.recv(1) == BEAT
+    assert ring.losses == []
+
+
+def test_the_ring_costs_the_store_three_requests_per_node_and_nothing_after(ring_of):
+    """The address set, and the neighbour's address read (a wait and the read on the server): O(1) per
+    node, once; beats never touch the store."""
+    ring = ring_of(4, in_process=[0, 1, 2, 3])
+    ring.watching()
+    first = ring.counts.snapshot()
+    time.sleep(TIMEOUT_S * 2)
+    assert ring.counts.snapshot() == first
+    assert first == {"set": 4, "get": 4}  # 3 requests per node on the server
+    assert ring.losses == []
+
+
+# ---- the hang timer --------------------------------------------------------------------------------
+class Loop:
+    """A training loop on a clock the test turns: `step(s)` is a step that took s seconds."""
+
+    def __init__(self, timeout) -> None:
+        self.now = 1000.0
+        self.beats = 0
+        self.seen: list = []
+        self.watch = HangWatch(timeout, beats=lambda: self.beats, last_step=lambda: self.beats - 1,
+                               on_hang=self.seen.append, clock=lambda: self.now)  # fmt: skip
+
+    def wait(self, seconds: float, looks: int = 10):
+        """`seconds` pass with no step; the watch looks `looks` times; the first hang seen, if any."""
+        for _ in range(looks):
+            self.now += seconds / looks
+            seen = self.watch.check()
+            if seen is not None:
+                return seen
+        return None
+
+    def step(self, seconds: float = 1.0) -> None:
+        assert self.wait(seconds) is None
+        self.beats += 1
+        assert self.watch.check() is None
+
+
+def test_a_fixed_hang_timeout_ends_a_loop_that_stopped_stepping():
+    loop = Loop(60.0)
+    for _ in range(5):
+        loop.step(1.0)
+    assert loop.wait(59.0) is None
+    seen = loop.wait(2.0)
+    assert seen is not None and seen.last_step == 4 and seen.timeout_s == 60.0 and seen.stalled_s >= 60.0
+
+
+def test_the_clock_starts_at_the_first_step():
+    """A resume, or a first step that compiles for half an hour, is never timed."""
+    loop = Loop(60.0)
+    assert loop.wait(1800.0) is None
+    loop.step(1.0)
+    assert loop.wait(61.0) is not None
+
+
+def test_auto_never_ends_a_90_s_step_or_a_5_minute_evaluation_and_always_a_hang_within_10_minutes():
+    loop = Loop(AUTO)
+    assert loop.watch.timeout_s == AUTO_FLOOR_S
+    loop.step(1.0)
+    for _ in range(3):
+        loop.step(90.0)  # 90 s steps: five times that
+    assert loop.watch.timeout_s == 450.0
+    loop.step(300.0 + 90.0)  # an evaluation of 5 minutes between two steps, not declared
+    assert loop.watch.timeout_s == AUTO_CEILING_S  # five times that is past the ceiling
+    seen = loop.wait(600.0, looks=120)
+    assert seen is not None and AUTO_CEILING_S <= seen.stalled_s <= AUTO_CEILING_S + 5 < 600
+
+
+def test_auto_with_short_steps_ends_a_hang_after_its_floor():
+    loop = Loop(AUTO)
+    for _ in range(50):
+        loop.step(0.2)
+    assert loop.watch.timeout_s == AUTO_FLOOR_S
+    assert loop.wait(AUTO_FLOOR_S - 5, looks=100) is None
+    assert loop.wait(10.0) is not None
+
+
+def test_spotguards_own_work_and_declared_phases_are_not_timed_nor_learned():
+    loop = Loop(60.0)
+    loop.step()
+    with loop.watch.busy():  # a save of ten minutes
+        assert loop.wait(600.0) is None
+    assert loop.wait(58.0) is None  # the clock restarted when the save ended
+    loop.step()
+    loop.watch.allow(300.0)  # "the next 300 s are an evaluation"
+    assert loop.wait(300.0 + 59.0) is None
+    assert loop.wait(2.0) is not None
+
+    auto = Loop(AUTO)
+    auto.step()
+    auto.watch.allow(3000.0)
+    with auto.watch.phase():
+        assert auto.wait(2000.0) is None
+    assert auto.wait(AUTO_FLOOR_S - 5) is None  # leaving the phase counted as a step
+    auto.step(1.0)
+    assert auto.watch.longest_gap_s < 500  # the phase's gap was not learned from
+
+
+# ---- a hang's report -------------------------------------------------------------------------------
+def report(rank: int, step: int, in_torch: bool = True) -> stacks.RankReport:
+    return stacks.RankReport(rank=rank, last_step=step, in_torch=in_torch, where="x.py:1 in f")
+
+
+@pytest.mark.parametrize(
+    ("reports", "world", "expected"),
+    [
+        ([report(0, 9), report(1, 9, in_torch=False), report(2, 9)], 3, (1,)),  # stuck in its data loader
+        ([report(0, 9), report(1, 8), report(2, 9)], 3, (1,)),  # behind the others
+        ([report(0, 9), report(2, 9)], 3, (1,)),  # never answered: every thread stuck
+        ([report(0, 9), report(1, 9)], 2, ()),  # all in torch: nobody to blame
+    ],
+)
+def test_the_culprits_of_a_hang(reports, world, expected):
+    assert stacks.culprits(reports, world)[0] == expected
+
+
+def test_a_ranks_line_says_where_its_main_thread_is_and_round_trips():
+    """Taken from another thread (the listener's) while the main thread waits in the training's own code."""
+    lines: list[stacks.RankReport] = []
+    done = threading.Event()
+
+    def look() -> None:
+        time.sleep(0.2)
+        lines.append(stacks.report(3, 41))
+        done.set()
+
+    def stuck_in_the_data_loader() -> None:
+        done.wait(10)
+
+    threading.Thread(target=look).start()
+    stuck_in_the_data_loader()
+    (mine,) = lines
+    assert mine.rank == 3 and mine.last_step == 41 and not mine.in_torch
+    assert "threading.py" in mine.where and "test_health.py" in mine.where
+    assert mine.where.endswith("in stuck_in_the_data_loader")  # its own innermost frame
+    assert stacks.RankReport.from_json(mine.to_json()) == mine
+
+
+def test_every_threads_stack_goes_to_the_log(caplog):
+    stuck = threading.Event()
+    thread = threading.Thread(target=stuck.wait, name="data-loader", daemon=True)
+    thread.start()
+    try:
+        with caplog.at_level("ERROR", logger="spotguard.health.stacks"):
+            stacks.log_all_stacks("a test")
+    finally:
+        stuck.set()
+    text = caplog.text
+    assert 'thread "data-loader"' in text and "in wait" in text and 'thread "MainThread"' in text
+
+
+# ---- settings --------------------------------------------------------------------------------------
+def test_the_settings_and_their_environment(monkeypatch):
+    assert dataclasses.astuple(HealthOptions()) == (20.0, "auto")
+    monkeypatch.setenv("SPOTGUARD_PEER_TIMEOUT", "5")
+    monkeypatch.setenv("SPOTGUARD_HANG_TIMEOUT", "60")
+    assert dataclasses.astuple(HealthOptions()) == (5.0, 60.0)
+    assert dataclasses.astuple(HealthOptions(peer_timeout_s=7, hang_timeout_s="auto")) == (7.0, "auto")  # code wins
+    monkeypatch.setenv("SPOTGUARD_PEER_TIMEOUT", "off")
+    monkeypatch.setenv("SPOTGUARD_HANG_TIMEOUT", "0")
+    assert dataclasses.astuple(HealthOptions()) == (None, None)
+    assert dataclasses.astuple(HealthOptions(peer_timeout_s=0, hang_timeout_s=0)) == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "env", "message"),
+    [
+        ({"peer_timeout_s": 0.5}, {}, "peer_timeout_s must be at least 1 s"),
+        ({"peer_timeout_s": "auto"}, {}, "peer_timeout_s .* must be a number of seconds"),
+        ({"hang_timeout_s": "soon"}, {}, "hang_timeout_s must be a number of seconds"),
+        ({"hang_timeout_s": float("inf")}, {}, "hang_timeout_s must be a finite"),
+        ({}, {"SPOTGUARD_HANG_TIMEOUT": "ten"}, r"\$SPOTGUARD_HANG_TIMEOUT must be"),
+        ({}, {"SPOTGUARD_PEER_TIMEOUT": "-3"}, "peer_timeout_s must be a finite"),
+    ],
+)
+def test_bad_settings_are_refused_at_guard(tmp_path, monkeypatch, kwargs, env, message):
+    import spotguard
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=message):
+        spotguard.Guard(str(tmp_path), cloud="none", **kwargs)
+
+
+# ---- the report ------------------------------------------------------------------------------------
+def test_the_report_shows_a_silent_end_its_cause_culprit_notice_time_and_work_lost(tmp_path):
+    store = LocalStore(tmp_path)
+    first = Ledger(store)
+    for record in (
+        Start(world_size=3),
+        Resume(step=None, next_step=0, resume_s=0.1),
+        SilentEnd(cause="peer-lost", culprit="vm/node-2", noticed_after_s=20.3, seen_by="vm/node-0", last_step=57),
+        Exit(code=75, why="peer-lost", committed=False, last_step=57),
+    ):
+        first.record(record)
+    first.close()
+    time.sleep(0.01)
+    second = Ledger(store)
+    second.record(Start(world_size=3))
+    second.record(Resume(step=54, next_step=55, resume_s=0.5, tier="snapshot"))
+    second.close()
+    summary = summarize(read_ledger(store))
+    (lost,) = summary["interruption_details"]
+    assert (lost["cause"], lost["culprit"], lost["noticed_after_s"], lost["steps_lost"]) == (
+        "peer-lost", "vm/node-2", 20.3, 3,
+    )  # fmt: skip
+    text = format_text(summary, str(tmp_path))
+    assert "peer-lost" in text and "20.3 s, vm/node-2" in text and "1 interruption(s)" in text
