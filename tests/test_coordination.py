@@ -179,3 +179,41 @@ def test_counting_store_counts_a_get_as_two_server_requests():
     tcp = counting_store(tcp_server(), counts)
     assert Connection.of(tcp).own is True
     tcp.set_timeout(timedelta(seconds=5))
+
+
+def test_a_silent_failure_ends_a_round_that_waits_for_the_lost_rank_at_once():
+    """Rank 2 is gone (it never arrives): a requested save's round would hold every listener for the
+    agreement's 30 s. The silent failure announced meanwhile decides that round "abort", so every
+    listener reads the failure in well under a second, not after the round's timeout."""
+    from spotguard.job.coordination import Coordination
+    from spotguard.job.topology import Topology
+    from tests.threaded_guards import tcp_server
+
+    server = tcp_server()
+    heard: dict[int, float] = {}
+    agreed: list[object] = []
+    ranks = []
+    for rank in (0, 1):  # rank 2 never starts
+        ranks.append(
+            Coordination(
+                server.clone(), "job/", Topology(rank, 3, rank, True, f"node-{rank}"), timeout_s=30.0,
+                on_agreed=lambda event, decision, notice: agreed.append(decision),
+                on_silent=lambda event, rank=rank: heard.setdefault(rank, time.monotonic()),
+            )
+        )  # fmt: skip
+        ranks[-1].start()
+    try:
+        ranks[0].request_checkpoint("interval")
+        time.sleep(0.5)  # both listeners are in the round now, waiting for rank 2
+        announced = time.monotonic()
+        assert ranks[1].publish_silent_failure({"cause": "peer-lost", "culprit": "node-2"})
+        assert not ranks[0].publish_silent_failure({"cause": "hang", "culprit": ""})  # once per job
+        deadline = time.monotonic() + 10
+        while len(heard) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(heard) == [0, 1]
+        assert max(heard.values()) - announced < 2.0
+        assert agreed == [None, None]  # the round was aborted: no save
+    finally:
+        for coordination in ranks:
+            coordination.stop()

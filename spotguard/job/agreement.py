@@ -184,6 +184,12 @@ class StepAgreement:
                     return None
                 time.sleep(0.1)
 
+    def abort(self, store: dist.Store, round_id: int) -> None:
+        """Decide round `round_id` "abort" if no rank has decided it yet (any thread, on `store`): the
+        ranks waiting in it for a rank that will never arrive leave it now. A round decided already keeps
+        its decision."""
+        store.compare_set(f"{self.prefix}agree/{round_id}/decision", "", ABORT)
+
     def _remove(self, keys: list[str]) -> None:
         """Remove keys no rank reads any more, so that a long run keeps only the last round's in the store."""
         try:

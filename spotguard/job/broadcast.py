@@ -81,33 +81,35 @@ class Broadcast:
         """Announce an interruption of `notice.node` to every rank; False if that node's was announced first."""
         event = {"type": EMERGENCY, "notice": notice.to_json()}
         node = str(notice.node)
-        won = self._bounded(lambda: self._claim(f"{self.prefix}claim/{EMERGENCY}/{node}", event, claimed=node))
+        won = self._bounded(lambda: self._claim(f"{self.prefix}claim/{EMERGENCY}/{node}", event, claimed=node)) is not None
         if won:
             log.info("published %s interruption notice of node %s to all ranks", notice.source, notice.node)
         return won
 
-    def publish_silent_failure(self, event: dict[str, Any]) -> bool:
-        """Announce a silent failure to every rank, once per job: False if another rank announced one first."""
+    def publish_silent_failure(self, event: dict[str, Any]) -> int | None:
+        """Announce a silent failure to every rank, once per job: its slot, or None if another rank
+        announced one first."""
         event = {**event, "type": SILENT}
         return self._bounded(lambda: self._claim(f"{self.prefix}claim/{SILENT}", event))
 
     def request_checkpoint(self, reason: str) -> int:
         return self._bounded(lambda: self.log.append({"type": CHECKPOINT, "reason": reason}, self._next))
 
-    def _claim(self, key: str, event: dict[str, Any], claimed: str | None = None) -> bool:
-        """Append `event` only if nobody has claimed `key` yet; True if this call won. `claimed`: a node
-        whose interruption this is, added to the claimed nodes first."""
+    def _claim(self, key: str, event: dict[str, Any], claimed: str | None = None) -> int | None:
+        """Append `event` only if nobody has claimed `key` yet; its slot if this call won, else None.
+        `claimed`: a node whose interruption this is, added to the claimed nodes first."""
         token = json.dumps(event)
         if self.store.compare_set(key, "", token).decode() != token:
-            return False
+            return None
         try:
             if claimed is not None:
                 self.store.append(self._claimed_key, claimed + "\n")  # before the event: its round must see it
-            self.log.append(event, self._next)
+            index = self.log.append(event, self._next)
         except Exception:
             self.store.delete_key(key)  # release the claim, so a retry (the next poll) can make it
             raise
-        return True
+        assert index is not None  # no `unless`: the record always goes in
+        return index
 
     @property
     def _claimed_key(self) -> str:

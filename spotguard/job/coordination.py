@@ -27,6 +27,7 @@ from spotguard.job.topology import Topology
 log = logging.getLogger(__name__)
 
 MIN_AGREEMENT_S = 2.0  # the shortest agreement round a notice's deadline may leave
+OPEN_ROUNDS = 4  # the rounds before a silent failure's event that may still wait for a lost rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +124,15 @@ class Coordination:
         self.broadcast.request_checkpoint(reason)
 
     def publish_silent_failure(self, event: dict[str, Any]) -> bool:
-        return self.broadcast.publish_silent_failure(event)
+        """Announce a silent failure (False: another rank did first). A round still open before it waits
+        for the lost rank until its timeout: it is decided "abort" now, so that every listener reads the
+        failure at once."""
+        index = self.broadcast.publish_silent_failure(event)
+        if index is None:
+            return False
+        for earlier in range(max(1, index - OPEN_ROUNDS), index):
+            self.agreement.abort(self.store, earlier)
+        return True
 
     # -- the listener thread --------------------------------------------------------------------
     def _on_event(self, index: int, event: dict[str, Any]) -> None:
