@@ -370,6 +370,12 @@ class Guard:
             self._snapshot(step, state)
         return False
 
+    def heartbeat(self) -> None:
+        """The loop works, though it makes no training step (an evaluation batch, a data shuffle's chunk):
+        the hang timeout counts from now. Any thread; cheap enough to call per batch."""
+        if self._health is not None:
+            self._health.alive()
+
     def long_phase(self, seconds: float, what: str = "a long phase") -> contextlib.AbstractContextManager[None]:
         """Say that the next `seconds` pass without a `step()` (an evaluation, a data shuffle): the hang
         timeout counts from their end. As a context manager, leaving it also counts as a step:

@@ -376,3 +376,14 @@ def test_the_report_shows_a_silent_end_its_cause_culprit_notice_time_and_work_lo
     )  # fmt: skip
     text = format_text(summary, str(tmp_path))
     assert "peer-lost" in text and "20.3 s, vm/node-2" in text and "1 interruption(s)" in text
+
+
+def test_a_heartbeat_restarts_the_clock_but_arms_nothing_before_the_first_step():
+    loop = Loop(60.0)
+    loop.watch.alive()  # a sanity check's validation before training
+    assert loop.wait(600.0) is None
+    loop.step()
+    for _ in range(10):  # an evaluation of 10 batches of 50 s
+        assert loop.wait(50.0) is None
+        loop.watch.alive()
+    assert loop.wait(61.0) is not None

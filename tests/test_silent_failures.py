@@ -8,7 +8,10 @@ relaunch that resumes from the peers' memory, are in test_snapshots_multinode.py
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -139,3 +142,26 @@ def test_a_node_that_goes_silent_after_its_notice_is_leaving_not_lost(tmp_path):
 
 def _arg(cmd: list[str], flag: str) -> str:
     return cmd[cmd.index(flag) + 1]
+
+
+@pytest.mark.parametrize("kind", ["guard", "lightning", "hf"])
+def test_an_evaluation_that_beats_per_batch_is_no_hang(tmp_path, kind):
+    """hang_timeout_s=2 and 5 s of evaluation between two training steps, each batch a heartbeat: through
+    guard.heartbeat(), Lightning's validation loop, the Hugging Face Trainer's evaluation. The run ends."""
+    done = _heartbeat_run(tmp_path, kind)
+    assert done.returncode == 0 and "finished" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "no training step for" not in done.stderr
+
+
+def test_the_same_evaluation_without_heartbeats_is_a_hang_of_the_only_rank(tmp_path):
+    done = _heartbeat_run(tmp_path, "none")
+    assert done.returncode == 75 and "finished" not in done.stdout
+    assert "no training step for" in done.stderr and "stacks of every thread (rank 0" in done.stderr
+    ended = json.loads((tmp_path / "exit.json").read_text())
+    assert (ended["cause"], ended["culprit"], ended["committed"]) == ("hang", "rank 0", False)
+
+
+def _heartbeat_run(tmp: Path, kind: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, str(ROOT / "tests" / "heartbeat_worker.py"), kind, str(tmp / "ckpt"), str(tmp / "out")]
+    env = {**os.environ, **CHECKOUT, "SPOTGUARD_EXIT_FILE": str(tmp / "exit.json")}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp)

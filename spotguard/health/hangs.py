@@ -80,6 +80,14 @@ class HangWatch:
             self._allowed_until = max(self._allowed_until, self.clock() + seconds)
             self._excused = True
 
+    def alive(self) -> None:
+        """The loop works without a training step (an evaluation batch): the timer starts again. Before the
+        first step it arms nothing (a sanity check before training is not the training)."""
+        with self._lock:
+            if self._seen:
+                self._progress_at = self.clock()
+                self._excused = True  # a gap with evaluation in it is no step's length
+
     @contextlib.contextmanager
     def phase(self) -> Iterator[None]:
         """Around a phase declared with `allow`: its end counts as a step, and ends what is left of its allowance."""

@@ -70,7 +70,7 @@ class Health:
         self.last_step = last_step
         self.hangs = (
             None
-            if hang_timeout_s is None or not topology.distributed
+            if hang_timeout_s is None
             else HangWatch(hang_timeout_s, beats=beats, last_step=last_step, on_hang=self._hang)
         )
         self.liveness: Liveness | None = None
@@ -122,6 +122,10 @@ class Health:
     def allow(self, seconds: float) -> None:
         if self.hangs is not None:
             self.hangs.allow(seconds)
+
+    def alive(self) -> None:
+        if self.hangs is not None:
+            self.hangs.alive()
 
     def phase(self) -> contextlib.AbstractContextManager[None]:
         return self.hangs.phase() if self.hangs is not None else contextlib.nullcontext()

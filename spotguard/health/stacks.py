@@ -58,6 +58,8 @@ def report(rank: int, last_step: int | None) -> RankReport:
 
 def culprits(reports: list[RankReport], world_size: int) -> tuple[tuple[int, ...], str]:
     """The ranks that hold the others up, and why those."""
+    if world_size == 1:
+        return (0,), "the only rank"
     missing = sorted(set(range(world_size)) - {r.rank for r in reports})
     if missing:
         return tuple(missing), "did not answer (every thread stuck)"

@@ -78,6 +78,9 @@ class SpotGuardTrainerCallback(TrainerCallback):
         if self.guard.step(state.global_step, self._state):  # type: ignore[arg-type]
             control.should_training_stop = True  # every rank gets True at the same step
 
+    def on_prediction_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        self.guard.heartbeat()  # a long evaluation between two training steps is no hang
+
     def resume(self, trainer: Trainer, scratch: Path) -> str | None:
         """Load the newest committed checkpoint; the Trainer-layout directory to resume from, or None."""
         if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:

@@ -68,6 +68,12 @@ class SpotGuardCallback(Callback):
         if self.guard.step(trainer.global_step, self._state):
             trainer.should_stop = True  # every rank gets True at the same step
 
+    def on_validation_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:  # fmt: skip
+        self.guard.heartbeat()  # a long validation between two training steps is no hang
+
     # After an emergency, close() exits with the Guard's code (unless exit_code=None); once closed, or
     # never started (another stage), it does nothing: on_exception and teardown may both call it.
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
