@@ -40,7 +40,7 @@ from spotguard.job.broadcast import EMERGENCY
 from spotguard.cadence import IntervalTimer
 from spotguard.checkpoint import Checkpointer, CheckpointError, CheckpointUnavailable, SaveReport
 from spotguard.checkpoint.auth import resolve_key
-from spotguard.checkpoint.comm import new_gloo_group
+from spotguard.checkpoint.comm import new_gloo_group, ranks_per_node
 from spotguard.checkpoint.departure import Departure
 from spotguard.checkpoint.progress import seconds
 from spotguard.job.coordination import Coordination, EmergencyPlan
@@ -52,7 +52,7 @@ from spotguard.ending.exit_policy import (  # noqa: F401 - re-exported: where th
     ExitPolicy,
 )
 from spotguard.goodput import GoodputRecorder
-from spotguard.health.monitor import Health, SilentFailure
+from spotguard.health.monitor import PEER_LOST, Health, SilentFailure
 from spotguard.options import (
     CoordinationOptions,
     ExitOptions,
@@ -165,6 +165,7 @@ class Guard:
             node_leader=self.topology.is_node_leader,
         )
         self._group = self._ckpt = self._watcher = self._timer = self._snapshot_timer = self._health = None
+        self._beats, self._last_step = 0, None  # a guard entered again times nothing before its first step
         self._coordination = _NotStarted()
         self._goodput.reset()
         self._started_at = time.monotonic()
@@ -209,6 +210,7 @@ class Guard:
             store,
             coordination.prefix,
             publish=coordination.publish_silent_failure,
+            listening=lambda: coordination.listening,
             excused=coordination.departing.__contains__,
         )
         notices = self.options.notices
@@ -498,6 +500,11 @@ class Guard:
         self._exit.record(code, committed=False, step=None, leaving=False, cause=failure.cause, culprit=failure.culprit)
         self._goodput.silent_failure(failure, code, last_step=self._last_step)
         self._goodput.close(timeout_s=2.0)
+        lost = ranks_per_node() if failure.cause == PEER_LOST else 0
+        self._exit.withdrawal = elastic.withdrawal(
+            reclaimed=False, leaving=False, ranks_left=self.topology.world_size - lost, at_least=self._min_nodes
+        )
+        self._exit.leave_agent()  # survivors fewer than min_nodes: their round could not close
         self._exit.exit_now(code)
 
     def _on_notice(self, notice: Notice) -> None:

@@ -342,7 +342,7 @@ MIN_PEER_TIMEOUT_S = 1.0  # beats go every fifth of it (at most 1 s): below this
 class HealthOptions:
     """Failures without a notice: a node that stops answering, a training loop that stops stepping (on by default)."""
 
-    peer_timeout_s: float | None = _option(
+    peer_timeout_s: float | None = _option(  # None: read the environment; 0.0: off
         None,
         "a node silent this long (frozen, powered off, cut off: no FIN) is declared lost, and the job ends "
         "with `lost_exit_code` to restart from the nodes' memory (see [Silent failures](../guide/silent-failures.md)); "
@@ -360,7 +360,7 @@ class HealthOptions:
         peer = _from_env(self.peer_timeout_s, PEER_TIMEOUT_ENV, DEFAULT_PEER_TIMEOUT_S)
         if isinstance(peer, str):
             raise ValueError(f'peer_timeout_s (or ${PEER_TIMEOUT_ENV}) must be a number of seconds or "off", not {peer!r}')
-        if peer is not None:
+        if peer:
             peer = check.seconds("peer_timeout_s", peer)
             if peer < MIN_PEER_TIMEOUT_S:
                 raise ValueError(f"peer_timeout_s must be at least {MIN_PEER_TIMEOUT_S:g} s (0: off), got {peer!r}")
@@ -368,11 +368,13 @@ class HealthOptions:
         hang = _from_env(self.hang_timeout_s, HANG_TIMEOUT_ENV, "auto")
         if isinstance(hang, str) and hang != "auto":
             raise ValueError(f'hang_timeout_s must be a number of seconds, "auto" or 0 (off), not {hang!r}')
-        _set(self, "hang_timeout_s", hang if hang in (None, "auto") else check.seconds("hang_timeout_s", hang))
+        _set(self, "hang_timeout_s", hang if hang in (0.0, "auto") else check.seconds("hang_timeout_s", hang))
 
 
 def _from_env(value: Any, env: str, default: Any) -> Any:
-    """A timeout given, else the one in `$env`, else `default`; None when it is switched off (0, or `off`)."""
+    """A timeout given, else the one in `$env`, else `default`; 0.0 when it is switched off (0, or `off`)."""
+    if isinstance(value, bool):
+        raise TypeError(f"a timeout must be a number of seconds, not bool ({value!r})")
     if value is None:
         raw = os.environ.get(env, "").strip()
         if not raw:
@@ -385,7 +387,7 @@ def _from_env(value: Any, env: str, default: Any) -> Any:
             except ValueError:
                 raise ValueError(f'${env} must be a number of seconds, "auto" or "off", not {raw!r}') from None
     if value == "off" or (not isinstance(value, (str, bool)) and value == 0):
-        return None
+        return 0.0
     return value
 
 

@@ -1,7 +1,8 @@
 """One process, hang_timeout_s=2: a loop that evaluates for 5 s between two steps, beating per batch
 through the API under test (`guard`: guard.heartbeat(); `lightning`: a Trainer's validation with
 SpotGuardCallback; `hf`: a Hugging Face Trainer's evaluation with SpotGuardTrainerCallback), or not at
-all (`none`: the hang watch must end it)."""
+all (`none`: the hang watch must end it); a guard entered twice (`reenter`); a hang after another rank
+left its guard (`left`)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,43 @@ def plain(ckpt: str, beat: bool) -> None:
                     time.sleep(BATCH_S)
                     if beat:
                         guard.heartbeat()
+
+
+def reenter(ckpt: str) -> None:
+    """A guard entered again (a second fit): its resume and its first step are not timed again."""
+    guard = spotguard.Guard(ckpt, cloud="none", hang_timeout_s=2)
+    state = {"w": torch.zeros(2)}
+    for _ in range(2):
+        with guard:
+            time.sleep(5)  # a slow resume, a first step that compiles
+            for step in range(guard.resume(state), guard.resume(state) + 3):
+                time.sleep(0.05)
+                guard.step(step, state)
+
+
+def left(ckpt: str) -> None:
+    """Two ranks (threads, one store): rank 0's guard closes (a crash), so no listener reads the job's events
+    any more; rank 1 stops stepping: its hang must end the process on its own (exit 75)."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    guards = [
+        spotguard.Guard(ckpt, cloud="none", hang_timeout_s=2, store=server.clone(), rank=r, world_size=2,
+                        local_rank=0, node=f"node-{r}")
+        for r in range(2)
+    ]  # fmt: skip
+    entering = threading.Thread(target=lambda: [g.__enter__() for g in guards])  # off the main thread: no signals
+    entering.start()
+    entering.join()
+    state = {"w": torch.zeros(2)}
+    for step in range(3):
+        for guard in guards:
+            guard.step(step, state)
+    guards[0].__exit__(RuntimeError, RuntimeError("rank 0 crashed"), None)
+    time.sleep(60)  # rank 1 waits for rank 0 forever
 
 
 def lightning(ckpt: str) -> None:
@@ -98,6 +136,10 @@ if __name__ == "__main__":
     kind, ckpt = sys.argv[1], sys.argv[2]
     if kind in ("guard", "none"):
         plain(ckpt, beat=kind == "guard")
+    elif kind == "reenter":
+        reenter(ckpt)
+    elif kind == "left":
+        left(ckpt)
     elif kind == "lightning":
         lightning(ckpt)
     else:

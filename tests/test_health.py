@@ -56,21 +56,17 @@ class Ring:
     """Members 0..count-1 of one ring around a TCPStore: `in_process` here (their losses recorded), the
     others in processes of their own (which a test can freeze, stop or kill)."""
 
-    def __init__(self, count: int, in_process: list[int], excused: set[str] = frozenset()) -> None:
+    def __init__(self, count: int, in_process: list[int], excused: set[str] = frozenset(), start: bool = True) -> None:
         self.port = free_port()
         self.server = dist.TCPStore("127.0.0.1", self.port, is_master=True, wait_for_workers=False)
+        self.count, self.excused = count, excused
         self.counts = Counts()
         self.losses: list[tuple[float, PeerLoss]] = []
         self.members: dict[int, Liveness] = {}
         self.procs: dict[int, subprocess.Popen] = {}
-        for i in range(count):
+        for i in range(count) if start else ():
             if i in in_process:
-                client = dist.TCPStore("127.0.0.1", self.port, is_master=False, wait_for_workers=False)
-                self.members[i] = Liveness(
-                    counting_store(client, self.counts), PREFIX, index=i, count=count, node=f"node-{i}",
-                    timeout_s=TIMEOUT_S, on_lost=self._lost, excused=excused.__contains__,
-                )  # fmt: skip
-                self.members[i].start()
+                self.add(i)
             else:
                 proc = subprocess.Popen(
                     [sys.executable, "-c", MEMBER, str(self.port), str(i), str(count)],
@@ -79,6 +75,16 @@ class Ring:
                 )  # fmt: skip
                 assert proc.stdout.readline().strip() == "READY"
                 self.procs[i] = proc
+
+    def add(self, i: int) -> Liveness:
+        """Member `i`, in this process."""
+        client = dist.TCPStore("127.0.0.1", self.port, is_master=False, wait_for_workers=False)
+        self.members[i] = Liveness(
+            counting_store(client, self.counts), PREFIX, index=i, count=self.count, node=f"node-{i}",
+            timeout_s=TIMEOUT_S, on_lost=self._lost, excused=self.excused.__contains__,
+        )  # fmt: skip
+        self.members[i].start()
+        return self.members[i]
 
     def _lost(self, loss: PeerLoss) -> None:
         self.losses.append((time.monotonic(), loss))
@@ -129,7 +135,7 @@ def test_a_frozen_node_is_declared_lost_by_its_watcher_within_the_timeout(ring_o
 
 
 @pytest.mark.parametrize("how", ["stops", "is killed"])
-def test_a_node_whose_process_ends_is_not_lost(ring_of, how):
+def test_a_node_whose_process_ends_is_not_lost(ring_of, how, caplog):
     """A member that leaves the ring (a guard closing: the end of the job, a node leaving after its
     notice) or whose process is killed (torchrun restarting its workers): the kernel closes the
     connection, which is an end, not a silence."""
@@ -143,14 +149,65 @@ def test_a_node_whose_process_ends_is_not_lost(ring_of, how):
         ring.procs[1].kill()
     time.sleep(TIMEOUT_S * 3)
     assert ring.losses == []
+    assert "node node-1 closed its heartbeat: its process ended (not a loss)" in caplog.text
 
 
-def test_a_silent_node_that_announced_its_interruption_is_excused(ring_of):
+def test_a_silent_node_that_announced_its_interruption_is_excused(ring_of, caplog):
     ring = ring_of(2, in_process=[0], excused={"node-1"})
     ring.watching()
     os.kill(ring.procs[1].pid, signal.SIGSTOP)
     time.sleep(TIMEOUT_S * 3)
     assert ring.losses == []
+    assert "node node-1 is silent after its notice: leaving, not lost" in caplog.text
+
+
+def test_watchers_held_up_together_with_the_node_they_watch_blame_nobody(ring_of):
+    """Both nodes of a ring stop for three timeouts and go on together (a host paused whole; threads of one
+    process held by the GIL): the silence each saw was its own, so neither declares the other lost."""
+    ring = ring_of(2, in_process=[])
+    time.sleep(1.0)  # they watch each other
+    for proc in ring.procs.values():
+        os.kill(proc.pid, signal.SIGSTOP)
+    time.sleep(TIMEOUT_S * 3)
+    for proc in ring.procs.values():
+        os.kill(proc.pid, signal.SIGCONT)
+    time.sleep(TIMEOUT_S * 3)
+    for proc in ring.procs.values():
+        proc.stdin.write("stop\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "STOPPED"  # and never printed LOST before it
+
+
+def test_an_address_that_drops_connections_never_delays_the_beats(ring_of):
+    """Node 0's neighbour publishes an address whose SYNs go unanswered (a full accept queue): node 0
+    keeps trying in the background, and its own watcher gets a beat every interval all the while."""
+    import socket
+
+    ring = ring_of(2, in_process=[], start=False)
+    clogged = socket.socket()
+    clogged.bind(("127.0.0.1", 0))
+    clogged.listen(0)
+    fillers = [socket.socket() for _ in range(4)]
+    for filler in fillers:
+        filler.setblocking(False)
+        filler.connect_ex(clogged.getsockname())
+    port = clogged.getsockname()[1]
+    ring.server.set(f"{PREFIX}health/node/1", f"127.0.0.1 {port} token node-1")
+    member = ring.add(0)
+    host, port0, token, _ = ring.server.get(f"{PREFIX}health/node/0").decode().split(" ", 3)
+    with socket.create_connection((host, int(port0)), timeout=5) as watcher:
+        watcher.sendall(token.encode() + b"\n")
+        arrivals = []
+        until = time.monotonic() + 8
+        while time.monotonic() < until:
+            assert watcher.recv(1) == BEAT
+            arrivals.append(time.monotonic())
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    assert len(arrivals) >= 20 and max(gaps) < 1.0, gaps  # beats every 0.3 s; a blocking connect took 3 s
+    assert member.watched == "node-1" and ring.losses == []
+    clogged.close()
+    for filler in fillers:
+        filler.close()
 
 
 def test_beats_go_only_to_a_watcher_that_says_the_token(ring_of):
@@ -328,8 +385,11 @@ def test_the_settings_and_their_environment(monkeypatch):
     assert dataclasses.astuple(HealthOptions(peer_timeout_s=7, hang_timeout_s="auto")) == (7.0, "auto")  # code wins
     monkeypatch.setenv("SPOTGUARD_PEER_TIMEOUT", "off")
     monkeypatch.setenv("SPOTGUARD_HANG_TIMEOUT", "0")
-    assert dataclasses.astuple(HealthOptions()) == (None, None)
-    assert dataclasses.astuple(HealthOptions(peer_timeout_s=0, hang_timeout_s=0)) == (None, None)
+    assert dataclasses.astuple(HealthOptions()) == (0.0, 0.0)
+    monkeypatch.delenv("SPOTGUARD_PEER_TIMEOUT")
+    off = HealthOptions(peer_timeout_s=0, hang_timeout_s=0)
+    assert dataclasses.astuple(off) == (0.0, 0.0)
+    assert dataclasses.astuple(dataclasses.replace(off, hang_timeout_s=60)) == (0.0, 60.0)  # off stays off
 
 
 @pytest.mark.parametrize(

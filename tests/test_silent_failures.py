@@ -161,6 +161,20 @@ def test_the_same_evaluation_without_heartbeats_is_a_hang_of_the_only_rank(tmp_p
     assert (ended["cause"], ended["culprit"], ended["committed"]) == ("hang", "rank 0", False)
 
 
+def test_a_guard_entered_again_does_not_time_its_resume(tmp_path):
+    """hang_timeout_s=2, a guard entered twice, each time 5 s before its first step: never a hang."""
+    done = _heartbeat_run(tmp_path, "reenter")
+    assert done.returncode == 0 and "finished" in done.stdout, done.stderr[-3000:]
+
+
+def test_a_hang_after_a_rank_left_its_guard_ends_the_rank_that_saw_it(tmp_path):
+    """Rank 0 left its guard (a crash): no listener reads the job's events any more, so rank 1, whose loop
+    then stops, ends on its own instead of announcing to nobody."""
+    done = _heartbeat_run(tmp_path, "left")
+    assert done.returncode == 75, done.stderr[-3000:]
+    assert "no rank reads the job's events any more" in done.stderr
+
+
 def _heartbeat_run(tmp: Path, kind: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, str(ROOT / "tests" / "heartbeat_worker.py"), kind, str(tmp / "ckpt"), str(tmp / "out")]
     env = {**os.environ, **CHECKOUT, "SPOTGUARD_EXIT_FILE": str(tmp / "exit.json")}

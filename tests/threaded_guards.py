@@ -18,6 +18,11 @@ from cloud_adapters.aws.emulator import AWSMetadataEmulator
 from tests.counting import Counts, counting_store
 
 
+# These guards share one process: a silent end of one (os._exit) would end the test run. Their tests are
+# about coordination; the silent-failure watches have tests of their own (test_health.py).
+NO_HEALTH = {"peer_timeout_s": 0, "hang_timeout_s": 0}
+
+
 def tcp_server() -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
 
@@ -63,7 +68,7 @@ class Job:
                 local_rank=rank % per_node,
                 node=f"node-{node}",
                 exit_code=None,
-                **guard_options,
+                **{**NO_HEALTH, **guard_options},
             )
         self._threads = [threading.Thread(target=self._train, args=(r,), daemon=True) for r in self.guards]
 

@@ -28,6 +28,7 @@ AUTO_FLOOR_S = 420.0
 AUTO_CEILING_S = 570.0
 AUTO_GAP_FACTOR = 5.0
 MAX_CHECK_S = 5.0  # how late a hang may be seen, at most, past its timeout
+FRAMEWORK_PHASE_S = 3600.0  # a framework's own work between two steps (its checkpoint, its end): not timed before
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +76,8 @@ class HangWatch:
 
     # ---- the training thread ---------------------------------------------------------------------
     def allow(self, seconds: float) -> None:
-        """The next `seconds` are a long phase (an evaluation): no hang before they have passed, plus the timeout."""
+        """The next `seconds` are a long phase (an evaluation): no hang before they have passed, plus the
+        timeout, or before the next step, which ends the phase."""
         with self._lock:
             self._allowed_until = max(self._allowed_until, self.clock() + seconds)
             self._excused = True
@@ -121,6 +123,7 @@ class HangWatch:
                 if self._seen and not self._excused:
                     self.longest_gap_s = max(self.longest_gap_s, now - self._progress_at)
                 self._seen, self._progress_at, self._excused = beats, now, False
+                self._allowed_until = 0.0  # a declared phase ends at the next step
                 return None
             if self._busy:  # spotguard holds the loop: its time is not the loop's
                 self._progress_at = now

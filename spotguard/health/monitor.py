@@ -52,14 +52,14 @@ class SilentFailure:
 
 class Health:
     """`end(failure)` ends this process (it does not return). `beats()` and `last_step()` read the loop's
-    heartbeat (guard.step()). `peer_timeout_s` / `hang_timeout_s`: None switches that watch off."""
+    heartbeat (guard.step()). `peer_timeout_s` / `hang_timeout_s`: 0 switches that watch off."""
 
     def __init__(
         self,
         topology: Topology,
         *,
-        peer_timeout_s: float | None,
-        hang_timeout_s: float | str | None,
+        peer_timeout_s: float,
+        hang_timeout_s: float | str,
         beats: Callable[[], int],
         last_step: Callable[[], int | None],
         end: Callable[[SilentFailure], None],
@@ -70,22 +70,34 @@ class Health:
         self.last_step = last_step
         self.hangs = (
             None
-            if hang_timeout_s is None
+            if not hang_timeout_s
             else HangWatch(hang_timeout_s, beats=beats, last_step=last_step, on_hang=self._hang)
         )
         self.liveness: Liveness | None = None
         self._publish: Callable[[dict[str, Any]], bool] | None = None
+        self._listening: Callable[[], bool] = lambda: False
         self._store: dist.Store | None = None
         self._prefix = ""
         self._ending = threading.Lock()
 
     def start(
-        self, store: dist.Store, prefix: str, *, publish: Callable[[dict[str, Any]], bool], excused: Callable[[str], bool]
+        self,
+        store: dist.Store,
+        prefix: str,
+        *,
+        publish: Callable[[dict[str, Any]], bool],
+        listening: Callable[[], bool],
+        excused: Callable[[str], bool],
     ) -> None:
-        self._store, self._prefix, self._publish = store, f"{prefix}health/", publish
+        """`publish` announces a failure to every rank's listener; `listening()`: whether this rank's still
+        reads (after a rank left its guard none does, and this rank ends alone)."""
+        self._store, self._prefix, self._publish, self._listening = store, f"{prefix}health/", publish, listening
         per_node = ranks_per_node()
         nodes = self.topology.world_size // per_node
-        if self.peer_timeout_s is not None and nodes > 1 and self.topology.rank % per_node == 0:
+        if self.topology.world_size % per_node:
+            log.warning("LOCAL_WORLD_SIZE=%d does not divide the world size %d: no liveness ring", per_node,
+                        self.topology.world_size)  # fmt: skip
+        elif self.peer_timeout_s and nodes > 1 and self.topology.rank % per_node == 0:
             self._join_ring(store, prefix, excused, per_node, nodes)
         if self.hangs is not None:
             self.hangs.start()
@@ -143,6 +155,10 @@ class Health:
             self._publish(dataclasses.asdict(failure))  # False: another rank announced one first, as good
         except Exception as exc:  # noqa: BLE001 - the store does not answer: end this rank at least
             log.error("could not tell the other ranks (%s: %s); ending this rank alone", type(exc).__name__, exc)
+            self._conclude(failure, alone=True)
+            return
+        if not self._listening():  # a rank left its guard: no listener reads the log any more
+            log.error("no rank reads the job's events any more (a rank left its guard); ending this rank alone")
             self._conclude(failure, alone=True)
 
     # ---- the listener thread ---------------------------------------------------------------------

@@ -20,7 +20,7 @@ from types import FrameType
 log = logging.getLogger(__name__)
 
 # Where a main thread waits for the other ranks: torch's collectives and the backward pass that runs them.
-IN_TORCH = ("/torch/distributed/", "/torch/autograd/", "/torch/nn/parallel/", "/torch/_tensor.py")
+IN_TORCH = ("/torch/distributed/", "/torch/autograd/", "/torch/nn/parallel/", "/torch/_tensor.py", "/torch/cuda/")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,6 +38,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, TrainOutput
 
 from spotguard.checkpoint import IfSaved
 from spotguard.guard import Guard
+from spotguard.health.hangs import FRAMEWORK_PHASE_S
 from spotguard.integrations.packed import Packed
 
 TRAINER_STATE_NAME = "trainer_state.json"  # the names the Trainer reads in resume_from_checkpoint
@@ -77,6 +78,11 @@ class SpotGuardTrainerCallback(TrainerCallback):
         # global_step counts optimizer steps: with gradient accumulation a save never splits one.
         if self.guard.step(state.global_step, self._state):  # type: ignore[arg-type]
             control.should_training_stop = True  # every rank gets True at the same step
+        elif control.should_save:  # the Trainer's own save (a large model, a push) comes before the next step
+            self.guard.long_phase(FRAMEWORK_PHASE_S, "the Trainer's save")
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+        self.guard.long_phase(FRAMEWORK_PHASE_S, "the end of training")  # the final save, the best model's load
 
     def on_prediction_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         self.guard.heartbeat()  # a long evaluation between two training steps is no hang

@@ -23,6 +23,7 @@ from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.callbacks import Callback
 
 from spotguard.guard import Guard
+from spotguard.health.hangs import FRAMEWORK_PHASE_S
 from spotguard.integrations.packed import Packed
 
 
@@ -73,6 +74,15 @@ class SpotGuardCallback(Callback):
         dataloader_idx: int = 0,
     ) -> None:  # fmt: skip
         self.guard.heartbeat()  # a long validation between two training steps is no hang
+
+    # Lightning's own work between two steps, or after the last (a checkpoint of a large model, the loggers'
+    # end): not a hang, until the next step or the guard's close.
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        if trainer.state.fn == "fit":
+            self.guard.long_phase(FRAMEWORK_PHASE_S, "Lightning's checkpoint")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.guard.long_phase(FRAMEWORK_PHASE_S, "the end of training")
 
     # After an emergency, close() exits with the Guard's code (unless exit_code=None); once closed, or
     # never started (another stage), it does nothing: on_exception and teardown may both call it.

@@ -144,6 +144,16 @@ class Broadcast:
             raise box["error"]
         return box["value"]
 
+    @property
+    def listening(self) -> bool:
+        """Whether this rank's listener still reads the log (it stops at a `left` event, or when stopped)."""
+        return self._thread is not None and self._thread.is_alive() and not self._left.is_set()
+
+    @property
+    def reading(self) -> int:
+        """The slot the listener reads or handles now: no rank has gone past a slot below it undecided."""
+        return max(1, self._next - 1)
+
     def start(self) -> None:
         self._thread = threading.Thread(target=self._listen, name="spotguard-listener", daemon=True)
         self._thread.start()

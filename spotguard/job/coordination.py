@@ -27,7 +27,6 @@ from spotguard.job.topology import Topology
 log = logging.getLogger(__name__)
 
 MIN_AGREEMENT_S = 2.0  # the shortest agreement round a notice's deadline may leave
-OPEN_ROUNDS = 4  # the rounds before a silent failure's event that may still wait for a lost rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,15 +123,19 @@ class Coordination:
         self.broadcast.request_checkpoint(reason)
 
     def publish_silent_failure(self, event: dict[str, Any]) -> bool:
-        """Announce a silent failure (False: another rank did first). A round still open before it waits
-        for the lost rank until its timeout: it is decided "abort" now, so that every listener reads the
-        failure at once."""
+        """Announce a silent failure (False: another rank did first). The rounds before it, from the one this
+        rank's listener is in (no rank is past it), may wait for the lost rank until their timeout: they
+        are decided "abort" now, so that every listener reads the failure at once."""
         index = self.broadcast.publish_silent_failure(event)
         if index is None:
             return False
-        for earlier in range(max(1, index - OPEN_ROUNDS), index):
+        for earlier in range(min(self.broadcast.reading, index), index):  # every round any rank may still be in
             self.agreement.abort(self.store, earlier)
         return True
+
+    @property
+    def listening(self) -> bool:
+        return self.broadcast.listening
 
     # -- the listener thread --------------------------------------------------------------------
     def _on_event(self, index: int, event: dict[str, Any]) -> None:
