@@ -248,6 +248,12 @@ class Worker:
         for r in self.current:
             r.thread.join()
         ended = self.agreed(kind)
+        # Ring members that knew their watched node's address (a private attribute: the bench checks the ring formed).
+        watching = sum(1 for r in self.current if getattr(getattr(r.guard._health, "liveness", None), "watched", None))
+        for rank in ended:
+            ended[rank]["watching"] = 0
+        if self.ranks:
+            ended[self.ranks[0]]["watching"] = watching
         for r in self.current:
             r.guard.close()
         if self.emulator is not None:
@@ -429,6 +435,7 @@ def trial(job: Job, server_pid: int, name: str, kind: str, step_s: float) -> dic
         "liveness_setup_requests_per_node": server_requests(health_setup) / nodes,
         "liveness_trial_requests_per_node": server_requests(health_trial) / nodes,
         "liveness_trial_calls": health_trial,
+        "ring_watching": sum(v["watching"] for v in ranks.values()),  # members that found their watched node
     }
 
 
@@ -507,11 +514,13 @@ def print_report(results: list[dict[str, Any]], floors: dict[int, list[float]], 
             f"{max(r['liveness_idle_requests_per_node_per_s'] for r in group):.3f}",
             f"{max(r['liveness_setup_requests_per_node'] for r in group):.2f}",
             f"{max(r['liveness_trial_requests_per_node'] for r in group):.2f}",
+            f"{min(r['ring_watching'] for r in group)}/{world // RANKS_PER_NODE}",
         ])  # fmt: skip
     print(table(
         ["ranks", "round", "trials", "median s", "max s", "fan-out floor s", "median / floor", "one step, all",
          "requests per rank", "server requests", "server CPU s", "idle req / rank / 10 s", "simulation load",
-         "liveness idle req / node / s", "liveness set-up req / node", "liveness req / node, whole trial"], rows,
+         "liveness idle req / node / s", "liveness set-up req / node", "liveness req / node, whole trial",
+         "ring members watching"], rows,
     ))  # fmt: skip
     worst = max((r["liveness_idle_requests_per_node_per_s"] for r in results if r["ranks"] >= 1024), default=None)
     if worst is not None:
