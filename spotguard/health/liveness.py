@@ -206,6 +206,12 @@ class _Upstream:
         self._thread.join(timeout=HELLO_TIMEOUT_S + 1)
 
     def _connect(self) -> None:
+        try:
+            self._find_and_connect()
+        except Exception:  # noqa: BLE001 - never take the training down; say that this node goes unwatched
+            log.exception("node %s cannot watch its neighbour: its losses go unnoticed", self.ring.node)
+
+    def _find_and_connect(self) -> None:
         conn = Connection.of(self.ring.store)
         try:
             raw = conn.get(self._key, IDLE_WAIT.total_seconds())
