@@ -316,6 +316,11 @@ class Guard:
             dist.destroy_process_group(self._group)
 
     @property
+    def started(self) -> bool:
+        """Whether the guard is started (entered, or `start()`ed) and not closed yet."""
+        return self._started
+
+    @property
     def snapshots(self) -> SnapshotTier | None:
         """The snapshot tier while it runs (`snapshots.last`: the last snapshot's measurements), else None."""
         return self._snapshots.tier

@@ -6,6 +6,7 @@ left its guard (`left`)."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 
@@ -87,10 +88,11 @@ def lightning(ckpt: str) -> None:
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     data = DataLoader(TensorDataset(torch.randn(EVAL_BATCHES, 4)), batch_size=1)
+    saves = pl.callbacks.ModelCheckpoint(dirpath=f"{ckpt}-lightning", every_n_train_steps=2, save_top_k=-1)
     trainer = pl.Trainer(
-        max_steps=4, val_check_interval=2, num_sanity_val_steps=0, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1,
-        callbacks=[SpotGuardCallback(ckpt, cloud="none", hang_timeout_s=2)],
+        max_steps=4, val_check_interval=2, num_sanity_val_steps=0, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, accelerator="cpu", devices=1,
+        callbacks=[SpotGuardCallback(ckpt, cloud="none", hang_timeout_s=2), saves],
     )  # fmt: skip
     trainer.fit(Module(), data, data)
 
@@ -123,8 +125,8 @@ def hf(ckpt: str, out: str) -> None:
 
     args = TrainingArguments(
         out, max_steps=4, eval_strategy="steps", eval_steps=2, per_device_train_batch_size=1,
-        per_device_eval_batch_size=1, report_to=[], save_strategy="no", use_cpu=True, logging_strategy="no",
-        dataloader_num_workers=0,
+        per_device_eval_batch_size=1, report_to=[], save_strategy="steps", save_steps=2, use_cpu=True,
+        logging_strategy="no", dataloader_num_workers=0,
     )  # fmt: skip
     callback = SpotGuardTrainerCallback(ckpt, cloud="none", hang_timeout_s=2)
     trainer = Trainer(model=Model(), args=args, train_dataset=Samples(False), eval_dataset=Samples(True),
@@ -133,6 +135,7 @@ def hf(ckpt: str, out: str) -> None:
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)  # the timeline's lines: the long phases the frameworks declared
     kind, ckpt = sys.argv[1], sys.argv[2]
     if kind in ("guard", "none"):
         plain(ckpt, beat=kind == "guard")

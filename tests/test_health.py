@@ -438,6 +438,18 @@ def test_the_report_shows_a_silent_end_its_cause_culprit_notice_time_and_work_lo
     assert "peer-lost" in text and "20.3 s, vm/node-2" in text and "1 interruption(s)" in text
 
 
+def test_a_phase_declared_right_after_a_step_outlives_that_step_and_ends_at_the_next():
+    """The watch may see the step only after the phase was declared (it looks every few seconds): that
+    step does not end the phase; the next one does."""
+    loop = Loop(3.0)
+    loop.step()
+    loop.beats += 1  # guard.step(), then at once guard.long_phase(13): the watch has not looked yet
+    loop.watch.allow(13.0)
+    assert loop.wait(8.0) is None  # the evaluation
+    loop.step()  # the next step: the phase is over, the timeout alone counts again
+    assert loop.wait(3.5) is not None
+
+
 def test_a_heartbeat_restarts_the_clock_but_arms_nothing_before_the_first_step():
     loop = Loop(60.0)
     loop.watch.alive()  # a sanity check's validation before training

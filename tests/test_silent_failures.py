@@ -151,6 +151,9 @@ def test_an_evaluation_that_beats_per_batch_is_no_hang(tmp_path, kind):
     done = _heartbeat_run(tmp_path, kind)
     assert done.returncode == 0 and "finished" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
     assert "no training step for" not in done.stderr
+    declared = {"lightning": ["what=Lightning's checkpoint", "what=the end of training"],
+                "hf": ["what=the Trainer's save", "what=the end of training"]}.get(kind, [])  # fmt: skip
+    assert all(what in done.stderr for what in declared)  # the framework's own work between steps
 
 
 def test_the_same_evaluation_without_heartbeats_is_a_hang_of_the_only_rank(tmp_path):

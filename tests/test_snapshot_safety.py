@@ -193,7 +193,7 @@ with spotguard.Guard(ckpt, cloud="none", snapshot_every=2, snapshot_dir=base, ex
                 except OSError:
                     pass
         guard.step(step, state)
-        print("trained step", step, flush=True)
+        print(f"trained step {step}", flush=True)  # one write: a log line from a thread cannot split it
 print("done", flush=True)
 """
 

@@ -64,6 +64,7 @@ class HangWatch:
         self._excused = False  # the current gap holds spotguard's work or a declared phase: not learned from
         self._busy = 0
         self._allowed_until = 0.0
+        self._allowed_after = 0  # the beats when the phase was declared: the next step after them ends it
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -80,6 +81,7 @@ class HangWatch:
         timeout, or before the next step, which ends the phase."""
         with self._lock:
             self._allowed_until = max(self._allowed_until, self.clock() + seconds)
+            self._allowed_after = self.beats()
             self._excused = True
 
     def alive(self) -> None:
@@ -123,7 +125,8 @@ class HangWatch:
                 if self._seen and not self._excused:
                     self.longest_gap_s = max(self.longest_gap_s, now - self._progress_at)
                 self._seen, self._progress_at, self._excused = beats, now, False
-                self._allowed_until = 0.0  # a declared phase ends at the next step
+                if beats > self._allowed_after:  # a step after the phase was declared ends it
+                    self._allowed_until = 0.0
                 return None
             if self._busy:  # spotguard holds the loop: its time is not the loop's
                 self._progress_at = now

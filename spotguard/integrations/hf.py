@@ -78,11 +78,12 @@ class SpotGuardTrainerCallback(TrainerCallback):
         # global_step counts optimizer steps: with gradient accumulation a save never splits one.
         if self.guard.step(state.global_step, self._state):  # type: ignore[arg-type]
             control.should_training_stop = True  # every rank gets True at the same step
-        elif control.should_save:  # the Trainer's own save (a large model, a push) comes before the next step
+        elif control.should_save and self.guard.started:  # the Trainer's own save (a push) comes before the next step
             self.guard.long_phase(FRAMEWORK_PHASE_S, "the Trainer's save")
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
-        self.guard.long_phase(FRAMEWORK_PHASE_S, "the end of training")  # the final save, the best model's load
+        if self.guard.started:  # the final save, the best model's load
+            self.guard.long_phase(FRAMEWORK_PHASE_S, "the end of training")
 
     def on_prediction_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
         self.guard.heartbeat()  # a long evaluation between two training steps is no hang

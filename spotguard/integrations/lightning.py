@@ -78,11 +78,12 @@ class SpotGuardCallback(Callback):
     # Lightning's own work between two steps, or after the last (a checkpoint of a large model, the loggers'
     # end): not a hang, until the next step or the guard's close.
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
-        if trainer.state.fn == "fit":
+        if self.guard.started:  # a checkpoint saved after fit has no guard to tell
             self.guard.long_phase(FRAMEWORK_PHASE_S, "Lightning's checkpoint")
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.guard.long_phase(FRAMEWORK_PHASE_S, "the end of training")
+        if self.guard.started:
+            self.guard.long_phase(FRAMEWORK_PHASE_S, "the end of training")
 
     # After an emergency, close() exits with the Guard's code (unless exit_code=None); once closed, or
     # never started (another stage), it does nothing: on_exception and teardown may both call it.
