@@ -188,6 +188,7 @@ class _Upstream:
         self._key = f"{ring.prefix}{(ring.index - 1) % ring.count}"
         self._ready: socket.socket | None = None  # connected by the connecting thread, taken by the liveness thread
         self._thread: threading.Thread | None = None
+        self._excused = False  # said once that the silent node is leaving
 
     def start(self) -> None:
         if not self.done:
@@ -281,10 +282,12 @@ class _Upstream:
         except OSError:
             return False  # reset: the node's kernel answered, so it is not silent
         node = self.ring.watched or "?"
-        self.done = True
-        if self.ring.excused(node):
-            log.info("node %s is silent after its notice: leaving, not lost", node)
+        if self.ring.excused(node):  # asked again at every look: the excuse ends if its emergency is called off
+            if not self._excused:
+                log.info("node %s is silent after its notice: leaving, not lost", node)
+                self._excused = True
             return False
+        self.done = True
         log.error("node %s has not answered for %.1f s (peer_timeout_s=%g): declared lost", node, silent,
                   self.ring.timeout_s)  # fmt: skip
         self.ring.on_lost(PeerLoss(node=node, silent_s=round(silent, 3), watcher=self.ring.node))

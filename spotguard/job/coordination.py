@@ -83,7 +83,8 @@ class Coordination:
         self.on_agreed = on_agreed
         self.on_silent = on_silent
         self.notice: Notice | None = None  # the last interruption announced to this rank
-        self.departing: set[str] = set()  # the nodes that announced an interruption: their silence is no loss
+        # The nodes whose interruption is being handled: their silence is no loss (until a round without them aborts).
+        self.departing: set[str] = set()
         listen = Connection.of(store)  # the listener blocks on it; the agreement runs on the listener thread too
         self.broadcast = Broadcast(store, prefix, self._on_event, rank=topology.rank, connection=listen)
         self.agreement = StepAgreement(listen, prefix, topology.rank, topology.world_size, node=topology.node)
@@ -155,4 +156,6 @@ class Coordination:
             leaving = self.broadcast.claimed_nodes
             log.warning("node %s is being reclaimed (%s)", notice.node, notice.source)
         decision = self.agreement.agree(index, event, timeout, leaving, round_keys=[self.broadcast.log.slot(index)])
+        if notice is not None and decision is None:  # no save, the job trains on: its silence is a loss again
+            self.departing.discard(str(notice.node))
         self.on_agreed(event, decision, notice)
