@@ -64,9 +64,24 @@ class GoodputRecorder:
         self._history_read = False
 
     def resumed(
-        self, step: int | None, next_step: int, resume_s: float, run: str | None, tier: str | None = None
+        self,
+        step: int | None,
+        next_step: int,
+        resume_s: float,
+        run: str | None,
+        tier: str | None = None,
+        resharded: tuple[int, int] | None = None,
     ) -> None:
-        self._record(records.Resume(step=step, next_step=next_step, resume_s=resume_s, run=run, tier=tier))
+        self._record(
+            records.Resume(
+                step=step,
+                next_step=next_step,
+                resume_s=resume_s,
+                run=run,
+                tier=tier,
+                resharded=list(resharded) if resharded else None,
+            )
+        )
 
     def saved(self, step: int, reason: str, report: SaveReport | None, error: str | None) -> None:
         """After every save (any thread): its measurements into the ledger and the cadence."""

@@ -346,12 +346,15 @@ class Guard:
             log.error("%s; exiting with code %d (start again once the storage answers)", exc, UNAVAILABLE_EXIT_CODE)
             raise SystemExit(UNAVAILABLE_EXIT_CODE) from None
         next_step = 0 if step is None else step + 1
-        self._goodput.resumed(step, next_step, time.monotonic() - started, self._ckpt.run, tier=tier)
+        resharded = self._snapshots.resharded
+        self._goodput.resumed(step, next_step, time.monotonic() - started, self._ckpt.run, tier=tier, resharded=resharded)
         if step is None:
             self.timeline.add("fresh-start", checkpoint_dir=self.checkpoint_dir)
             return 0
         self._coordination.reset(step)
-        self.timeline.add("resumed", step=step, next_step=next_step, tier=tier)
+        self.timeline.add(
+            "resumed", step=step, next_step=next_step, tier=tier, **({"resharded": resharded} if resharded else {})
+        )
         return next_step
 
     def step(self, step: int, state: Mapping[str, Any]) -> bool:

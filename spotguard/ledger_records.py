@@ -53,6 +53,7 @@ class Resume(Record):
     resume_s: float
     run: str | None = None
     tier: str | None = None  # where the step came from: "durable" (a checkpoint) or "snapshot" (the nodes' memory)
+    resharded: list[int] | None = None  # a snapshot taken at another world size: [then, now]
     since_previous_s: float | None = None  # from the previous segment's last record (set by the writer)
 
 

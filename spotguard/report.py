@@ -65,7 +65,7 @@ def _segment(records: list[Record], origin: datetime) -> dict[str, Any]:
         "wall_s": wall_s,
         "resume_s": resume_s,
         "resumed_from": resume.step if resume else None,
-        "resumed_tier": resume.tier if resume else None,  # "durable", "snapshot" (the nodes' memory), None
+        "resumed_tier": _tier(resume),  # "durable", "snapshot" (the nodes' memory), "snapshot, resharded W -> W'", None
         "first_step": first_step,
         "last_step": last_step,
         "steps": last_step + 1 - first_step if last_step is not None and first_step is not None else 0,
@@ -207,14 +207,16 @@ def format_text(summary: dict[str, Any], location: str) -> str:
     ]
     if s["cadence"]:
         lines.append(f"  save interval (auto)   {s['cadence']['explain']} ({s['cadence_changes']} change(s))")
-    lines += ["", f"  {'SEGMENT':<24} {'START':>9} {'WALL':>9} {'STEPS':>13} {'RESUME':>7} {'FROM':<8} "
+    tiers = max((len(seg["resumed_tier"] or "") for seg in s["segment_details"]), default=0)
+    width = max(8, tiers)
+    lines += ["", f"  {'SEGMENT':<24} {'START':>9} {'WALL':>9} {'STEPS':>13} {'RESUME':>7} {'FROM':<{width}} "
                   f"{'SAVES':>5} {'STALL':>7}  ENDED"]  # fmt: skip
     for seg in s["segment_details"]:
         steps = f"{seg['first_step']}-{seg['last_step']}" if seg["last_step"] is not None else "-"
         code = f" ({seg['exit_code']})" if seg["exit_code"] is not None else ""
         lines.append(
             f"  {seg['segment']:<24} {seg['start_s']:>8.1f}s {seg['wall_s']:>8.1f}s {steps:>13} "
-            f"{seg['resume_s']:>6.1f}s {seg['resumed_tier'] or '-':<8} {len(seg['saves']):>5} "
+            f"{seg['resume_s']:>6.1f}s {seg['resumed_tier'] or '-':<{width}} {len(seg['saves']):>5} "
             f"{seg['save_stall_s']:>6.2f}s  {seg['ended']}{code}"
         )
     if s["interruption_details"]:
@@ -232,3 +234,13 @@ def format_text(summary: dict[str, Any], location: str) -> str:
     if s["torn_lines"]:
         lines += ["", f"  {s['torn_lines']} line(s) of the ledger were torn (a writer killed mid-line): skipped"]
     return "\n".join(lines)
+
+
+def _tier(resume: Resume | None) -> str | None:
+    """Where a segment's step came from, as the report says it."""
+    if resume is None or resume.tier is None:
+        return None
+    if resume.resharded:
+        then, now = resume.resharded
+        return f"{resume.tier}, resharded {then} -> {now}"
+    return resume.tier

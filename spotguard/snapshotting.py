@@ -9,6 +9,7 @@ whole snapshot when it is as new as the durable checkpoints, else the durable pa
 from __future__ import annotations
 
 import logging
+import secrets
 import sys
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
@@ -46,7 +47,9 @@ class GuardSnapshots:
         self.tier: SnapshotTier | None = None
         self._checkpoint_dir = checkpoint_dir
         self._context = context
-        self._owner: tuple[str, str | None] | None = None  # (run, job): rank 0's, once made
+        self._owner: tuple[str, str | None, str] | None = None  # (run, job, attempt): rank 0's, once made
+        self._closed = 0  # a guard started again is a new attempt too
+        self.resharded: tuple[int, int] | None = None  # (world size taken at, now) of the last resume, if it changed
 
     @property
     def timed(self) -> bool:
@@ -62,6 +65,7 @@ class GuardSnapshots:
             self.tier = SnapshotTier(
                 run=self._owner[0],
                 job=self._owner[1],
+                attempt=f"{self._owner[2]}.{self._closed}",
                 snapshot_dir=self.options.snapshot_dir,
                 replicas=self.options.snapshot_replicas,
                 comm=ckpt.comm,
@@ -71,17 +75,19 @@ class GuardSnapshots:
             )
         return self.tier
 
-    def _read_owner(self, ckpt: Checkpointer) -> tuple[str, str | None] | None:
-        """(the location's key, its job identity) on rank 0: one read of the checkpoint location, not
-        one per rank, and one key for the job wherever the location resolves differently."""
+    def _read_owner(self, ckpt: Checkpointer) -> tuple[str, str | None, str] | None:
+        """(the location's key, its job identity, a new attempt identity) on rank 0: one read of the
+        checkpoint location, not one per rank, and one key for the job wherever the location resolves
+        differently."""
         if not ckpt.comm.is_coordinator:
             return None
+        attempt = secrets.token_hex(8)
         try:
-            return location_key(self._checkpoint_dir), job_identity(ckpt.remote)
+            return location_key(self._checkpoint_dir), job_identity(ckpt.remote), attempt
         except Exception as exc:  # noqa: BLE001 - no identity, no snapshots: the tier says so
             log.warning("the job identity in %s cannot be read or written (%s: %s)", self._checkpoint_dir,
                         type(exc).__name__, exc)  # fmt: skip
-            return location_key(self._checkpoint_dir), None
+            return location_key(self._checkpoint_dir), None, attempt
 
     def take(self, step: int, state: Mapping[str, Any]) -> None:
         try:
@@ -115,6 +121,7 @@ class GuardSnapshots:
         past that will not happen.
         """
         tier = self.made()
+        self.resharded = None
         newest = self._newest_durable(ckpt, coordinator) if tier is not None else None
         step, failed = self._restore(tier, state, newest, coordinator, ask_for_save)
         source = "snapshot"
@@ -129,10 +136,12 @@ class GuardSnapshots:
                     step = self._durable(state, ckpt, failed)
         if tier is not None:
             tier.forget_after(step)
+        if source != "snapshot" or step is None:
+            self.resharded = None
         return step, source if step is not None else None
 
-    @staticmethod
     def _restore(
+        self,
         tier: SnapshotTier | None,
         state: MutableMapping[str, Any],
         durable: int | None,
@@ -147,15 +156,20 @@ class GuardSnapshots:
         if tier is None:
             return None, None
         try:
-            step = tier.restore(state, durable + 1 if newer and durable is not None else durable)
+            plan = tier.restore(state, durable + 1 if newer and durable is not None else durable)
         except SnapshotLoadError as exc:  # on every rank
             log.error("%s; loading the durable checkpoint over it", exc)
             return None, exc
-        if step is not None and coordinator:
-            log.info("resumed from the snapshot of step %d in the nodes' memory (durable: %s)", step, durable)
-            if durable is None or step > durable:
+        if plan is None:
+            return None, None
+        if plan.world_size != tier.world_size:
+            self.resharded = (plan.world_size, tier.world_size)
+        if coordinator:
+            log.info("resumed from the snapshot of step %d in the nodes' memory (durable: %s)%s", plan.step, durable,
+                     f", resharded {plan.world_size} -> {tier.world_size}" if self.resharded else "")  # fmt: skip
+            if durable is None or plan.step > durable:
                 ask_for_save("snapshot-resume")
-        return step, None
+        return plan.step, None
 
     @staticmethod
     def _durable(state: MutableMapping[str, Any], ckpt: Checkpointer, failed: SnapshotLoadError | None) -> int | None:
@@ -182,6 +196,7 @@ class GuardSnapshots:
     def close(self, *, wait: bool) -> None:
         """Stop the tier (with `wait`, after its snapshot in flight); a later start makes a new one."""
         tier, self.tier = self.tier, None
+        self._closed += 1
         if tier is None:
             return
         try:

@@ -18,7 +18,9 @@ import torch
 
 from spotguard.checkpoint.handoff import doorway
 from spotguard.snapshots.node_dir import NodeDir, name_of
-from spotguard.snapshots.peers import MAX_CONNECTIONS, PeerServer, fetch_into, push
+from spotguard.snapshots import shard_file
+from spotguard.snapshots.loading import load_shards
+from spotguard.snapshots.peers import MAX_CONNECTIONS, PeerRuns, PeerServer, fetch_info, push
 from tests.test_snapshots import write_shard
 
 NAME = name_of(5, 0, 1)
@@ -37,8 +39,13 @@ def round_trip(server: PeerServer, path, live: dict) -> float:
     """A replica pushed, then fetched back into `live`; the seconds both took."""
     started = time.monotonic()
     within(5, push, server.address, path, NAME)
-    within(5, fetch_into, server.address, NAME, live)
+    within(5, fetch_back, server.address, live)
     return time.monotonic() - started
+
+
+def fetch_back(address: str, live: dict) -> None:
+    info = fetch_info(address, NAME)
+    load_shards(live, {0: info}, lambda s: s, lambda shard, runs: PeerRuns(address, NAME, runs))
 
 
 class Drippers:

@@ -126,7 +126,7 @@ def test_a_link_or_a_file_planted_under_a_snapshot_name_is_never_written_through
     if side == "the training thread":
         path = node.file(name)
         state = to_dcp(trained())
-        shard_file.MappedShard(path, state).fill(state).finish(run="run", job="j", step=4, rank=0, world_size=1)
+        shard_file.MappedShard(path, state).fill().finish(run="run", job="j", attempt="a", step=4, rank=0, world_size=1)
     else:
         source, _ = write(tmp_path, trained())
         server = PeerServer(node)
@@ -149,7 +149,7 @@ def test_a_planted_world_readable_file_keeps_neither_its_owner_nor_its_mode(tmp_
     part.chmod(0o666)
     os.chown(part, NOBODY, NOBODY)
     state = to_dcp(trained())
-    shard_file.MappedShard(path, state).fill(state).finish(run="run", job="j", step=4, rank=0, world_size=1)
+    shard_file.MappedShard(path, state).fill().finish(run="run", job="j", attempt="a", step=4, rank=0, world_size=1)
     made = path.stat()
     assert (made.st_uid, stat.S_IMODE(made.st_mode)) == (os.geteuid(), 0o600)
 
@@ -230,7 +230,7 @@ from spotguard.snapshots.peers import PeerServer, push
 
 full, source = Path(sys.argv[1]), Path(sys.argv[2])
 state = to_dcp({"w": torch.ones(2 << 20)})  # 8 MiB: more than the tmpfs holds
-shard_file.MappedShard(source, state).fill(state).finish(run="r", job="j", step=1, rank=0, world_size=1)
+shard_file.MappedShard(source, state).fill().finish(run="r", job="j", attempt="a", step=1, rank=0, world_size=1)
 server = PeerServer(NodeDir(private_root(full), "r"))
 try:
     push(server.address, source, name_of(1, 0, 1))

@@ -1,13 +1,13 @@
 """Snapshot files between nodes: every rank serves its node's directory; replicas go in, shards come out.
 
 The wire is the handoff's (`spotguard.checkpoint.handoff.wire`): a length-prefixed JSON frame,
-then raw bytes. A request names its op (`put`: take a replica in; `get`: send a file held) and
-carries the server's token, which only the job's store hands out (`host port token` under the
-rank's key), so only the job's own ranks are served. Files go out with sendfile (no copy through
-Python). A replica that comes in goes straight into the mapped pages of a `.part` file (a freed
-snapshot's when there is one), its body's CRC32C computed as it arrives, and the file takes its
-final name only once that matches its trailer: a replica is complete or absent. A shard fetched to
-resume goes straight into the resuming state's tensors (`fetch_into`), checked the same way.
+then raw bytes. A request names its op (`put`: take a replica in; `info`: send a file's trailer;
+`get`: send runs of a file's body) and carries the server's token, which only the job's store
+hands out (`host port token` under the rank's key), so only the job's own ranks are served. Bytes
+go out with sendfile (no copy through Python). A replica that comes in goes straight into the
+mapped pages of a `.part` file (a freed snapshot's when there is one), its blocks' CRC32Cs computed
+as it arrives, and the file takes its final name only once they match its trailer: a replica is
+complete or absent. What a resuming rank reads (`PeerRuns`) is checked block by block by the reader.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import os
 import secrets
 import socket
 import threading
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -34,7 +33,6 @@ from spotguard.checkpoint.handoff.wire import (
     recv_json,
     send_json,
 )
-from spotguard.checkpoint.shard_io import crc32c_extend
 from spotguard.snapshots import shard_file
 from spotguard.snapshots.node_dir import NodeDir
 from spotguard.snapshots.shard_file import ShardInfo, SnapshotError
@@ -128,8 +126,10 @@ class PeerServer:
                 conn.settimeout(IDLE_TIMEOUT_S)  # the request was read without blocking
                 if request.get("op") == "put":
                     self._take(conn, request)
+                elif request.get("op") == "info":
+                    self._give_trailer(conn, request)
                 elif request.get("op") == "get":
-                    self._give(conn, request)
+                    self._give_runs(conn, request)
                 else:
                     raise HandoffError(f"unknown op {request.get('op')!r}")
             except (OSError, ValueError, KeyError, TypeError, HandoffError, SnapshotError) as exc:
@@ -144,23 +144,32 @@ class PeerServer:
         receive_file(conn, path, int(request["bytes"]), int(request["body_bytes"]), self.node_dir)
         send_json(conn, {"ok": True})
 
-    def _give(self, conn: socket.socket, request: dict[str, Any]) -> None:
-        path = self.node_dir.file(str(request["name"]))
-        with open(path, "rb") as f:  # FileNotFoundError: refused, the asker tries elsewhere
+    def _give_trailer(self, conn: socket.socket, request: dict[str, Any]) -> None:
+        with open(self.node_dir.file(str(request["name"])), "rb") as f:  # FileNotFoundError: refused
             size, info = _opened(f)
-            send_json(conn, {"ok": True, "bytes": size, "body_bytes": info.body_bytes,
-                             "skeleton_bytes": info.skeleton_bytes})  # fmt: skip
-            conn.sendfile(f, 0)
+            send_json(conn, {"ok": True, "bytes": size - info.body_bytes})
+            conn.sendfile(f, info.body_bytes)
+
+    def _give_runs(self, conn: socket.socket, request: dict[str, Any]) -> None:
+        with open(self.node_dir.file(str(request["name"])), "rb") as f:
+            _, info = _opened(f)
+            runs = [(int(start), int(length)) for start, length in request["runs"]]
+            if any(start < 0 or length < 0 or start + length > info.body_bytes for start, length in runs):
+                raise SnapshotError(f"runs outside the body of {info.body_bytes} bytes")
+            send_json(conn, {"ok": True})
+            for start, length in runs:
+                if length:
+                    conn.sendfile(f, start, length)
 
 
 def receive_file(sock: socket.socket, path: Path, size: int, body_bytes: int, node_dir: NodeDir) -> ShardInfo:
     """Write the `size` bytes that come on `sock` to `path`: straight into the file's mapped pages (a
-    spare's when the node has one, reserved before the first byte is taken), renamed into place only once the body's CRC32C, computed as it
-    arrives, matches the trailer's."""
+    spare's when the node has one, reserved before the first byte is taken), renamed into place only
+    once the body's block CRC32Cs, computed as it arrives, match the trailer's."""
     part = path.with_name(path.name + ".part")
     fd = shard_file.reserve(part, size, node_dir.take_spare)  # no room: refused now, never a SIGBUS
     try:
-        crc = got = 0
+        crcs, got = shard_file.BlockCrcs(), 0
         with mmap.mmap(fd, size) as mapped:
             view = memoryview(mapped)
             try:
@@ -169,15 +178,15 @@ def receive_file(sock: socket.socket, path: Path, size: int, body_bytes: int, no
                     if n == 0:
                         raise HandoffError(f"the connection closed after {got} of {size} bytes")
                     if got < body_bytes:
-                        crc = crc32c_extend(crc, view[got : min(got + n, body_bytes)])
+                        crcs.update(view[got : min(got + n, body_bytes)])
                     got += n
             finally:
                 view.release()
         os.close(fd)
         fd = -1
         info = shard_file.read_info(part)
-        if info.body_bytes != body_bytes or f"{crc:08x}" != info.crc32c:
-            raise SnapshotError(f"{path.name}: CRC32C {crc:08x} of what arrived does not match {info.crc32c}")
+        if info.body_bytes != body_bytes or info.block_bytes != crcs.block_bytes or crcs.finish() != info.blocks:
+            raise SnapshotError(f"{path.name}: the CRC32Cs of what arrived do not match its trailer's")
         os.replace(part, path)
         return info
     except BaseException:
@@ -212,45 +221,49 @@ def push(address: str, path: Path, name: str) -> None:
         raise HandoffError(f"the peer refused the replica: {answer.get('error')}")
 
 
-def fetch_into(address: str, name: str, live: Mapping[str, Any]) -> tuple[ShardInfo, dict[str, Any]]:
-    """Read the peer's file `name` straight into the tensors of `live` (the DCP state dict of the state
-    being resumed; see `shard_file.load`), checking its CRC32C as it arrives: the loaded state dict,
-    for `load_from_dcp`, once the caller knows every rank has its shard. On a failure `live` may be
-    overwritten in part."""
+def fetch_info(address: str, name: str) -> ShardInfo:
+    """The trailer of the peer's file `name`."""
     sock, token = _connect(address)
     with sock:
-        send_json(sock, {"token": token, "op": "get", "name": name})
-        answer = recv_json(sock, Deadline())
-        if not answer.get("ok"):
-            raise HandoffError(f"the peer has no {name}: {answer.get('error')}")
-        size, body_bytes = int(answer["bytes"]), int(answer["body_bytes"])
-        source = _SocketSource(sock)
-        loaded = shard_file.read_body(source, int(answer["skeleton_bytes"]), live)
-        if source.got != body_bytes:
-            raise SnapshotError(f"{name}: {source.got} bytes of body read, the peer announced {body_bytes}")
-        trailer = bytearray(size - body_bytes)
+        send_json(sock, {"token": token, "op": "info", "name": name})
+        answer = _answer(sock, name)
+        trailer = bytearray(int(answer["bytes"]))
         recv_into(sock, memoryview(trailer), Deadline())
-    info = shard_file.parse_trailer(bytes(trailer))
-    crc = f"{source.body_crc:08x}"
-    if info.body_bytes != body_bytes or crc != info.crc32c:
-        raise SnapshotError(f"{name}: CRC32C {crc} of what arrived does not match {info.crc32c}")
-    return info, loaded
+    return shard_file.parse_trailer(bytes(trailer))
 
 
-class _SocketSource:
-    """A peer's connection as a `shard_file.Source`: the body's CRC32C computed as the bytes arrive."""
+class PeerRuns:
+    """Runs of the body of the peer's file `name`, asked for in one request and read in order (a
+    `reading.Source`; the reader checks their blocks)."""
 
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.got = 0
-        self.body_crc = 0
+    def __init__(self, address: str, name: str, runs: list[tuple[int, int]]) -> None:
+        self._sock, token = _connect(address)
+        try:
+            send_json(self._sock, {"token": token, "op": "get", "name": name, "runs": runs})
+            _answer(self._sock, name)
+        except BaseException:
+            self._sock.close()
+            raise
 
-    def read_exactly(self, view: memoryview) -> None:
-        filled = 0
-        while filled < len(view):
-            n = self.sock.recv_into(view[filled:], min(CHUNK, len(view) - filled))
+    def read_into(self, offset: int, view: memoryview) -> None:
+        """The next `len(view)` bytes of the runs (`offset` is where they lie in the file: the peer
+        sends the runs in the order they were asked for). A peer silent for IDLE_TIMEOUT_S is gone."""
+        got = 0
+        while got < len(view):
+            n = self._sock.recv_into(view[got : got + CHUNK])
             if n == 0:
-                raise HandoffError(f"the connection closed after {self.got + filled} bytes")
-            self.body_crc = crc32c_extend(self.body_crc, view[filled : filled + n])
-            filled += n
-        self.got += filled
+                raise HandoffError(f"the connection closed at byte {offset + got} of the file")
+            got += n
+
+    def __enter__(self) -> PeerRuns:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._sock.close()
+
+
+def _answer(sock: socket.socket, name: str) -> dict[str, Any]:
+    answer = recv_json(sock, Deadline())
+    if not answer.get("ok"):
+        raise HandoffError(f"the peer has no {name}: {answer.get('error')}")
+    return answer

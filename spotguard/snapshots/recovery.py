@@ -1,41 +1,63 @@
-"""Resume from the nodes' memory: the newest snapshot whose every shard some surviving node holds.
+"""Resume from the nodes' memory: the newest snapshot whose every shard some surviving node holds,
+at whatever world size it was taken.
 
 Each rank lists its share of its node's files (their trailers: no data is read) and tells rank 0;
-rank 0 picks the newest step that is whole (every rank's shard held somewhere, at the job's present
-world size) and as new as the newest durable checkpoint at least, and where each rank finds its
-shard, preferring its own node. Each rank then reads its shard straight into the state's tensors
-(one copy), from its node or from a buddy, its CRC32C checked as it is read. A shard that fails
-is struck off (that holder's copy of that rank's shard at that step) and rank 0 chooses again:
-another holder, else an older snapshot, else none. Only once every rank has a checked shard is the
-state loaded (`load_from_dcp`): a snapshot loads whole or not at all. A rank that read a shard has
-overwritten its tensors already; if the snapshot is then given up, another copy, an older snapshot
-or the durable checkpoint is loaded over the whole state, or resume raises (`guard.resume`).
+rank 0 picks the newest step that is whole (every shard of one start of the job, `attempt`, at one
+world size, held somewhere) and as new as the newest durable checkpoint at least (at one step, a
+snapshot at the job's present world size first). Each rank then loads what its state needs of it
+(`loading`): its own shard at the same world size, the parts of several at another one. A copy
+that fails is struck off (that holder's copy of that shard at that step; a snapshot that cannot
+serve the state at all, every copy of it) and rank 0 chooses again: another holder, else an older
+snapshot, else none. A rank that read from a snapshot has overwritten its tensors already; if the
+snapshot is then given up, another copy, an older snapshot or the durable checkpoint is loaded
+over the whole state, or resume raises (`guard.resume`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Collection, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Collection, Iterable
 
 from spotguard.checkpoint.comm import Comm
 from spotguard.snapshots import shard_file
-from spotguard.snapshots.node_dir import NodeDir, name_of
-from spotguard.snapshots.peers import fetch_into
+from spotguard.snapshots.node_dir import NodeDir
 from spotguard.snapshots.shard_file import SnapshotError
 
 log = logging.getLogger(__name__)
 
-Holding = tuple[int, int, int]  # (step, rank whose shard it is, world size)
+
+@dataclasses.dataclass(frozen=True, order=True)
+class Holding:
+    """A complete snapshot file a rank vouches for (by its trailer)."""
+
+    step: int
+    attempt: str
+    world_size: int  # the snapshot's
+    shard: int  # the rank (at that world size) whose shard it is
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """The snapshot to resume from, and the rank that serves each rank's shard."""
+    """The snapshot to resume from, and the ranks (of the job now) whose node holds each of its shards."""
 
     step: int
-    sources: tuple[int, ...]  # sources[r]: a rank whose node holds rank r's shard
+    attempt: str
+    world_size: int
+    holders: tuple[tuple[int, ...], ...]  # holders[s]: sorted ranks whose node holds shard s
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """Why a rank could not load from a plan: a copy (`shard` from `holder`) or, with both None, the
+    snapshot itself (it cannot serve this state)."""
+
+    why: str
+    shard: int | None = None
+    holder: int | None = None
+
+
+Unusable = tuple[int, str, int, int | None, int | None]  # (step, attempt, world size, shard, holder)
 
 
 def holdings(node_dir: NodeDir, owner: tuple[str, str], local_rank: int, local_world_size: int) -> list[Holding]:
@@ -61,96 +83,61 @@ def holdings(node_dir: NodeDir, owner: tuple[str, str], local_rank: int, local_w
         except (OSError, SnapshotError) as exc:
             log.warning("skipping snapshot file %s: %s", held.path, exc)
             continue
-        found.append((held.step, held.rank, held.world_size))
+        found.append(Holding(held.step, info.attempt, held.world_size, held.rank))
     return found
 
 
 def choose(
     everyone: Iterable[tuple[int, list[Holding]]],
     world_size: int,
-    ranks_per_node: int,
     durable: int | None,
-    unusable: Collection[tuple[int, int, int]] = (),
+    unusable: Collection[Unusable] = (),
 ) -> Plan | None:
-    """The newest whole snapshot at `world_size`, as new as `durable` at least; None when there is none.
+    """The newest whole snapshot, as new as `durable` at least; None when there is none.
 
-    `everyone`: (holder rank, what its node lets it vouch for); `unusable`: (step, rank, holder) of
-    copies found bad. A rank's own node serves it when it can; otherwise the holders take turns, so
-    that one node does not serve every lost shard.
+    `everyone`: (holder rank, what its node lets it vouch for); `world_size`: the job's now (at one
+    step, a snapshot taken at it goes first); `unusable`: copies found bad.
     """
-    by_step: dict[int, dict[int, list[int]]] = {}
+    found: dict[tuple[int, str, int], dict[int, set[int]]] = {}
     for holder, held in everyone:
-        for step, rank, world in held:
-            if world == world_size and (step, rank, holder) not in unusable:
-                by_step.setdefault(step, {}).setdefault(rank, []).append(holder)
-    for step in sorted(by_step, reverse=True):
+        for h in held:
+            struck = {(h.step, h.attempt, h.world_size, s, r) for s in (h.shard, None) for r in (holder, None)}
+            if not struck & set(unusable):
+                found.setdefault((h.step, h.attempt, h.world_size), {}).setdefault(h.shard, set()).add(holder)
+    # Newest first; at one step the present world size, then the rest in a fixed order.
+    for step, attempt, world in sorted(found, key=lambda k: (-k[0], k[2] != world_size, k[2], k[1])):
         if durable is not None and step < durable:
             return None
-        shards = by_step[step]
-        if len(shards) < world_size or any(r not in shards for r in range(world_size)):
-            continue
-        sources = []
-        for rank in range(world_size):
-            holders = sorted(shards[rank])
-            same_node = [h for h in holders if h // ranks_per_node == rank // ranks_per_node]
-            sources.append(same_node[0] if same_node else holders[rank % len(holders)])
-        return Plan(step, tuple(sources))
+        shards = found[(step, attempt, world)]
+        if all(s in shards for s in range(world)):
+            return Plan(step, attempt, world, tuple(tuple(sorted(shards[s])) for s in range(world)))
     return None
 
 
-def get_shard(
-    plan: Plan,
-    rank: int,
-    world_size: int,
-    node_dir: NodeDir,
-    ranks_per_node: int,
-    address_of: Callable[[int], str],
-    live: Callable[[], Mapping[str, Any]],
-) -> tuple[str | None, dict[str, Any] | None]:
-    """This rank's shard of `plan`, read from its node's memory or from a buddy straight into the tensors
-    of `live()` (the DCP state dict to load into) and checked as it is read: (None, the state dict
-    for `load_from_dcp`), or (why it could not, None)."""
-    name = name_of(plan.step, rank, world_size)
-    source = plan.sources[rank]
-    try:
-        if source // ranks_per_node == rank // ranks_per_node:
-            path = node_dir.file(name)
-            try:
-                return None, shard_file.load(path, live())[1]
-            except SnapshotError:
-                path.unlink(missing_ok=True)  # never offered again
-                raise
-        info, loaded = fetch_into(address_of(source), name, live())
-        log.info("snapshot of step %d: read %d bytes of rank %d's shard from rank %d", plan.step,
-                 info.body_bytes, rank, source)  # fmt: skip
-        return None, loaded
-    except Exception as exc:  # noqa: BLE001 - any failure: this copy is unusable
-        return f"{type(exc).__name__}: {exc}", None
-
-
-def agree_on_plan(
+def agree(
     comm: Comm,
     held: list[Holding],
-    ranks_per_node: int,
     durable: int | None,
-    get_shard: Callable[[Plan], str | None],
+    load: Callable[[Plan], list[Problem]],
 ) -> Plan | None:
-    """The snapshot every rank has its checked shard of (a collective), or None."""
+    """The snapshot every rank loaded what it needs of (a collective), or None.
+
+    `load(plan)` runs on every rank for the plan rank 0 chose and returns what went wrong there.
+    """
     everyone = comm.gather((comm.rank, held))
-    unusable: set[tuple[int, int, int]] = set()
+    unusable: set[Unusable] = set()
     while True:
-        plan = choose(everyone, comm.world_size, ranks_per_node, durable, unusable) if everyone else None
+        plan = choose(everyone, comm.world_size, durable, unusable) if everyone else None
         plan = comm.broadcast(plan)
         if plan is None:
             return None
-        problem = get_shard(plan)
-        problems = comm.gather(problem)
+        gathered = comm.gather(load(plan))
         if everyone is not None:
-            for rank, why in enumerate(problems or []):
-                if why is not None:
-                    source = plan.sources[rank]
-                    log.warning("snapshot of step %d: rank %d's shard from rank %d is unusable (%s)", plan.step,
-                                rank, source, why)  # fmt: skip
-                    unusable.add((plan.step, rank, source))
-        if not comm.broadcast(any(p is not None for p in problems or [])):
+            for rank, problems in enumerate(gathered or []):
+                for p in problems:
+                    copy = f"shard {p.shard} from rank {p.holder}" if p.shard is not None else "the snapshot"
+                    log.warning("snapshot of step %d (world size %d): rank %d cannot use %s (%s)", plan.step,
+                                plan.world_size, rank, copy, p.why)  # fmt: skip
+                    unusable.add((plan.step, plan.attempt, plan.world_size, p.shard, p.holder))
+        if not comm.broadcast(any(gathered or [])):
             return plan

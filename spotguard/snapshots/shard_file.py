@@ -1,21 +1,23 @@
-"""One rank's snapshot as one file: complete or absent, checked by a CRC32C.
+"""One rank's snapshot as one file: complete or absent, checked by CRC32C block by block.
 
-    body: skeleton (torch.save of the state with every tensor on "meta") | each tensor's bytes, in order
-          (each part padded to 64 bytes)
-    trailer: JSON (run, job, step, rank, world size, the skeleton's and the body's lengths, the body's
-             CRC32C) | its length (8 bytes) | MAGIC
+    body: the rank's items in the order DCP's save planner lists them (`items.laid_out`), each part
+          padded to 64 bytes: a tensor chunk's raw bytes (row-major), or a non-tensor value as
+          torch.save wrote it
+    trailer: JSON (run, job, attempt, step, rank, world size, the body's length, the block size, the
+             CRC32C of each block of the body, the items' index, each item's path in the state) |
+             its length (8 bytes) | MAGIC
 
 The body is laid out first and filled through a memory map (`MappedShard`): copying the state in
-is writing the file. The trailer comes last, once the body's checksum is known. A file is made as
-`<name>.part` and renamed once whole: a file under its final name is complete, and it counts only
-when its body matches the trailer's CRC32C (`verify`). The skeleton loads with torch's weights-only
-unpickler: a snapshot cannot run code.
+is writing the file. The trailer comes last, once the checksums are known. A file is made as
+`<name>.part` and renamed once whole: a file under its final name is complete, and what is read
+of it counts only when its blocks match the trailer's CRC32Cs. A block checksum lets a rank that
+needs a part of another rank's shard (a resume at another world size) read and check that part
+alone. Non-tensor values load with a weights-only unpickler: a snapshot cannot run code.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import mmap
 import os
@@ -23,17 +25,18 @@ import stat
 import struct
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import Any, BinaryIO
 
 import torch
 from torch.distributed.tensor import DTensor
 
 from spotguard.checkpoint.shard_io import crc32c_extend
+from spotguard.snapshots.items import Entry, StoredItem, laid_out, stored
 
-MAGIC = b"SGSNAP01"
+MAGIC = b"SGSNAP02"
 _TAIL = struct.Struct("!Q8s")  # the trailer's length, MAGIC
-_READ = 8 << 20
-MAX_TRAILER = 1 << 20
+BLOCK = 4 << 20  # the body's bytes per CRC32C
+MAX_TRAILER = 64 << 20
 
 
 class SnapshotError(RuntimeError):
@@ -51,20 +54,37 @@ class ShardInfo:
 
     run: str  # the checkpoint location's key
     job: str  # the job identity its checkpoint location holds
+    attempt: str  # the start of the job that took it (a new one at every start)
     step: int
     rank: int
     world_size: int
-    skeleton_bytes: int
     body_bytes: int
-    crc32c: str
+    block_bytes: int
+    blocks: tuple[str, ...]  # the CRC32C of each block of the body, in hex
+    items: tuple[StoredItem, ...]
+    paths: Mapping[str, list[Any]]  # each item's path in the state ("optim.step" -> ["optim", "step"])
 
     def encoded(self) -> bytes:
-        trailer = json.dumps(dataclasses.asdict(self)).encode()
+        fields = {**dataclasses.asdict(self), "items": [item.encoded() for item in self.items]}
+        trailer = json.dumps(fields, separators=(",", ":")).encode()
         return trailer + _TAIL.pack(len(trailer), MAGIC)
+
+    @classmethod
+    def decoded(cls, raw: bytes) -> ShardInfo:
+        try:
+            fields = json.loads(raw)
+            fields["items"] = tuple(StoredItem.decoded(item) for item in fields["items"])
+            fields["blocks"] = tuple(fields["blocks"])
+            info = cls(**fields)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise SnapshotError(f"malformed trailer: {exc}") from None
+        if info.block_bytes <= 0 or len(info.blocks) != -(-info.body_bytes // info.block_bytes):
+            raise SnapshotError("malformed trailer: the block checksums do not cover the body")
+        return info
 
 
 def tensors_of(tree: Any) -> Iterator[torch.Tensor]:
-    """The tensors of a (DCP) state dict in a fixed order: the order of the skeleton's walk."""
+    """The tensors of a (DCP) state dict (a DTensor's local shard)."""
     if isinstance(tree, DTensor):
         yield tree.to_local()
     elif isinstance(tree, torch.Tensor):
@@ -77,16 +97,65 @@ def tensors_of(tree: Any) -> Iterator[torch.Tensor]:
             yield from tensors_of(value)
 
 
-def _skeleton(tree: Any) -> Any:
-    if isinstance(tree, DTensor):
-        tree = tree.to_local()
-    if isinstance(tree, torch.Tensor):
-        return torch.empty(tree.shape, dtype=tree.dtype, device="meta")
-    if isinstance(tree, Mapping):
-        return {k: _skeleton(v) for k, v in tree.items()}
-    if isinstance(tree, (list, tuple)):
-        return type(tree)(_skeleton(v) for v in tree)
-    return tree
+class BlockCrcs:
+    """The CRC32C of each `block_bytes` block of a byte stream fed in order (any piece sizes)."""
+
+    def __init__(self, block_bytes: int = BLOCK) -> None:
+        self.block_bytes = block_bytes
+        self.crcs: list[str] = []
+        self._crc = 0
+        self._filled = 0
+
+    def update(self, data: memoryview | bytes | mmap.mmap) -> None:
+        view = memoryview(data).cast("B")
+        while len(view):
+            n = min(len(view), self.block_bytes - self._filled)
+            self._crc = crc32c_extend(self._crc, view[:n])
+            self._filled += n
+            view = view[n:]
+            if self._filled == self.block_bytes:
+                self._close()
+
+    def finish(self) -> tuple[str, ...]:
+        if self._filled:
+            self._close()
+        return tuple(self.crcs)
+
+    def _close(self) -> None:
+        self.crcs.append(f"{self._crc:08x}")
+        self._crc = self._filled = 0
+
+
+class BlockCheck:
+    """Checks the blocks of a body read in runs (each starting at a block's start): a block is
+    compared with the trailer's CRC32C as soon as its last byte arrives."""
+
+    def __init__(self, info: ShardInfo, name: str) -> None:
+        self.info = info
+        self.name = name
+        self._block = -1
+        self._crc = self._filled = 0
+
+    def start(self, offset: int) -> None:
+        """A run begins at `offset` (a block's start)."""
+        if offset % self.info.block_bytes:
+            raise ValueError(f"a run starts at {offset}, inside a block")
+        self._block, self._crc, self._filled = offset // self.info.block_bytes, 0, 0
+
+    def update(self, view: memoryview) -> None:
+        view = view.cast("B")
+        while len(view):
+            size = min(self.info.block_bytes, self.info.body_bytes - self._block * self.info.block_bytes)
+            n = min(len(view), size - self._filled)
+            self._crc = crc32c_extend(self._crc, view[:n])
+            self._filled += n
+            view = view[n:]
+            if self._filled == size:
+                expected = self.info.blocks[self._block]
+                if f"{self._crc:08x}" != expected:
+                    raise SnapshotError(f"{self.name}: block {self._block}: CRC32C {self._crc:08x} does not "
+                                        f"match the trailer's {expected}")  # fmt: skip
+                self._block, self._crc, self._filled = self._block + 1, 0, 0
 
 
 class MappedShard:
@@ -94,54 +163,59 @@ class MappedShard:
     the state is the write (no second copy through a buffer). `finish` checksums it, appends the
     trailer and gives it its final name; until then it is a `.part` file that `discard` removes.
 
-    `take_spare(path)` may move a freed snapshot's file there first: its tmpfs pages are reused,
-    which costs about half of writing into new ones.
+    The layout is DCP's list of this rank's items of `state_dict` (its staged copy, for a GPU
+    state). `take_spare(path)` may move a freed snapshot's file there first: its tmpfs pages are
+    reused, which costs about half of writing into new ones.
     """
 
     def __init__(
         self, path: Path, state_dict: Mapping[str, Any], take_spare: Callable[[Path], bool] | None = None
     ) -> None:
-        skeleton = io.BytesIO()
-        torch.save(_skeleton(state_dict), skeleton)
-        self._skeleton = skeleton.getbuffer()
-        self._tensors = [(t.shape, t.dtype, _padded(t.numel() * t.element_size())) for t in tensors_of(state_dict)]
-        self.body_bytes = _padded(len(self._skeleton)) + sum(size for _, _, size in self._tensors)
+        self._entries, self._paths = laid_out(state_dict)
+        self._items: list[StoredItem] = []
+        offset = 0
+        for entry in self._entries:
+            self._items.append(stored(entry, offset))
+            offset += _padded(self._items[-1].nbytes)
+        self.body_bytes = offset
         self.path = path
         self._part = path.with_name(path.name + ".part")
-        self._fd = reserve(self._part, self.body_bytes, take_spare)
+        self._fd = reserve(self._part, max(1, self.body_bytes), take_spare)
         try:
-            self._map = mmap.mmap(self._fd, self.body_bytes, flags=mmap.MAP_SHARED | _POPULATE)
+            self._map = mmap.mmap(self._fd, max(1, self.body_bytes), flags=mmap.MAP_SHARED | _POPULATE)
         except BaseException:
             self.discard()
             raise
 
-    def fill(self, state_dict: Mapping[str, Any]) -> MappedShard:
-        """Copy `state_dict` (the one the layout was made from, or its staged copy) into the file; the
-        shard, for `finish`. On a failure the file is discarded."""
+    def fill(self) -> MappedShard:
+        """Copy the items into the file; the shard, for `finish`. On a failure the file is discarded."""
         try:
-            self._fill(state_dict)
+            self._fill()
         except BaseException:
             self.discard()
             raise
         return self
 
-    def _fill(self, state_dict: Mapping[str, Any]) -> None:
+    def _fill(self) -> None:
         body = torch.frombuffer(self._map, dtype=torch.uint8)
         try:
-            body[: len(self._skeleton)].copy_(torch.frombuffer(self._skeleton, dtype=torch.uint8))
-            offset = _padded(len(self._skeleton))
-            for tensor, (shape, dtype, size) in zip(tensors_of(state_dict), self._tensors, strict=True):
-                nbytes = tensor.numel() * tensor.element_size()
-                body[offset : offset + nbytes].view(dtype).view(shape).copy_(tensor.detach())
-                offset += size
+            for entry, item in zip(self._entries, self._items, strict=True):
+                part = body[item.offset : item.offset + item.nbytes]
+                if isinstance(entry.data, bytes):
+                    part.copy_(torch.frombuffer(bytearray(entry.data), dtype=torch.uint8))
+                elif item.nbytes:
+                    part.view(entry.data.dtype).view(entry.data.shape).copy_(entry.data)
         finally:
             del body  # no view of the map may outlive it (closing a map with views raises)
+        self._entries = []  # the state's tensors are not held past the copy
 
-    def finish(self, *, run: str, job: str, step: int, rank: int, world_size: int) -> ShardInfo:
-        """Checksum the body, append the trailer, and give the file its final name."""
+    def finish(self, *, run: str, job: str, attempt: str, step: int, rank: int, world_size: int) -> ShardInfo:
+        """Checksum the body block by block, append the trailer, and give the file its final name."""
         try:
-            crc = crc32c_extend(0, self._map)
-            info = ShardInfo(run, job, step, rank, world_size, len(self._skeleton), self.body_bytes, f"{crc:08x}")
+            crcs = BlockCrcs()
+            crcs.update(memoryview(self._map)[: self.body_bytes])
+            info = ShardInfo(run, job, attempt, step, rank, world_size, self.body_bytes, crcs.block_bytes,
+                             crcs.finish(), tuple(self._items), self._paths)  # fmt: skip
             self._map.close()
             trailer = info.encoded()
             os.pwrite(self._fd, trailer, self.body_bytes)
@@ -196,12 +270,8 @@ def _padded(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.detach().reshape(-1).view(torch.uint8).numpy())
-
-
 def read_info(path: Path) -> ShardInfo:
-    """The trailer of the snapshot file at `path` (not its checksum: see `verify`)."""
+    """The trailer of the snapshot file at `path` (its blocks are checked as they are read)."""
     with open(path, "rb") as f:
         return trailer_of(f, os.fstat(f.fileno()).st_size)
 
@@ -215,94 +285,10 @@ def trailer_of(f: BinaryIO, size: int) -> ShardInfo:
     if magic != MAGIC or length > min(MAX_TRAILER, size - _TAIL.size):
         raise SnapshotError("not a snapshot file (no trailer)")
     f.seek(size - _TAIL.size - length)
-    try:
-        info = ShardInfo(**json.loads(f.read(length)))
-    except (ValueError, TypeError) as exc:
-        raise SnapshotError(f"malformed trailer: {exc}") from None
+    info = ShardInfo.decoded(f.read(length))
     if info.body_bytes != size - _TAIL.size - length:
         raise SnapshotError(f"the body is {size - _TAIL.size - length} bytes, the trailer says {info.body_bytes}")
     return info
-
-
-class Source(Protocol):
-    """Where a snapshot's body is read from, in order: a file, or a peer's connection."""
-
-    def read_exactly(self, view: memoryview) -> None: ...
-
-
-class _FileSource:
-    """A snapshot file as a `Source`: the body's CRC32C computed as it is read."""
-
-    def __init__(self, f: BinaryIO) -> None:
-        self.f = f
-        self.got = 0
-        self.crc = 0
-
-    def read_exactly(self, view: memoryview) -> None:
-        if self.f.readinto(view) != len(view):
-            raise SnapshotError("the file ended early")
-        self.crc = crc32c_extend(self.crc, view)
-        self.got += len(view)
-
-    def read_rest(self, body_bytes: int) -> None:
-        buffer = memoryview(bytearray(_READ))
-        while self.got < body_bytes:
-            self.read_exactly(buffer[: min(_READ, body_bytes - self.got)])
-
-
-def load(path: Path, live: Mapping[str, Any]) -> tuple[ShardInfo, dict[str, Any]]:
-    """The trailer and the state dict of the snapshot file at `path`, in one read: its tensors read
-    straight into the matching tensors of `live` (the DCP state dict of the state being resumed)
-    where shape and dtype agree, else into new ones, and its body's CRC32C checked as it is read
-    (SnapshotError when it does not match: `live` may then be overwritten in part)."""
-    with open(path, "rb") as f:
-        info = trailer_of(f, os.fstat(f.fileno()).st_size)
-        f.seek(0)
-        source = _FileSource(f)
-        try:
-            loaded = read_body(source, info.skeleton_bytes, live)
-        except SnapshotError as exc:  # damage in the skeleton, say: the checksum names the cause
-            source.read_rest(info.body_bytes)
-            if f"{source.crc:08x}" == info.crc32c:
-                raise
-            problem: BaseException | None = exc
-        else:
-            problem = None
-    if source.got != info.body_bytes or f"{source.crc:08x}" != info.crc32c:
-        raise SnapshotError(f"CRC32C {source.crc:08x} does not match the trailer's {info.crc32c}") from problem
-    return info, loaded
-
-
-def read_body(source: Source, skeleton_bytes: int, live: Mapping[str, Any]) -> dict[str, Any]:
-    """A snapshot's body from `source` (not checked here: the caller checks its CRC32C), as `load`."""
-    head = bytearray(_padded(skeleton_bytes))
-    source.read_exactly(memoryview(head))
-    try:
-        skeleton = torch.load(io.BytesIO(head[:skeleton_bytes]), weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure means an unusable file
-        raise SnapshotError(f"its state skeleton does not load: {type(exc).__name__}: {exc}") from None
-    return _fill(skeleton, live, source, bytearray(_ALIGN))
-
-
-def _fill(skeleton: Any, live: Any, source: Source, pad: bytearray) -> Any:
-    if isinstance(skeleton, torch.Tensor):
-        target = live.to_local() if isinstance(live, DTensor) else live
-        same = isinstance(target, torch.Tensor) and (target.shape, target.dtype) == (skeleton.shape, skeleton.dtype)
-        fits = same and target.device.type == "cpu" and target.is_contiguous()
-        out = target.detach() if fits else torch.empty(skeleton.shape, dtype=skeleton.dtype)
-        view = _bytes_of(out)
-        source.read_exactly(view)
-        source.read_exactly(memoryview(pad)[: _padded(len(view)) - len(view)])
-        if same and not fits:
-            target.detach().copy_(out)  # a GPU tensor, or one not contiguous: copied into it
-        return live if same else out
-    if isinstance(skeleton, Mapping):
-        live = live if isinstance(live, Mapping) else {}
-        return {k: _fill(v, live.get(k), source, pad) for k, v in skeleton.items()}
-    if isinstance(skeleton, (list, tuple)):
-        live = live if isinstance(live, (list, tuple)) and len(live) == len(skeleton) else [None] * len(skeleton)
-        return type(skeleton)(_fill(v, w, source, pad) for v, w in zip(skeleton, live, strict=True))
-    return skeleton
 
 
 def parse_trailer(data: bytes) -> ShardInfo:
@@ -310,7 +296,4 @@ def parse_trailer(data: bytes) -> ShardInfo:
     length, magic = _TAIL.unpack(data[-_TAIL.size :])
     if magic != MAGIC or length != len(data) - _TAIL.size:
         raise SnapshotError("not a snapshot trailer")
-    try:
-        return ShardInfo(**json.loads(data[:length]))
-    except (ValueError, TypeError) as exc:
-        raise SnapshotError(f"malformed trailer: {exc}") from None
+    return ShardInfo.decoded(data[:length])

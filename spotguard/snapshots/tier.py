@@ -31,9 +31,10 @@ import torch.distributed as dist
 from spotguard.cadence import Cadence
 from spotguard.checkpoint.comm import FAILURES, Comm, describe, ranks_per_node
 from spotguard.checkpoint.staging import Stager, on_device
-from spotguard.checkpoint.state import load_from_dcp, to_dcp
+from spotguard.checkpoint.state import load_from_dcp, optional_keys, to_dcp
 from spotguard.job.kvstore import Connection
 from spotguard.snapshots import recovery, shard_file
+from spotguard.snapshots.loading import PlanLoader
 from spotguard.snapshots.node_dir import BASE_ENV, DEFAULT_BASE, NodeDir, name_of, private_root
 from spotguard.snapshots.peers import PeerServer, push
 
@@ -65,8 +66,9 @@ class SnapshotTier:
     """Snapshots of one rank's state; made by the Guard when `SnapshotOptions` ask for them.
 
     `run` keys the checkpoint location and `job` is the identity it holds (`spotguard.checkpoint.job`;
-    rank 0's, the same on every rank), written into every snapshot: files of another job are never
-    loaded. None (it could not be read), a snapshot directory this node cannot use safely, or a peer
+    rank 0's, the same on every rank), written into every snapshot with `attempt` (this start of the
+    job, rank 0's, new at every start) and the world size: files of another job are never loaded,
+    and a snapshot is whole only with every shard of one attempt at one world size. None (it could not be read), a snapshot directory this node cannot use safely, or a peer
     server that cannot start, means no snapshots: this rank votes "no room" at the first snapshot,
     so the whole job learns it at once and trains on.
     """
@@ -76,6 +78,7 @@ class SnapshotTier:
         *,
         run: str,
         job: str | None,
+        attempt: str,
         snapshot_dir: str | None,
         replicas: int,
         comm: Comm,
@@ -98,6 +101,7 @@ class SnapshotTier:
         self.buddies = [(self.rank + k * self.ranks_per_node) % self.world_size for k in range(1, self.replicas + 1)]
         self.run = run
         self.job = job
+        self.attempt = attempt
         self.node_dir = self._open_node_dir(snapshot_dir or os.environ.get(BASE_ENV) or DEFAULT_BASE)
         self.cadence = cadence
         self.last: SnapshotDone | None = None
@@ -155,7 +159,7 @@ class SnapshotTier:
             if on_device(state_dict):  # into pinned buffers at the copy's full speed; into the file in the background
                 copied = self._stager.stage(state_dict)
             else:  # straight into the file's mapped pages: the copy is the write
-                copied = shard_file.MappedShard(path, state_dict, self.node_dir.take_spare).fill(state_dict)
+                copied = shard_file.MappedShard(path, state_dict, self.node_dir.take_spare).fill()
         except Exception as exc:  # noqa: BLE001 - reported as this rank's failed snapshot
             copied = exc
         stall = time.monotonic() - started
@@ -170,33 +174,31 @@ class SnapshotTier:
         )
         self._pending.start()
 
-    def restore(self, state: MutableMapping[str, Any], durable: int | None) -> int | None:
-        """Load the newest whole snapshot newer than (or as new as) the durable step `durable`
-        (rank 0's word; a collective); its step, or None when there is none to load."""
+    def restore(self, state: MutableMapping[str, Any], durable: int | None) -> recovery.Plan | None:
+        """Load the newest whole snapshot newer than (or as new as) the durable step `durable` (rank 0's
+        word), at whatever world size it was taken (a collective): the plan it came from, or None when
+        there is none to load."""
         local_rank = self.rank % self.ranks_per_node  # the layout the buddies assume: nodes' ranks contiguous
         held = []
         if self.node_dir is not None and self.job is not None:
             held = recovery.holdings(self.node_dir, (self.run, self.job), local_rank, self.ranks_per_node)
-        live = functools.cache(lambda: to_dcp(state))  # made only to load: on a fresh optimizer it adds state
-        fetched: dict[str, Any] = {"touched": False}  # this rank's shard, read into `live` for the plan agreed last
-
-        def get_shard(plan: recovery.Plan) -> str | None:
-            fetched["touched"] = True
-            problem, fetched["loaded"] = recovery.get_shard(
-                plan, self.rank, self.world_size, self.node_dir, self.ranks_per_node,
-                lambda r: self._address_of(r, self._conn), live,
-            )  # fmt: skip
-            return problem
-
-        plan = recovery.agree_on_plan(self.comm, held, self.ranks_per_node, durable, get_shard)
+        loader = PlanLoader(
+            self.comm,
+            self.node_dir,
+            self.ranks_per_node,
+            lambda r: self._address_of(r, self._conn),
+            functools.cache(lambda: to_dcp(state)),  # made only to load: on a fresh optimizer it adds state
+            optional_keys(state),
+        )
+        plan = recovery.agree(self.comm, held, durable, loader)
         if plan is None:
-            touched = self.comm.gather(fetched["touched"])
+            touched = self.comm.gather(loader.touched)
             if self.comm.broadcast(touched is not None and any(touched)):  # a shard was read, then given up
                 raise shard_file.SnapshotLoadError("no snapshot could be read whole after a rank began reading one")
             return None
         problem = None
         try:
-            load_from_dcp(state, fetched["loaded"])
+            load_from_dcp(state, loader.loaded)
         except FAILURES as exc:
             problem = describe(exc, self.rank)
         problems = [p for p in (self.comm.gather(problem) or []) if p]
@@ -206,7 +208,7 @@ class SnapshotTier:
             why = " | ".join(problems)
             raise shard_file.SnapshotLoadError(f"the snapshot of step {plan.step} did not load: {why}")
         self.complete = plan.step  # kept by the next snapshot's sweep; its verdict was another run's
-        return plan.step
+        return plan
 
     def wait(self) -> SnapshotDone | None:
         """The background part of the snapshot in flight, finished (it never raises: it reports)."""
@@ -301,8 +303,9 @@ class SnapshotTier:
             if isinstance(copied, BaseException):
                 raise copied
             if not isinstance(copied, shard_file.MappedShard):  # staged in host buffers
-                copied = shard_file.MappedShard(path, copied, self.node_dir.take_spare).fill(copied)
-            info = copied.finish(run=self.run, job=self.job, step=step, rank=self.rank, world_size=self.world_size)
+                copied = shard_file.MappedShard(path, copied, self.node_dir.take_spare).fill()
+            info = copied.finish(run=self.run, job=self.job, attempt=self.attempt, step=step, rank=self.rank,
+                                 world_size=self.world_size)  # fmt: skip
             size, write_s = info.body_bytes, time.monotonic() - started
             for buddy in self.buddies:
                 push(self._address_of(buddy, self._background_conn), path, name_of(step, self.rank, self.world_size))

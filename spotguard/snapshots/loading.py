@@ -1,0 +1,165 @@
+"""One rank's load of the snapshot rank 0 chose (`recovery.Plan`), at the job's world size now.
+
+The index of each shard (its trailer) says which chunks it holds. At the world size the snapshot
+was taken at, a rank reads its own shard's index (from its node's copy or a holder's) and nothing
+else: no exchange. At another world size every shard's index is needed: each is read once, by
+the first rank whose node holds it, gathered on rank 0 and broadcast (the size of DCP's own
+metadata, which a durable resume reads on every rank too). DCP's load planner then works out the
+reads (`items.CoveringPlanner`) and `reading.SnapshotReader` does them: from this node's files
+first, else from a holder, spread over the holders by rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any, ContextManager
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
+
+from spotguard.checkpoint.comm import Comm
+from spotguard.checkpoint.state import optional_keys
+from spotguard.snapshots import shard_file
+from spotguard.snapshots.items import CoveringPlanner, metadata_of, top_level_keys
+from spotguard.snapshots.node_dir import NodeDir, name_of
+from spotguard.snapshots.peers import PeerRuns, fetch_info
+from spotguard.snapshots.reading import FileRuns, OpenShard, ShardUnusable, SnapshotReader, Source
+from spotguard.snapshots.recovery import Plan, Problem
+from spotguard.snapshots.shard_file import ShardInfo
+
+log = logging.getLogger(__name__)
+
+
+class PlanLoader:
+    """Loads a plan into `live()` (the DCP state dict of the state being resumed) on one rank.
+
+    `optional`: the state's keys that a snapshot may lack (`state.IfSaved`); `address_of(rank)`: the
+    peer server of a rank.
+    """
+
+    def __init__(
+        self,
+        comm: Comm,
+        node_dir: NodeDir,
+        ranks_per_node: int,
+        address_of: Callable[[int], str],
+        live: Callable[[], dict[str, Any]],
+        optional: list[str],
+    ) -> None:
+        self.comm = comm
+        self.node_dir = node_dir
+        self.ranks_per_node = ranks_per_node
+        self.address_of = address_of
+        self.live = live
+        self.optional = optional
+        self.touched = False  # whether this rank read into the state's tensors
+        self.loaded: dict[str, Any] | None = None  # the state dict loaded, for `load_from_dcp`
+
+    def __call__(self, plan: Plan) -> list[Problem]:
+        """Load `plan` (a collective when the world size changed); what went wrong on this rank."""
+        self.loaded = None
+        indexes, problems = self._indexes(plan)
+        if problems or indexes is None:
+            return problems
+        try:
+            self._load(plan, indexes)
+        except ShardUnusable as exc:
+            return [Problem(exc.why, exc.shard, self._source(plan, exc.shard))]
+        except Exception as exc:  # noqa: BLE001 - the snapshot cannot serve this state: no copy would
+            return [Problem(f"{type(exc).__name__}: {exc}")]
+        return []
+
+    # ---- which shards hold what ---------------------------------------------------------
+    def _indexes(self, plan: Plan) -> tuple[dict[int, ShardInfo] | None, list[Problem]]:
+        if plan.world_size == self.comm.world_size:  # its own shard, as taken
+            shard = self.comm.rank
+            try:
+                return {shard: self._info(plan, shard, self._source(plan, shard))}, []
+            except Exception as exc:  # noqa: BLE001 - this copy is unusable
+                return None, [Problem(f"{type(exc).__name__}: {exc}", shard, self._source(plan, shard))]
+        mine: dict[int, ShardInfo] = {}
+        problems = []
+        for shard, holders in enumerate(plan.holders):
+            if holders[0] == self.comm.rank:
+                try:
+                    mine[shard] = self._info(plan, shard, self.comm.rank)
+                except Exception as exc:  # noqa: BLE001 - this copy is unusable
+                    problems.append(Problem(f"{type(exc).__name__}: {exc}", shard, self.comm.rank))
+        gathered = self.comm.gather((mine, bool(problems)))
+        indexes = None
+        if gathered is not None and not any(failed for _, failed in gathered):
+            indexes = {shard: info for part, _ in gathered for shard, info in part.items()}
+        return self.comm.broadcast(indexes), problems
+
+    def _info(self, plan: Plan, shard: int, holder: int) -> ShardInfo:
+        name = name_of(plan.step, shard, plan.world_size)
+        if self._same_node(holder):
+            info = shard_file.read_info(self.node_dir.file(name))
+        else:
+            info = fetch_info(self.address_of(holder), name)
+        if (info.attempt, info.step, info.rank, info.world_size) != (plan.attempt, plan.step, shard, plan.world_size):
+            raise shard_file.SnapshotError(f"{name} now belongs to another start of the job")
+        return info
+
+    def _source(self, plan: Plan, shard: int) -> int:
+        """The holder this rank reads `shard` from: one on its own node, else one picked by rank."""
+        holders = plan.holders[shard]
+        local = [h for h in holders if self._same_node(h)]
+        return local[0] if local else holders[self.comm.rank % len(holders)]
+
+    def _same_node(self, rank: int) -> bool:
+        return rank // self.ranks_per_node == self.comm.rank // self.ranks_per_node
+
+    # ---- the load ------------------------------------------------------------------------------
+    def _load(self, plan: Plan, indexes: Mapping[int, ShardInfo]) -> None:
+        live = self.live()
+        saved = set().union(*(top_level_keys(info.paths) for info in indexes.values()))
+        for key in self.optional:
+            if key not in saved and key in live:
+                del live[key]  # left as it is (`IfSaved`)
+        local = {s for s, holders in enumerate(plan.holders) if any(map(self._same_node, holders))}
+
+        def prefer(shard: int) -> tuple[bool, bool, int]:  # a copy on this node, then this rank's own
+            return shard not in local, shard != self.comm.rank, shard
+
+        def open_shard(shard: int, runs: list[tuple[int, int]]) -> ContextManager[Source]:
+            self.touched = True
+            name = name_of(plan.step, shard, plan.world_size)
+            holder = self._source(plan, shard)
+            if self._same_node(holder):
+                return FileRuns(self.node_dir.file(name))
+            return PeerRuns(self.address_of(holder), name, runs)
+
+        bytes_read = load_shards(live, indexes, prefer, open_shard)
+        self.loaded = live
+        for shard, nbytes in sorted(bytes_read.items()):
+            holder = self._source(plan, shard)
+            where = "this node" if self._same_node(holder) else f"rank {holder}"
+            log.info("snapshot of step %d: read %d bytes of rank %d's shard (of %d) from %s", plan.step, nbytes,
+                     shard, plan.world_size, where)  # fmt: skip
+
+
+def load_shards(
+    live: dict[str, Any], indexes: Mapping[int, ShardInfo], prefer: Callable[[int], Any], open_shard: OpenShard
+) -> dict[int, int]:
+    """Load into `live` (a DCP state dict, in place) what it needs of the shards `indexes`, read
+    through `open_shard` (DCP's planner on this rank alone); the bytes read from each shard."""
+    metadata, copies = metadata_of({shard: info.items for shard, info in indexes.items()})
+    reader = SnapshotReader(metadata, copies, indexes, prefer, open_shard)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(live, storage_reader=reader, planner=CoveringPlanner(), no_dist=True)
+    except CheckpointException as exc:  # DCP's wrapping of what the reader or the planner raised
+        raise _first_failure(exc) from None
+    return reader.bytes_read
+
+
+def _first_failure(exc: CheckpointException) -> BaseException:
+    for failure in exc.failures.values():
+        error = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(error, BaseException):
+            return error
+    return exc
