@@ -443,6 +443,9 @@ class Guard:
         )
         report = self._save(step, state, reason="emergency", wait=True, notice=plan.notice, departure=plan.departure)
         self._emergency_outcome(step, plan, report)
+        if report is not None and self._snapshots.options.enabled:
+            with self._busy():  # the next start, at any world size, reads the step from the nodes' memory
+                self._snapshots.keep_emergency(step, state, plan.notice.seconds_left())
         return True
 
     def _emergency_outcome(self, step: int, plan: EmergencyPlan, report: SaveReport | None) -> None:

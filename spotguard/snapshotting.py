@@ -26,6 +26,8 @@ from spotguard.snapshots.tier import SnapshotTier
 log = logging.getLogger(__name__)
 
 SNAPSHOT = "snapshot"  # the reason of an agreed step that is a snapshot's, not a save's
+EMERGENCY_WAIT_S = 60.0  # the longest an emergency waits for the snapshot of its step
+EMERGENCY_MARGIN_S = 5.0  # the time before the deadline that snapshot leaves alone
 # Rank 0 could not list the committed steps: no snapshot is newer than this, so none is loaded.
 _UNKNOWN_STEP = sys.maxsize
 
@@ -94,6 +96,18 @@ class GuardSnapshots:
             self.made().snapshot(step, state)  # type: ignore[union-attr]
         except Exception:  # noqa: BLE001 - invariant 3: a failed snapshot never crashes the training loop
             log.exception("the snapshot of step %d failed", step)
+
+    def keep_emergency(self, step: int, state: Mapping[str, Any], seconds_left: float | None) -> None:
+        """After the emergency's durable save, a snapshot of the same step (a collective): the job that
+        starts next, at whatever world size, then reads it from the nodes' memory, not from storage.
+        Taken only with EMERGENCY_MARGIN_S to spare, and waited for (its replicas too) until then."""
+        budget = EMERGENCY_WAIT_S if seconds_left is None else min(EMERGENCY_WAIT_S, seconds_left - EMERGENCY_MARGIN_S)
+        if budget <= 0:
+            log.info("no snapshot of the emergency's step %d: %.0f s left before the deadline", step, seconds_left)
+            return
+        self.take(step, state)
+        if self.tier is not None and self.tier.wait(timeout=budget) is None and self.tier.in_flight:
+            log.warning("the snapshot of the emergency's step %d did not finish in %.0f s", step, budget)
 
     def interval(self, goodput: GoodputRecorder, run_hours: float) -> float:
         """The next wait of the snapshot timer: fixed, or the snapshot cadence's choice now."""

@@ -20,6 +20,7 @@ from spotguard.cli import main
 from spotguard.goodput import GoodputRecorder
 from spotguard.options import SnapshotOptions
 from spotguard.snapshots import shard_file
+from spotguard.snapshots.items import LayoutError
 from spotguard.snapshots.loading import load_shards
 from spotguard.snapshots.node_dir import NodeDir, name_of
 from spotguard.snapshots.peers import PeerRuns, PeerServer, fetch_info, push
@@ -367,3 +368,34 @@ def test_no_snapshot_is_loaded_while_the_committed_steps_cannot_be_listed(tmp_pa
         start, _, _ = run(tmp_path, 12)
     assert start == 0  # here the durable path could list: nothing committed, a fresh start
     assert "the committed steps cannot be listed (OSError: the bucket does not answer)" in caplog.text
+
+
+def chunked(tmp_path, whole: torch.Tensor, parts: int) -> dict:
+    """`whole` saved as `parts` shards of rows, as FSDP shards a parameter over `parts` ranks: each
+    file's index says where its rows sit in the global tensor."""
+    import dataclasses
+
+    infos, rows = {}, whole.shape[0] // parts
+    for shard in range(parts):
+        path = tmp_path / f"shard-{shard}.snap"
+        info = write_shard(path, {"w": whole[shard * rows : (shard + 1) * rows].clone()}, rank=shard, world=parts)
+        (item,) = info.items
+        item = dataclasses.replace(item, chunk_offsets=(shard * rows, 0), size=tuple(whole.shape))
+        infos[shard] = (path, dataclasses.replace(info, items=(item,)))
+    return infos
+
+
+def test_the_chunks_of_several_shards_are_read_into_one_tensor_and_a_missing_one_fails_the_load(tmp_path):
+    whole = torch.arange(16.0).reshape(8, 2)
+    shards = chunked(tmp_path, whole, 4)
+    indexes = {shard: info for shard, (_, info) in shards.items()}
+
+    def open_shard(shard, runs):
+        return FileRuns(shards[shard][0])
+
+    live = {"w": torch.zeros(8, 2)}
+    read = load_shards(live, indexes, lambda s: s, open_shard)
+    assert torch.equal(live["w"], whole) and sorted(read) == [0, 1, 2, 3]
+    del indexes[2]  # a shard nowhere: DCP's planner alone would leave its rows as they were
+    with pytest.raises(LayoutError, match="holds 12 of its 16 elements"):
+        load_shards({"w": torch.zeros(8, 2)}, indexes, lambda s: s, open_shard)

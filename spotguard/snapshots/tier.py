@@ -210,12 +210,20 @@ class SnapshotTier:
         self.complete = plan.step  # kept by the next snapshot's sweep; its verdict was another run's
         return plan
 
-    def wait(self) -> SnapshotDone | None:
-        """The background part of the snapshot in flight, finished (it never raises: it reports)."""
+    def wait(self, timeout: float | None = None) -> SnapshotDone | None:
+        """The background part of the snapshot in flight, finished (it never raises: it reports);
+        None when it did not finish within `timeout`."""
         if self._pending is not None:
-            self._pending.join()
+            self._pending.join(timeout)
+            if self._pending.is_alive():
+                return None
             self._pending = None
         return self.last
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a snapshot's background part is still running."""
+        return self._pending is not None and self._pending.is_alive()
 
     def forget_after(self, step: int | None) -> None:
         """This node's snapshots of steps after `step` (the step a resume started from; None: a fresh
