@@ -347,7 +347,8 @@ class Guard:
             raise SystemExit(UNAVAILABLE_EXIT_CODE) from None
         next_step = 0 if step is None else step + 1
         resharded = self._snapshots.resharded
-        self._goodput.resumed(step, next_step, time.monotonic() - started, self._ckpt.run, tier=tier, resharded=resharded)
+        took = time.monotonic() - started
+        self._goodput.resumed(step, next_step, took, self._ckpt.run, tier=tier, resharded=resharded)
         if step is None:
             self.timeline.add("fresh-start", checkpoint_dir=self.checkpoint_dir)
             return 0

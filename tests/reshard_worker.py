@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import logging
 import sys
 import time
@@ -21,9 +20,10 @@ import torch.nn.functional as F
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from train_ddp import batch, build_model, say, shard  # noqa: E402
+
 import spotguard  # noqa: E402
 from spotguard.checkpoint.state import to_dcp  # noqa: E402
-from train_ddp import batch, build_model, say, shard  # noqa: E402
 
 
 def digest(model: torch.nn.Module, optim: torch.optim.Optimizer) -> str:
@@ -66,7 +66,9 @@ def main() -> None:
             say({"loaded": args.load, "world": world, "digest": value})
         dist.destroy_process_group()
         return
-    with spotguard.Guard(args.checkpoint_dir, cloud=args.cloud, local_dir=args.local_dir, save_every=args.save_every) as guard:
+    with spotguard.Guard(
+        args.checkpoint_dir, cloud=args.cloud, local_dir=args.local_dir, save_every=args.save_every
+    ) as guard:
         start = guard.resume(state)
         value = digest(model, optim)
         if rank == 0:

@@ -17,9 +17,8 @@ import pytest
 import torch
 
 from spotguard.checkpoint.handoff import doorway
-from spotguard.snapshots.node_dir import NodeDir, name_of
-from spotguard.snapshots import shard_file
 from spotguard.snapshots.loading import load_shards
+from spotguard.snapshots.node_dir import NodeDir, name_of
 from spotguard.snapshots.peers import MAX_CONNECTIONS, PeerRuns, PeerServer, fetch_info, push
 from tests.test_snapshots import write_shard
 

@@ -52,7 +52,9 @@ def wait_for(nodes: list[localnodes.LocalNode], key: str, world: int, after: int
 
 def loaded_digest(tmp: Path, nnodes: int, mirror: Path, step: int) -> str:
     """The digest of the plain DCP checkpoint of `step` loaded by `nnodes` fresh nodes."""
-    nodes = localnodes.start_nodes(nnodes, WORKER, str(tmp / "unused"), tmp / f"load{step}", ["--load", f"{mirror}/step-{step}"], CHECKOUT)
+    nodes = localnodes.start_nodes(
+        nnodes, WORKER, str(tmp / "unused"), tmp / f"load{step}", ["--load", f"{mirror}/step-{step}"], CHECKOUT
+    )
     try:
         assert [node.finish(120) for node in nodes] == [0] * nnodes, "\n".join(n.tail() for n in nodes)
     finally:
@@ -94,6 +96,8 @@ def test_a_node_lost_without_notice_then_a_new_one_joins_both_resume_from_the_pe
     # The whole state after each reshard equals a durable checkpoint of the same step loaded at the same size.
     assert shrunk["digest"] == loaded_digest(tmp_path, 2, mirror, shrunk["resumed"])
     assert grown["digest"] == loaded_digest(tmp_path, 3, mirror, grown["resumed"])
+    for node in (nodes[0], nodes[1], nodes[3]):  # the former shapes' files freed once the new one's are whole
+        assert {p.name[-10:-5] for p in node.snapshot_dir.rglob("*.snap")} == {"00003"}
 
 
 def interrupted(tmp_path: Path, env: dict[str, str] | None = None) -> tuple[Path, list[localnodes.LocalNode]]:
@@ -111,7 +115,9 @@ def interrupted(tmp_path: Path, env: dict[str, str] | None = None) -> tuple[Path
 
 
 def relaunch_at_two(tmp_path: Path, ckpt: Path, env: dict[str, str] | None = None) -> tuple[dict, str]:
-    nodes = localnodes.start_nodes(2, WORKER, str(ckpt), tmp_path, [*ARGS, "--steps", "40"], {**CHECKOUT, **ENV, **(env or {})})
+    nodes = localnodes.start_nodes(
+        2, WORKER, str(ckpt), tmp_path, [*ARGS, "--steps", "40"], {**CHECKOUT, **ENV, **(env or {})}
+    )
     try:
         codes = [node.finish(180) for node in nodes]
     finally:
@@ -142,7 +148,9 @@ def test_a_corrupted_replica_is_struck_off_for_the_snapshot_before(tmp_path):
     data[100] ^= 0xFF  # in the first block: every reader of the shard needs it
     replica.write_bytes(data)
     resumed, text = relaunch_at_two(tmp_path, ckpt)
-    assert re.search(rf"snapshot of step {newest} \(world size 3\): rank \d cannot use shard 2 from rank 0 .*CRC32C", text)
+    assert re.search(
+        rf"snapshot of step {newest} \(world size 3\): rank \d cannot use shard 2 from rank 0 .*CRC32C", text
+    )
     assert resumed["resumed"] == older and RESUMED.search(text).groups() == (str(older), "3", "2")
 
 

@@ -399,3 +399,37 @@ def test_the_chunks_of_several_shards_are_read_into_one_tensor_and_a_missing_one
     del indexes[2]  # a shard nowhere: DCP's planner alone would leave its rows as they were
     with pytest.raises(LayoutError, match="holds 12 of its 16 elements"):
         load_shards({"w": torch.zeros(8, 2)}, indexes, lambda s: s, open_shard)
+
+
+def test_a_job_at_a_new_size_keeps_the_snapshot_it_resumed_from_until_one_of_its_own_is_complete(tmp_path, capsys):
+    """The retention rules across a change of shape, on one node: a job of 2 ranks (replicated, as DDP)
+    left step 8 in this node's memory; the job now runs 1 rank. It resumes from it (resharded 2 -> 1),
+    keeps it while its own first snapshot is not known complete, and frees it after that."""
+    run(tmp_path, 11)  # snapshots of steps 4 and 8 at world size 1
+    (newest,) = [p for p in snaps(tmp_path) if p.parent.name == "step-0000000008"]
+    info, saved = shard_file.read_info(newest), trained(5, steps=0)
+    load(newest, saved)
+    for rank in (0, 1):  # what two ranks of an earlier start of the job took
+        shard = shard_file.MappedShard(newest.parent / name_of(8, rank, 2).split("/")[1], to_dcp(saved)).fill()
+        shard.finish(run=info.run, job=info.job, attempt="earlier", step=8, rank=rank, world_size=2)
+    newest.unlink()
+    state = trained(1, steps=0)
+    options = {"snapshot_every": 4, "snapshot_dir": str(tmp_path / "memory"), "exit_code": None}
+    with spotguard.Guard(str(tmp_path / "ckpt"), cloud="none", **options) as guard:
+        assert guard.resume(state) == 9
+        assert digest(state) == digest(saved)
+        shapes = []
+        for step in range(9, 17):
+            guard.step(step, state)
+            guard.snapshots.wait()
+            shapes.append(sorted({(p.parent.name[-2:], p.name[-10:-5]) for p in snaps(tmp_path)}))
+    assert resumes(tmp_path)[-1]["resharded"] == [2, 1]
+    capsys.readouterr()
+    assert main(["report", str(tmp_path / "ckpt")]) == 0
+    assert "snapshot, resharded 2 -> 1" in capsys.readouterr().out
+    assert shapes[3] == [("08", "00002"), ("12", "00001")]  # step 12 taken, not yet known complete
+    assert shapes[7] == [("12", "00001"), ("16", "00001")]  # 12 complete: the former shape's files freed
+
+
+def snaps(tmp_path) -> list:
+    return sorted((tmp_path / "memory").rglob("*.snap"))

@@ -65,7 +65,13 @@ class StoredItem:
     @classmethod
     def decoded(cls, raw: Any) -> StoredItem:
         fqn, offset, nbytes, dtype, chunk_offsets, chunk_sizes, size = raw
-        return cls(str(fqn), int(offset), int(nbytes), str(dtype), *(tuple(map(int, v)) for v in (chunk_offsets, chunk_sizes, size)))
+        return cls(
+            str(fqn),
+            int(offset),
+            int(nbytes),
+            str(dtype),
+            *(tuple(map(int, v)) for v in (chunk_offsets, chunk_sizes, size)),
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,6 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
 from spotguard.checkpoint.comm import Comm
-from spotguard.checkpoint.state import optional_keys
 from spotguard.snapshots import shard_file
 from spotguard.snapshots.items import CoveringPlanner, metadata_of, top_level_keys
 from spotguard.snapshots.node_dir import NodeDir, name_of

@@ -250,7 +250,11 @@ def _deliver(need: _Need, planner: LoadPlanner) -> None:
     target = need.dest
     assert target is not None
     if need.direct is None:
-        stored = torch.frombuffer(need.buffer, dtype=item.torch_dtype) if need.buffer else torch.empty(0, dtype=item.torch_dtype)
+        stored = (
+            torch.frombuffer(need.buffer, dtype=item.torch_dtype)
+            if need.buffer
+            else torch.empty(0, dtype=item.torch_dtype)
+        )
         if need.end - need.start == item.nbytes:  # the whole chunk: the box is cut out of it
             piece = narrow_tensor_by_index(stored.view(item.chunk_sizes), read.storage_offsets, read.lengths)
         else:  # a contiguous slice of rows

@@ -31,7 +31,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from spotguard.checkpoint.shard_io import crc32c_extend
-from spotguard.snapshots.items import Entry, StoredItem, laid_out, stored
+from spotguard.snapshots.items import StoredItem, laid_out, stored
 
 MAGIC = b"SGSNAP02"
 _TAIL = struct.Struct("!Q8s")  # the trailer's length, MAGIC

@@ -68,8 +68,9 @@ class SnapshotTier:
     `run` keys the checkpoint location and `job` is the identity it holds (`spotguard.checkpoint.job`;
     rank 0's, the same on every rank), written into every snapshot with `attempt` (this start of the
     job, rank 0's, new at every start) and the world size: files of another job are never loaded,
-    and a snapshot is whole only with every shard of one attempt at one world size. None (it could not be read), a snapshot directory this node cannot use safely, or a peer
-    server that cannot start, means no snapshots: this rank votes "no room" at the first snapshot,
+    and a snapshot is whole only with every shard of one attempt at one world size. None (it could
+    not be read), a snapshot directory this node cannot use safely, or a peer server that cannot
+    start, means no snapshots: this rank votes "no room" at the first snapshot,
     so the whole job learns it at once and trains on.
     """
 
