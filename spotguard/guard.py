@@ -429,9 +429,10 @@ class Guard:
             return False
         plan = self._coordination.plan(emergencies)
         self.leaving = self.topology.rank in plan.leaving or plan.departure is None
+        # this node's own cloud notice, whatever other notices (a joining node's SIGTERM) came with it
+        reclaimed = any(n.node == self.topology.node and n.cloud != "signal" for n in plan.notices)
         self._exit.withdrawal = elastic.withdrawal(
-            # this node's own cloud notice, whatever other notices (a joining node's SIGTERM) came with it
-            reclaimed=any(n.node == self.topology.node and n.cloud != "signal" for n in plan.notices),
+            reclaimed=reclaimed,
             leaving=self.leaving,
             ranks_left=self.topology.world_size - len(plan.leaving),
             at_least=self._min_nodes,
@@ -444,7 +445,7 @@ class Guard:
         )
         report = self._save(step, state, reason="emergency", wait=True, notice=plan.notice, departure=plan.departure)
         self._emergency_outcome(step, plan, report)
-        if report is not None and self._snapshots.options.enabled:
+        if report is not None and self._snapshots.options.enabled and not (reclaimed and self.leaving):
             with self._busy():  # the next start, at any world size, reads the step from the nodes' memory
                 self._snapshots.keep_emergency(step, state, plan.notice.seconds_left())
         return True

@@ -100,13 +100,21 @@ class GuardSnapshots:
     def keep_emergency(self, step: int, state: Mapping[str, Any], seconds_left: float | None) -> None:
         """After the emergency's durable save, a snapshot of the same step (a collective): the job that
         starts next, at whatever world size, then reads it from the nodes' memory, not from storage.
-        Taken only with EMERGENCY_MARGIN_S to spare, and waited for (its replicas too) until then."""
+        Taken only by a tier that has taken one already (its room agreed), never through the store (a
+        rank that leaves first may take it down), and with EMERGENCY_MARGIN_S to spare; waited for
+        (its replicas too) until then."""
         budget = EMERGENCY_WAIT_S if seconds_left is None else min(EMERGENCY_WAIT_S, seconds_left - EMERGENCY_MARGIN_S)
+        if self.tier is None or not self.tier.has_room:
+            return
         if budget <= 0:
             log.info("no snapshot of the emergency's step %d: %.0f s left before the deadline", step, seconds_left)
             return
-        self.take(step, state)
-        if self.tier is not None and self.tier.wait(timeout=budget) is None and self.tier.in_flight:
+        try:
+            self.tier.snapshot(step, state, last=True)
+        except Exception:  # noqa: BLE001 - invariant 3, as for any snapshot
+            log.exception("the snapshot of the emergency's step %d failed", step)
+            return
+        if self.tier.wait(timeout=budget) is None and self.tier.in_flight:
             log.warning("the snapshot of the emergency's step %d did not finish in %.0f s", step, budget)
 
     def interval(self, goodput: GoodputRecorder, run_hours: float) -> float:

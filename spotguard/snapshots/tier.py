@@ -128,10 +128,13 @@ class SnapshotTier:
                 self.node_dir, self._server = None, None
 
     # ---- the training thread ---------------------------------------------------------
-    def snapshot(self, step: int, state: Mapping[str, Any]) -> None:
+    def snapshot(self, step: int, state: Mapping[str, Any], *, last: bool = False) -> None:
         """Begin the snapshot of `step`: returns once `state` is copied; the rest runs in the background.
 
-        Whatever fails here is reported as this rank's failed snapshot: no rank waits for it.
+        Whatever fails here is reported as this rank's failed snapshot: no rank waits for it. The
+        `last` snapshot of a process (after an emergency) never touches the job's store, which a rank
+        that leaves first may take down with it: it waits for no verdict, reports none, and keeps the
+        snapshot begun before it too (whether that one was complete is not known).
         """
         started = time.monotonic()
         self.wait()
@@ -143,7 +146,7 @@ class SnapshotTier:
             self._room = self._check_room(state_dict)
         if not self._room:
             return
-        if self._begun is not None:
+        if self._begun is not None and not last:
             verdict = self._verdict(f"{self._prefix}{self._begun}")
             if verdict == "ok":
                 self.complete = self._begun
@@ -155,7 +158,8 @@ class SnapshotTier:
         try:
             if state_dict is None:
                 raise problem
-            self.node_dir.keep_only({s for s in (self.complete, step) if s is not None}, spares=self._files_per_step)
+            kept = {self.complete, step, previous if last else None} - {None}
+            self.node_dir.keep_only(kept, spares=self._files_per_step)  # type: ignore[arg-type]
             path.parent.mkdir(parents=True, exist_ok=True)
             if on_device(state_dict):  # into pinned buffers at the copy's full speed; into the file in the background
                 copied = self._stager.stage(state_dict)
@@ -169,7 +173,8 @@ class SnapshotTier:
         # A daemon thread: a process leaving after an emergency does not wait for a snapshot's replication.
         self._pending = threading.Thread(
             target=self._write_and_replicate,
-            args=(step, path, copied, stall, previous),
+            args=(step, path, copied, stall, None if last else previous),
+            kwargs={"report": not last},
             name="spotguard-snapshot",
             daemon=True,
         )
@@ -220,6 +225,11 @@ class SnapshotTier:
                 return None
             self._pending = None
         return self.last
+
+    @property
+    def has_room(self) -> bool:
+        """Whether every node agreed, at the first snapshot, that it has room for the tier."""
+        return bool(self._room)
 
     @property
     def in_flight(self) -> bool:
@@ -305,6 +315,7 @@ class SnapshotTier:
         copied: shard_file.MappedShard | BaseException | Mapping[str, Any],
         stall: float,
         previous: int | None,
+        report: bool = True,
     ) -> SnapshotDone:
         started = time.monotonic()
         size, write_s, error = 0, 0.0, None
@@ -333,7 +344,7 @@ class SnapshotTier:
         )
         try:
             store = self._background_conn.store
-            if _report(store, f"{self._prefix}{step}", self.world_size, done.ok) and previous is not None:
+            if report and _report(store, f"{self._prefix}{step}", self.world_size, done.ok) and previous is not None:
                 for suffix in ("done", "failed", "verdict"):  # every rank has read the previous verdict by now
                     store.delete_key(f"{self._prefix}{previous}/{suffix}")
         except Exception as exc:  # noqa: BLE001 - the store is gone: the job is ending, the training thread says so
