@@ -331,7 +331,8 @@ class SnapshotTier:
                 push(self._address_of(buddy, self._background_conn), path, name_of(step, self.rank, self.world_size))
         except Exception as exc:  # noqa: BLE001 - a failed snapshot leaves the previous one; training goes on
             error = f"{type(exc).__name__}: {exc}"
-            log.warning("the snapshot of step %d failed: %s", step, error)
+            kept = " (kept on this node, not replicated)" if size else ""
+            log.warning("the snapshot of step %d failed%s: %s", step, kept, error)
         done = SnapshotDone(
             step=step,
             bytes=size,
