@@ -445,8 +445,10 @@ class Guard:
         )
         report = self._save(step, state, reason="emergency", wait=True, notice=plan.notice, departure=plan.departure)
         self._emergency_outcome(step, plan, report)
-        if report is not None and self._snapshots.options.enabled and not (reclaimed and self.leaving):
-            with self._busy():  # the next start, at any world size, reads the step from the nodes' memory
+        # The next start, at any world size, reads the step from the nodes' memory; not when a cloud takes a
+        # node (the plan is every rank's): its shards would be missing, and it must leave at once.
+        if report is not None and self._snapshots.options.enabled and all(n.cloud == "signal" for n in plan.notices):
+            with self._busy():
                 self._snapshots.keep_emergency(step, state, plan.notice.seconds_left())
         return True
 

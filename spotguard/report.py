@@ -65,7 +65,8 @@ def _segment(records: list[Record], origin: datetime) -> dict[str, Any]:
         "wall_s": wall_s,
         "resume_s": resume_s,
         "resumed_from": resume.step if resume else None,
-        "resumed_tier": _tier(resume),  # "durable", "snapshot" (the nodes' memory), "snapshot, resharded W -> W'", None
+        "resumed_tier": resume.tier if resume else None,  # "durable", "snapshot" (the nodes' memory), None
+        "resumed_resharded": resume.resharded if resume else None,  # [W, W']: a snapshot of another world size
         "first_step": first_step,
         "last_step": last_step,
         "steps": last_step + 1 - first_step if last_step is not None and first_step is not None else 0,
@@ -207,7 +208,7 @@ def format_text(summary: dict[str, Any], location: str) -> str:
     ]
     if s["cadence"]:
         lines.append(f"  save interval (auto)   {s['cadence']['explain']} ({s['cadence_changes']} change(s))")
-    tiers = max((len(seg["resumed_tier"] or "") for seg in s["segment_details"]), default=0)
+    tiers = max((len(_tier(seg)) for seg in s["segment_details"]), default=0)
     width = max(8, tiers)
     lines += ["", f"  {'SEGMENT':<24} {'START':>9} {'WALL':>9} {'STEPS':>13} {'RESUME':>7} {'FROM':<{width}} "
                   f"{'SAVES':>5} {'STALL':>7}  ENDED"]  # fmt: skip
@@ -216,7 +217,7 @@ def format_text(summary: dict[str, Any], location: str) -> str:
         code = f" ({seg['exit_code']})" if seg["exit_code"] is not None else ""
         lines.append(
             f"  {seg['segment']:<24} {seg['start_s']:>8.1f}s {seg['wall_s']:>8.1f}s {steps:>13} "
-            f"{seg['resume_s']:>6.1f}s {seg['resumed_tier'] or '-':<{width}} {len(seg['saves']):>5} "
+            f"{seg['resume_s']:>6.1f}s {_tier(seg):<{width}} {len(seg['saves']):>5} "
             f"{seg['save_stall_s']:>6.2f}s  {seg['ended']}{code}"
         )
     if s["interruption_details"]:
@@ -224,7 +225,8 @@ def format_text(summary: dict[str, Any], location: str) -> str:
                   f"{'STEPS LOST':>10} {'LOST':>8} {'TO RESUME':>10}  NOTICED AFTER, CULPRIT"]  # fmt: skip
         for x in s["interruption_details"]:
             by = f"{x['cloud']}:{x['action']}" if x["cloud"] else x["cause"] or "unrecorded"
-            silent = f"  {x['noticed_after_s']:.1f} s, {x['culprit'] or '-'}" if x["noticed_after_s"] is not None else ""
+            noticed = x["noticed_after_s"]
+            silent = f"  {noticed:.1f} s, {x['culprit'] or '-'}" if noticed is not None else ""
             lost = "-" if x["steps_lost"] is None else f"{'' if x['exact'] else '>='}{x['steps_lost']}"
             lines.append(
                 f"  {x['at_s']:>14.1f}s {by:<16} {x['agreed_step'] if x['agreed_step'] is not None else '-':>7} "
@@ -236,11 +238,9 @@ def format_text(summary: dict[str, Any], location: str) -> str:
     return "\n".join(lines)
 
 
-def _tier(resume: Resume | None) -> str | None:
-    """Where a segment's step came from, as the report says it."""
-    if resume is None or resume.tier is None:
-        return None
-    if resume.resharded:
-        then, now = resume.resharded
-        return f"{resume.tier}, resharded {then} -> {now}"
-    return resume.tier
+def _tier(segment: dict[str, Any]) -> str:
+    """Where a segment's step came from, as the table says it: "snapshot, resharded 3 -> 2", say."""
+    tier, resharded = segment["resumed_tier"] or "-", segment.get("resumed_resharded")
+    if isinstance(resharded, list) and len(resharded) == 2:
+        return f"{tier}, resharded {resharded[0]} -> {resharded[1]}"
+    return tier

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import secrets
 import sys
+import time
 from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
@@ -101,20 +102,27 @@ class GuardSnapshots:
         """After the emergency's durable save, a snapshot of the same step (a collective): the job that
         starts next, at whatever world size, then reads it from the nodes' memory, not from storage.
         Taken only by a tier that has taken one already (its room agreed), never through the store (a
-        rank that leaves first may take it down), and with EMERGENCY_MARGIN_S to spare; waited for
-        (its replicas too) until then."""
+        rank that leaves first may take it down), and only when its last stall fits before
+        EMERGENCY_MARGIN_S ahead of the deadline; waited for (its replicas too) until then at most."""
+        started = time.monotonic()
         budget = EMERGENCY_WAIT_S if seconds_left is None else min(EMERGENCY_WAIT_S, seconds_left - EMERGENCY_MARGIN_S)
-        if self.tier is None or not self.tier.has_room:
+        tier = self.tier
+        if tier is None or not tier.has_room:
             return
-        if budget <= 0:
-            log.info("no snapshot of the emergency's step %d: %.0f s left before the deadline", step, seconds_left)
+        if tier.in_flight and tier.wait(timeout=max(0.0, budget)) is None:  # the one before still replicating
+            log.info("no snapshot of the emergency's step %d: the one before is still under way", step)
+            return
+        stall = tier.last.stall_s if tier.last is not None else 0.0
+        if budget - (time.monotonic() - started) <= stall:
+            log.info("no snapshot of the emergency's step %d: %.1f s left before the deadline's margin", step,
+                     budget - (time.monotonic() - started))  # fmt: skip
             return
         try:
-            self.tier.snapshot(step, state, last=True)
+            tier.snapshot(step, state, final=True)
         except Exception:  # noqa: BLE001 - invariant 3, as for any snapshot
             log.exception("the snapshot of the emergency's step %d failed", step)
             return
-        if self.tier.wait(timeout=budget) is None and self.tier.in_flight:
+        if tier.wait(timeout=max(0.0, budget - (time.monotonic() - started))) is None and tier.in_flight:
             log.warning("the snapshot of the emergency's step %d did not finish in %.0f s", step, budget)
 
     def interval(self, goodput: GoodputRecorder, run_hours: float) -> float:

@@ -433,3 +433,32 @@ def test_a_job_at_a_new_size_keeps_the_snapshot_it_resumed_from_until_one_of_its
 
 def snaps(tmp_path) -> list:
     return sorted((tmp_path / "memory").rglob("*.snap"))
+
+
+def test_a_thousand_runs_come_back_from_a_peer_in_one_request(tmp_path):
+    """A resume at another world size can ask one holder for thousands of runs (a slice of every
+    parameter): more than a request's admission frame holds."""
+    target = NodeDir(tmp_path / "b", "run")
+    name = name_of(4, 1, 2)
+    path = target.prepare(name)
+    body = torch.arange(1_000_000, dtype=torch.int64)  # 8 MB: two blocks
+    write_shard(path, {"t": body})
+    server = PeerServer(target)
+    try:
+        runs = [(offset, 64) for offset in range(0, 1_900 * 4096, 4096)]
+        with PeerRuns(server.address, name, runs) as source:
+            for offset, length in runs:
+                got = bytearray(length)
+                source.read_into(offset, memoryview(got))
+                assert bytes(got) == body.numpy().tobytes()[offset : offset + length]
+    finally:
+        server.close()
+
+
+def test_a_flipped_byte_in_the_index_is_found_before_any_byte_is_read(tmp_path):
+    path, info = write(tmp_path, trained())
+    data = bytearray(path.read_bytes())
+    data[info.body_bytes + 40] ^= 1  # in the trailer: an offset or a size of the index, say
+    path.write_bytes(data)
+    with pytest.raises(SnapshotError, match="the trailer does not match its CRC32C"):
+        shard_file.read_info(path)

@@ -26,7 +26,7 @@ from spotguard.snapshots.node_dir import NodeDir, name_of
 from spotguard.snapshots.peers import PeerRuns, fetch_info
 from spotguard.snapshots.reading import FileRuns, OpenShard, ShardUnusable, SnapshotReader, Source
 from spotguard.snapshots.recovery import Plan, Problem
-from spotguard.snapshots.shard_file import ShardInfo
+from spotguard.snapshots.shard_file import ShardInfo, SnapshotError
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,10 @@ class PlanLoader:
         try:
             self._load(plan, indexes)
         except ShardUnusable as exc:
-            return [Problem(exc.why, exc.shard, self._source(plan, exc.shard))]
+            holder = self._source(plan, exc.shard)
+            if self._same_node(holder) and isinstance(exc.__cause__, SnapshotError):  # damaged here: never again
+                self.node_dir.file(name_of(plan.step, exc.shard, plan.world_size)).unlink(missing_ok=True)
+            return [Problem(exc.why, exc.shard, holder)]
         except Exception as exc:  # noqa: BLE001 - the snapshot cannot serve this state: no copy would
             return [Problem(f"{type(exc).__name__}: {exc}")]
         return []
@@ -113,7 +116,7 @@ class PlanLoader:
 
     # ---- the load ------------------------------------------------------------------------------
     def _load(self, plan: Plan, indexes: Mapping[int, ShardInfo]) -> None:
-        live = self.live()
+        live = dict(self.live())  # the keys this plan lacks are dropped from this plan's copy only
         saved = set().union(*(top_level_keys(info.paths) for info in indexes.values()))
         for key in self.optional:
             if key not in saved and key in live:
@@ -124,12 +127,14 @@ class PlanLoader:
             return shard not in local, shard != self.comm.rank, shard
 
         def open_shard(shard: int, runs: list[tuple[int, int]]) -> ContextManager[Source]:
-            self.touched = True
             name = name_of(plan.step, shard, plan.world_size)
             holder = self._source(plan, shard)
             if self._same_node(holder):
-                return FileRuns(self.node_dir.file(name))
-            return PeerRuns(self.address_of(holder), name, runs)
+                source: ContextManager[Source] = FileRuns(self.node_dir.file(name))
+            else:
+                source = PeerRuns(self.address_of(holder), name, runs)
+            self.touched = True  # opened: bytes may go into the state's tensors from now on
+            return source
 
         bytes_read = load_shards(live, indexes, prefer, open_shard)
         self.loaded = live
@@ -156,9 +161,9 @@ def load_shards(
     return reader.bytes_read
 
 
-def _first_failure(exc: CheckpointException) -> BaseException:
+def _first_failure(exc: CheckpointException) -> Exception:
     for failure in exc.failures.values():
         error = failure[0] if isinstance(failure, tuple) else failure
-        if isinstance(error, BaseException):
+        if isinstance(error, Exception):
             return error
-    return exc
+    return SnapshotError(str(exc))  # never a BaseException: the caller turns an Exception into a Problem

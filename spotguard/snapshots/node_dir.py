@@ -71,7 +71,8 @@ def _check_path(base: Path) -> None:
             if found.st_uid not in (0, os.geteuid()):
                 raise UnusableDir(f"{part} belongs to uid {found.st_uid}: they could swap the snapshot root")
             if not stat.S_ISLNK(found.st_mode) and _open_to_others(found) and not found.st_mode & stat.S_ISVTX:
-                raise UnusableDir(f"{part} is writable by other users and not sticky: they could swap the snapshot root")
+                why = "is writable by other users and not sticky: they could swap the snapshot root"
+                raise UnusableDir(f"{part} {why}")
 
 
 def _open_to_others(found: os.stat_result) -> bool:

@@ -151,9 +151,11 @@ class PeerServer:
             conn.sendfile(f, info.body_bytes)
 
     def _give_runs(self, conn: socket.socket, request: dict[str, Any]) -> None:
+        """The runs come in a frame of their own, once the request is admitted: a resume at another world
+        size can ask for thousands, more than an admission frame holds."""
         with open(self.node_dir.file(str(request["name"])), "rb") as f:
             _, info = _opened(f)
-            runs = [(int(start), int(length)) for start, length in request["runs"]]
+            runs = [(int(start), int(length)) for start, length in recv_json(conn, Deadline())["runs"]]
             if any(start < 0 or length < 0 or start + length > info.body_bytes for start, length in runs):
                 raise SnapshotError(f"runs outside the body of {info.body_bytes} bytes")
             send_json(conn, {"ok": True})
@@ -233,13 +235,14 @@ def fetch_info(address: str, name: str) -> ShardInfo:
 
 
 class PeerRuns:
-    """Runs of the body of the peer's file `name`, asked for in one request and read in order (a
-    `reading.Source`; the reader checks their blocks)."""
+    """Runs of the body of the peer's file `name`, asked for in one request (the runs in a second
+    frame) and read in order (a `reading.Source`; the reader checks their blocks)."""
 
     def __init__(self, address: str, name: str, runs: list[tuple[int, int]]) -> None:
         self._sock, token = _connect(address)
         try:
-            send_json(self._sock, {"token": token, "op": "get", "name": name, "runs": runs})
+            send_json(self._sock, {"token": token, "op": "get", "name": name})
+            send_json(self._sock, {"runs": runs})
             _answer(self._sock, name)
         except BaseException:
             self._sock.close()

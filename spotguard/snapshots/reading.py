@@ -13,6 +13,7 @@ may be overwritten in part (the caller then loads another snapshot or the durabl
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import os
@@ -137,18 +138,17 @@ class SnapshotReader(StorageReader):
             copy = min(self._copies[_key(read.storage_index)], key=lambda c: self._prefer(c.shard))
             by_shard.setdefault(copy.shard, []).append((read, copy.item))
         for shard, reads in sorted(by_shard.items()):
-            try:
-                self._read_shard(shard, reads, planner)
-            except ShardUnusable:
-                raise
-            except Exception as exc:  # noqa: BLE001 - whatever broke, this copy of the shard is unusable
-                raise ShardUnusable(shard, f"{type(exc).__name__}: {exc}") from exc
+            self._read_shard(shard, reads, planner)
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
     # ---- one shard ---------------------------------------------------------------------------
     def _read_shard(self, shard: int, reads: list[tuple[ReadItem, StoredItem]], planner: LoadPlanner) -> None:
+        """Read and check one shard's runs, handing each run's items to the planner as soon as its blocks
+        are checked (a buffer lives for one run). What goes wrong opening, reading or checking the copy
+        raises ShardUnusable (another copy may do); handing the items over, whatever it raises (the
+        snapshot does not fit the state: no copy would)."""
         info = self._infos[shard]
         needs = sorted((_need(read, item, planner) for read, item in reads), key=lambda n: n.start)
         for before, after in zip(needs, needs[1:]):
@@ -156,12 +156,20 @@ class SnapshotReader(StorageReader):
                 raise SnapshotError(f"two reads overlap at byte {after.start}")
         runs = _runs(needs, info)
         check = BlockCheck(info, f"rank {shard}'s shard")
-        with self._open(shard, [(start, end - start) for start, end, _ in runs]) as source:
+        with contextlib.ExitStack() as stack:
+            try:
+                source = stack.enter_context(self._open(shard, [(start, end - start) for start, end, _ in runs]))
+            except Exception as exc:  # noqa: BLE001 - this copy cannot be reached
+                raise ShardUnusable(shard, f"{type(exc).__name__}: {exc}") from exc
             for start, end, members in runs:
-                check.start(start)
-                self._read_run(source, check, shard, start, end, members)
-        for need in needs:
-            _deliver(need, planner)
+                try:
+                    check.start(start)
+                    self._read_run(source, check, shard, start, end, members)
+                except Exception as exc:  # noqa: BLE001 - a broken transfer or a failed check: this copy
+                    raise ShardUnusable(shard, f"{type(exc).__name__}: {exc}") from exc
+                for need in members:
+                    _deliver(need, planner)
+                    need.buffer = None
 
     def _read_run(
         self, source: Source, check: BlockCheck, shard: int, start: int, end: int, needs: list[_Need]

@@ -5,7 +5,7 @@
           torch.save wrote it
     trailer: JSON (run, job, attempt, step, rank, world size, the body's length, the block size, the
              CRC32C of each block of the body, the items' index, each item's path in the state) |
-             its length (8 bytes) | MAGIC
+             its length (8 bytes) | its CRC32C (4 bytes) | MAGIC
 
 The body is laid out first and filled through a memory map (`MappedShard`): copying the state in
 is writing the file. The trailer comes last, once the checksums are known. A file is made as
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import mmap
 import os
 import stat
@@ -31,10 +32,10 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from spotguard.checkpoint.shard_io import crc32c_extend
-from spotguard.snapshots.items import StoredItem, laid_out, stored
+from spotguard.snapshots.items import BYTES, StoredItem, laid_out, stored
 
 MAGIC = b"SGSNAP02"
-_TAIL = struct.Struct("!Q8s")  # the trailer's length, MAGIC
+_TAIL = struct.Struct("!QL8s")  # the trailer's length, its CRC32C, MAGIC
 BLOCK = 4 << 20  # the body's bytes per CRC32C
 MAX_TRAILER = 64 << 20
 
@@ -44,8 +45,9 @@ class SnapshotError(RuntimeError):
 
 
 class SnapshotLoadError(SnapshotError):
-    """Every rank had its checked shard, and loading them into the state failed on some rank: the
-    state may be overwritten in part (raised on every rank)."""
+    """A snapshot did not load whole after ranks began writing it into the state (its reads failed
+    everywhere, or pushing it into the user's objects failed on some rank): the state may be
+    overwritten in part (raised on every rank)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,10 +69,13 @@ class ShardInfo:
     def encoded(self) -> bytes:
         fields = {**dataclasses.asdict(self), "items": [item.encoded() for item in self.items]}
         trailer = json.dumps(fields, separators=(",", ":")).encode()
-        return trailer + _TAIL.pack(len(trailer), MAGIC)
+        return trailer + _TAIL.pack(len(trailer), crc32c_extend(0, trailer), MAGIC)
 
     @classmethod
-    def decoded(cls, raw: bytes) -> ShardInfo:
+    def decoded(cls, raw: bytes, crc: int) -> ShardInfo:
+        """The trailer's JSON `raw`, checked against its CRC32C `crc` and for an index that fits the body."""
+        if crc32c_extend(0, raw) != crc:
+            raise SnapshotError("the trailer does not match its CRC32C")
         try:
             fields = json.loads(raw)
             fields["items"] = tuple(StoredItem.decoded(item) for item in fields["items"])
@@ -80,6 +85,12 @@ class ShardInfo:
             raise SnapshotError(f"malformed trailer: {exc}") from None
         if info.block_bytes <= 0 or len(info.blocks) != -(-info.body_bytes // info.block_bytes):
             raise SnapshotError("malformed trailer: the block checksums do not cover the body")
+        end = 0
+        for item in info.items:  # in body order, apart, within the body, each tensor's size its shape's
+            size = None if item.dtype == BYTES else math.prod(item.chunk_sizes) * item.torch_dtype.itemsize
+            if item.offset < end or item.offset + item.nbytes > info.body_bytes or size not in (None, item.nbytes):
+                raise SnapshotError(f"malformed trailer: the index of {item.fqn} does not fit the body")
+            end = item.offset + item.nbytes
         return info
 
 
@@ -281,11 +292,11 @@ def trailer_of(f: BinaryIO, size: int) -> ShardInfo:
     if size < _TAIL.size:
         raise SnapshotError(f"{size} bytes: too short for a snapshot")
     f.seek(size - _TAIL.size)
-    length, magic = _TAIL.unpack(f.read(_TAIL.size))
+    length, crc, magic = _TAIL.unpack(f.read(_TAIL.size))
     if magic != MAGIC or length > min(MAX_TRAILER, size - _TAIL.size):
         raise SnapshotError("not a snapshot file (no trailer)")
     f.seek(size - _TAIL.size - length)
-    info = ShardInfo.decoded(f.read(length))
+    info = ShardInfo.decoded(f.read(length), crc)
     if info.body_bytes != size - _TAIL.size - length:
         raise SnapshotError(f"the body is {size - _TAIL.size - length} bytes, the trailer says {info.body_bytes}")
     return info
@@ -293,7 +304,7 @@ def trailer_of(f: BinaryIO, size: int) -> ShardInfo:
 
 def parse_trailer(data: bytes) -> ShardInfo:
     """A trailer (with its length and MAGIC) as it came over the wire."""
-    length, magic = _TAIL.unpack(data[-_TAIL.size :])
+    length, crc, magic = _TAIL.unpack(data[-_TAIL.size :])
     if magic != MAGIC or length != len(data) - _TAIL.size:
         raise SnapshotError("not a snapshot trailer")
-    return ShardInfo.decoded(data[:length])
+    return ShardInfo.decoded(data[:length], crc)

@@ -9,8 +9,9 @@ snapshot are written over by the next one (their tmpfs pages reused). Each rank 
 reports through the job's store; the last to report sets the step's verdict. A snapshot is
 complete once every rank has written and replicated its shard. At the next snapshot each rank
 waits for the previous one's verdict (as a save waits for the one before it), keeps the newest
-complete snapshot and the one it begins, and frees the rest: a node holds at most two generations
-of its own shards and of its replicas. Store traffic per snapshot: O(N) (an `add` and a blocking
+complete snapshot and the one it begins, and frees the rest: a node holds two generations of its
+own shards and of its replicas (three after an emergency's final snapshot, which keeps the one
+before it too). Store traffic per snapshot: O(N) (an `add` and a blocking
 `get` per rank, a `set` and three deletions by the last).
 """
 
@@ -128,11 +129,11 @@ class SnapshotTier:
                 self.node_dir, self._server = None, None
 
     # ---- the training thread ---------------------------------------------------------
-    def snapshot(self, step: int, state: Mapping[str, Any], *, last: bool = False) -> None:
+    def snapshot(self, step: int, state: Mapping[str, Any], *, final: bool = False) -> None:
         """Begin the snapshot of `step`: returns once `state` is copied; the rest runs in the background.
 
         Whatever fails here is reported as this rank's failed snapshot: no rank waits for it. The
-        `last` snapshot of a process (after an emergency) never touches the job's store, which a rank
+        `final` snapshot of a process (after an emergency) never touches the job's store, which a rank
         that leaves first may take down with it: it waits for no verdict, reports none, and keeps the
         snapshot begun before it too (whether that one was complete is not known).
         """
@@ -146,7 +147,7 @@ class SnapshotTier:
             self._room = self._check_room(state_dict)
         if not self._room:
             return
-        if self._begun is not None and not last:
+        if self._begun is not None and not final:
             verdict = self._verdict(f"{self._prefix}{self._begun}")
             if verdict == "ok":
                 self.complete = self._begun
@@ -158,7 +159,7 @@ class SnapshotTier:
         try:
             if state_dict is None:
                 raise problem
-            kept = {self.complete, step, previous if last else None} - {None}
+            kept = {self.complete, step, previous if final else None} - {None}
             self.node_dir.keep_only(kept, spares=self._files_per_step)  # type: ignore[arg-type]
             path.parent.mkdir(parents=True, exist_ok=True)
             if on_device(state_dict):  # into pinned buffers at the copy's full speed; into the file in the background
@@ -173,8 +174,8 @@ class SnapshotTier:
         # A daemon thread: a process leaving after an emergency does not wait for a snapshot's replication.
         self._pending = threading.Thread(
             target=self._write_and_replicate,
-            args=(step, path, copied, stall, None if last else previous),
-            kwargs={"report": not last},
+            args=(step, path, copied, stall, None if final else previous),
+            kwargs={"report": not final},
             name="spotguard-snapshot",
             daemon=True,
         )
@@ -328,6 +329,8 @@ class SnapshotTier:
                                  world_size=self.world_size)  # fmt: skip
             size, write_s = info.body_bytes, time.monotonic() - started
             for buddy in self.buddies:
+                if not report and buddy not in self._addresses:
+                    continue  # a final snapshot never asks the store for an address
                 push(self._address_of(buddy, self._background_conn), path, name_of(step, self.rank, self.world_size))
         except Exception as exc:  # noqa: BLE001 - a failed snapshot leaves the previous one; training goes on
             error = f"{type(exc).__name__}: {exc}"
@@ -344,10 +347,11 @@ class SnapshotTier:
             error=error,
         )
         try:
-            store = self._background_conn.store
-            if report and _report(store, f"{self._prefix}{step}", self.world_size, done.ok) and previous is not None:
-                for suffix in ("done", "failed", "verdict"):  # every rank has read the previous verdict by now
-                    store.delete_key(f"{self._prefix}{previous}/{suffix}")
+            if report:  # (the connection made only here: a final snapshot never touches the store)
+                store = self._background_conn.store
+                if _report(store, f"{self._prefix}{step}", self.world_size, done.ok) and previous is not None:
+                    for suffix in ("done", "failed", "verdict"):  # every rank has read the previous verdict by now
+                        store.delete_key(f"{self._prefix}{previous}/{suffix}")
         except Exception as exc:  # noqa: BLE001 - the store is gone: the job is ending, the training thread says so
             log.warning("the snapshot of step %d could not be reported: %s: %s", step, type(exc).__name__, exc)
         log.debug("snapshot of step %d: %s", step, done)
