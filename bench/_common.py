@@ -75,6 +75,26 @@ class Ranks:
                 proc.wait()
 
 
+def start_s3(bucket: str = "bench") -> Any:
+    """A moto S3 server on 127.0.0.1 holding `bucket`, with the AWS SDK of this process and of the ranks
+    it starts pointed at it through the environment; the caller stops it (`.stop()`)."""
+    import boto3
+
+    from tests.servers import start_moto
+
+    server = start_moto()
+    os.environ.update(
+        AWS_ENDPOINT_URL=server.url, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
+        AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true",
+    )  # fmt: skip
+    try:
+        boto3.client("s3").create_bucket(Bucket=bucket)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
 def report(**fields: Any) -> None:
     """Worker side: one message to the parent (rank 0 only)."""
     print(json.dumps(fields), flush=True)

@@ -39,7 +39,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _common import Ranks, init_worker, report, table
+from _common import Ranks, init_worker, report, start_s3, table
 
 TENSOR_MB = 64
 STEP_MATMUL = 2048  # about 0.18 s on one core
@@ -175,19 +175,10 @@ def main() -> int:
     if args.worker:
         worker(args)
         return 0
-    import boto3
-
-    from tests.servers import start_moto
-
-    server = start_moto()
-    os.environ.update(
-        AWS_ENDPOINT_URL=server.url, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
-        AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true",
-    )  # fmt: skip
+    server = start_s3()
     shutil.rmtree(args.dir, ignore_errors=True)
     disk = tempfile.mkdtemp(prefix="spotguard-bench-", dir=args.disk_dir)
     try:
-        boto3.client("s3").create_bucket(Bucket="bench")
         with (
             tempfile.TemporaryDirectory(prefix="spotguard-bench-") as logs,
             Ranks(
