@@ -24,13 +24,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run as a script from anywhere in the checkout
+import boto3
+from _common import start_s3  # also puts the checkout on sys.path
 
-import boto3  # noqa: E402
-
-from cloud_adapters.aws.s3 import S3Store  # noqa: E402
-from tests.servers import start_moto  # noqa: E402
+from cloud_adapters.aws.s3 import S3Store
 
 MiB = 1 << 20
 
@@ -70,13 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.mb < 1 or args.files < 1 or args.repeat < 1:
         parser.error("--mb, --files and --repeat must be positive")
 
-    server = start_moto()
-    os.environ.update(
-        AWS_ENDPOINT_URL=server.url, AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
-        AWS_DEFAULT_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true",
-    )  # fmt: skip
+    server = start_s3()
     try:
-        boto3.client("s3").create_bucket(Bucket="bench")
         store = S3Store("s3://bench/store")
         with tempfile.TemporaryDirectory(prefix="spotguard-bench-") as tmp:
             paths = make_checkpoint(Path(tmp), args.mb, args.files)
