@@ -20,10 +20,10 @@ from spotguard.cadence import Cadence, Choice
 from spotguard.checkpoint import SaveReport
 from spotguard.ending.exit_policy import UNAVAILABLE_EXIT_CODE
 from spotguard.health.monitor import SilentFailure
+from spotguard.job.topology import Topology
 from spotguard.ledger import Ledger, LedgerContents
 from spotguard.options import SaveOptions
 from spotguard.report import INTERRUPTED, summarize
-from spotguard.job.topology import Topology
 
 log = logging.getLogger(__name__)
 

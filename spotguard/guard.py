@@ -33,17 +33,13 @@ import torch.distributed as dist
 from cloud_adapters import validation as check
 from cloud_adapters.notice import INTERRUPTION, REBALANCE, Notice
 from cloud_adapters.stores import check_location
-from spotguard.ending import elastic
-from spotguard.job import topology
-from spotguard.job.agreement import Decision
-from spotguard.job.broadcast import EMERGENCY
 from spotguard.cadence import IntervalTimer
 from spotguard.checkpoint import Checkpointer, CheckpointError, CheckpointUnavailable, SaveReport
 from spotguard.checkpoint.auth import resolve_key
 from spotguard.checkpoint.comm import new_gloo_group, ranks_per_node
 from spotguard.checkpoint.departure import Departure
 from spotguard.checkpoint.progress import seconds
-from spotguard.job.coordination import Coordination, EmergencyPlan
+from spotguard.ending import elastic
 from spotguard.ending.exit_policy import (  # noqa: F401 - re-exported: where these lived before
     DEFAULT_EXIT_CODE,
     DEFAULT_LOST_EXIT_CODE,
@@ -53,6 +49,10 @@ from spotguard.ending.exit_policy import (  # noqa: F401 - re-exported: where th
 )
 from spotguard.goodput import GoodputRecorder
 from spotguard.health.monitor import PEER_LOST, Health, SilentFailure
+from spotguard.job import topology
+from spotguard.job.agreement import Decision
+from spotguard.job.broadcast import EMERGENCY
+from spotguard.job.coordination import Coordination, EmergencyPlan
 from spotguard.options import (
     CoordinationOptions,
     ExitOptions,

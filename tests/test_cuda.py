@@ -154,3 +154,68 @@ def test_lightning_fsdp_on_a_gpu_stops_at_the_agreed_step_and_resumes_bit_identi
     pytest.importorskip("lightning")
     fsdp = ("--strategy", "fsdp", "--accelerator", "cuda", "--devices", "1")
     sigterm_then_finish("lightning_train.py", tmp_path, (sys.executable,), fsdp, ranks=1, first_step=1, at=5)
+
+
+def test_an_emergency_save_of_gpu_state_crosses_through_the_pinned_pool_and_resumes_bit_identical(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from spotguard.checkpoint import bounce
+
+    model, optim = cuda_state(0)
+    step(model, optim)
+    torch.cuda.synchronize()
+    expected = on_host(model, optim)
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with Checkpointer(str(tmp_path), write_threads=4) as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim}, reason="emergency")  # no background save: the pool
+    assert torch.cuda.max_memory_allocated() - before < 1 << 30  # the goal: <= 1 GB of GPU memory added
+    pool = bounce._pools["cuda:0"]
+    assert pool.lent == 0 and 0 < pool.allocated_bytes <= pool.count * bounce.BUFFER_BYTES
+    assert pool._free[0].is_pinned()
+    model2, optim2 = cuda_state(1)
+    step(model2, optim2)
+    assert Checkpointer(str(tmp_path)).resume({"model": model2, "optim": optim2}) == 1
+    got = on_host(model2, optim2)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+    plain = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}  # DCP's own reader takes the slices
+    dcp.load({"model": plain}, checkpoint_id=tmp_path / step_dir_name(1), no_dist=True)
+    assert all(torch.equal(plain[k].cpu(), v.cpu()) for k, v in model.state_dict().items())
+
+
+def test_a_guard_snapshot_of_gpu_state_comes_back_into_the_gpu(tmp_path, monkeypatch):
+    import spotguard
+
+    monkeypatch.setenv("SPOTGUARD_SNAPSHOT_DIR", str(tmp_path / "memory"))
+    model, optim = cuda_state(0)
+    with spotguard.Guard(str(tmp_path / "ckpt"), cloud="none", exit_code=None, snapshot_every=2) as guard:
+        for n in range(5):
+            step(model, optim)
+            guard.step(n, {"model": model, "optim": optim})
+        guard.snapshots.wait(120)
+        assert guard.snapshots.last.ok and guard.snapshots.last.step == 4
+    torch.cuda.synchronize()
+    expected = on_host(model, optim)
+    model2, optim2 = cuda_state(1)
+    step(model2, optim2)
+    with spotguard.Guard(str(tmp_path / "ckpt"), cloud="none", exit_code=None, snapshot_every=2) as guard:
+        assert guard.resume({"model": model2, "optim": optim2}) == 5
+        assert [e.detail.get("tier") for e in guard.timeline.entries if e.event == "resumed"] == ["snapshot"]
+    got = on_host(model2, optim2)
+    assert all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_a_leaving_rank_hands_cuda_shards_over_bit_for_bit():
+    import torch.distributed as dist
+
+    from spotguard.checkpoint.departure import Departure
+    from spotguard.checkpoint.handoff.send import send_shards
+    from spotguard.job.kvstore import Connection
+    from tests.test_handoff import STEP, Survivor, cutoff, shard
+
+    departure = Departure(frozenset({1}), Connection.of(dist.HashStore()), "run/emergency/1/", world_size=2)
+    sent = [shard("w", torch.randn(3 << 20, device="cuda"), 3 << 20, 6 << 20), shard("h", torch.ones(7, device="cuda"))]
+    survivor = Survivor(departure)
+    assert send_shards(departure, 1, 0, STEP, sent, cutoff()) == sum(t.numel() * t.element_size() for _, t in sent)
+    got = survivor.join()
+    assert all(torch.equal(tensor, want.cpu()) for (_, tensor), (_, want) in zip(got, sent))

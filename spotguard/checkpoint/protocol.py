@@ -118,6 +118,7 @@ class SaveProtocol:
                     planner=planner,
                     sha256=self.key is not None,
                     tee=streams.open if streams is not None else None,
+                    cutoff=cutoff,
                 )
             except FAILURES as exc:
                 error = describe(exc, comm.rank)

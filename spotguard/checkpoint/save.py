@@ -9,10 +9,14 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter, SavePlanner
 
+from cloud_adapters.deadline import Deadline
+from spotguard.checkpoint import bounce
 from spotguard.checkpoint.comm import Comm
 from spotguard.checkpoint.layout import DCP_METADATA_NAME, shard_prefix
 from spotguard.checkpoint.manifest import FileRecord
+from spotguard.checkpoint.pipelined_write import PipelinedWriter
 from spotguard.checkpoint.shard_io import ChecksummingFileSystem, without_zip_crc32
+from spotguard.checkpoint.state import tensors_of
 from spotguard.checkpoint.streaming import StreamedFile
 
 
@@ -25,6 +29,7 @@ def write_shards(
     planner: SavePlanner | None = None,
     sha256: bool = False,
     tee: Callable[[Path], StreamedFile | None] | None = None,
+    cutoff: Deadline | None = None,
 ) -> list[FileRecord]:
     """Save `state_dict` into `stage_dir` (all ranks of `comm` together) and return this rank's files.
 
@@ -33,9 +38,16 @@ def write_shards(
     `__r_*.distcp` in parallel; the coordinator also writes `.metadata`. With `sha256`
     (a checkpoint key is set) the records carry each file's SHA-256 too. `tee` (see
     `streaming.ShardStreams.open`) streams each file to the object store as it is written.
+    A state with tensors on a GPU is copied out through the process's pool of pinned buffers
+    (`pipelined_write`), and stops at `cutoff`.
     """
     # The stage directory is always fresh (random name), so nothing can be overwritten.
-    writer = FileSystemWriter(stage_dir, thread_count=threads, sync_files=True)
+    pool = bounce.pool_for(list(tensors_of(state_dict)), count=threads + bounce.IN_FLIGHT)
+    writer: FileSystemWriter
+    if pool is None:
+        writer = FileSystemWriter(stage_dir, thread_count=threads, sync_files=True)
+    else:
+        writer = PipelinedWriter(stage_dir, threads=threads, pool=pool, cutoff=cutoff)
     writer.fs = fs = ChecksummingFileSystem(sha256=sha256, tee=tee)
     with comm.dcp_args() as dist_args, without_zip_crc32():
         dcp.save(state_dict, storage_writer=writer, planner=planner, **dist_args)

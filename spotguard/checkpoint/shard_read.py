@@ -3,9 +3,11 @@
 DCP's own reader goes through a rank's files one after another, and a resume that checks the
 files first reads every byte twice. Here each file that this rank's load plan touches is read
 once, from its first byte to its last, `threads` files at a time: the CRC32C (and, with a
-checkpoint key, the SHA-256) is computed from the bytes as they are read, and the records the
-plan needs are copied into the state on the way, straight from the read buffer (a tensor record
-is viewed where it lies, not loaded into new memory first; pinned buffers for CUDA tensors). Only at a file's end is it
+checkpoint key, the SHA-256) is computed from the bytes as they are read, and the records
+the plan needs are copied into the state on the way, straight from the read buffer (a tensor record
+is viewed where it lies, not loaded into new memory first). A record bound for a GPU is read into a
+buffer of the process's pinned pool (`bounce`) and copied to the device on the copy stream while
+the thread reads the next record into another buffer. Only at a file's end is it
 known whether it matched its manifest: `Damaged` then tells resume that what was copied from
 it is wrong, and resume loads an older step over the whole state (or, when no step loads,
 refuses to start from a half-loaded state). A rank that needs part of a file still reads all
@@ -15,6 +17,7 @@ of it, so that every byte it used was checked.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import os
 import threading
@@ -27,14 +30,14 @@ import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
+from spotguard.checkpoint import bounce
+from spotguard.checkpoint.bounce import IN_FLIGHT, BouncePool, Lease, Pipeline
 from spotguard.checkpoint.errors import CheckpointError
 from spotguard.checkpoint.manifest import FileRecord, mismatch
 from spotguard.checkpoint.shard_io import RunningChecksum
+from spotguard.checkpoint.state import tensors_of
 
 _GAP_CHUNK = 8 << 20  # bytes between and after the records are read (and checked) this much at a time
-# A record up to this size is read into a pinned buffer when it goes to a GPU (a fast copy); a larger
-# one into pageable memory, so that a load holds at most threads x this much pinned memory.
-_PINNED_MAX = 256 << 20
 
 
 class Damaged(CheckpointError):
@@ -65,32 +68,27 @@ def read_checked(
     unlisted = sorted(set(per_file) - set(records))
     if unlisted:
         raise CheckpointError(f"{step_dir}: the load plan reads files the manifest does not list: {unlisted}")
-    pinned = any(isinstance(v, torch.Tensor) and v.device.type == "cuda" for v in planner.state_dict.values())
-    loader = _Loader(planner, storage_data, pinned=pinned)
+    readers = max(1, min(threads, len(per_file)))
+    # Records bound for a GPU cross through pinned buffers (pageable ones, for records larger than a buffer).
+    loader = _Loader(planner, storage_data, bounce.pool_for(list(tensors_of(planner.state_dict)), readers + IN_FLIGHT))
     work = [(step_dir / name, records[name], items) for name, items in per_file.items()]
-    try:
-        with ThreadPoolExecutor(max(1, min(threads, len(work))), thread_name_prefix="spotguard-read") as pool:
-            futures = [pool.submit(loader.read_file, *args, sha256=sha256) for args in work]
-            for future in futures:  # every file is finished (or failed) before the first error is raised
-                future.exception()
-            for future in futures:
-                future.result()
-    finally:
-        loader.release()
+    with ThreadPoolExecutor(readers, thread_name_prefix="spotguard-read") as pool:
+        futures = [pool.submit(loader.read_file, *args, sha256=sha256) for args in work]
+        for future in futures:  # every file is finished (or failed) before the first error is raised
+            future.exception()
+        for future in futures:
+            future.result()
 
 
 class _Loader:
     """Reads whole files and hands their records to the planner; the planner is called by one thread at a time."""
 
-    def __init__(self, planner: LoadPlanner, storage_data: Mapping[Any, Any], *, pinned: bool) -> None:
+    def __init__(self, planner: LoadPlanner, storage_data: Mapping[Any, Any], pool: BouncePool | None) -> None:
         self._planner = planner
         self._storage_data = storage_data
         self._lock = threading.Lock()
-        self._buffers = _Buffers(pinned)
-
-    def release(self) -> None:
-        """Give the pinned read buffers' memory back, which torch would keep cached (after the threads ended)."""
-        self._buffers.release()
+        self._buffers = _Buffers()
+        self._pool = pool
 
     def read_file(self, path: Path, record: FileRecord, items: list[ReadItem], *, sha256: bool) -> None:
         by_range: dict[tuple[int, int], list[ReadItem]] = {}  # items of one stored record share its bytes
@@ -98,37 +96,55 @@ class _Loader:
             info = self._storage_data[item.storage_index]
             by_range.setdefault((info.offset, info.length), []).append(item)
         reader = _CheckingReader(path, self._buffers, sha256=sha256)
+        pipeline = Pipeline(self._pool) if self._pool is not None else None
+        lease = None
         failure: Exception | None = None
         try:
             for (offset, length), readers in sorted(by_range.items()):
                 if offset < reader.position:  # overlapping records: never written by DCP
                     raise CheckpointError(f"{path}: records overlap at byte {offset}")
                 reader.skip(offset - reader.position)
-                data = reader.take(length)
+                if pipeline is not None and 0 < length <= pipeline.pool.buffer_bytes:
+                    lease = pipeline.lease(length)
+                    data = reader.take_into(lease.bytes())
+                else:
+                    data = reader.take(length)
                 if len(data) < length:
                     break  # the file is short: the size check below says so
                 try:
-                    self._deliver(data, readers)
+                    self._deliver(data, readers, pipeline, lease)
+                    lease = None
                 except Exception as exc:  # a damaged file explains it better: read on to its end first
                     failure = exc
                     break
+            if pipeline is not None and failure is None:
+                pipeline.drain()  # the copies to the device done, their items committed
             reader.skip_to_end()
         finally:
             reader.close()
+            if pipeline is not None:
+                pipeline.abandon(lease)  # after a failure: the copies in flight waited for, the buffers back
         wrong = mismatch(reader.record(record.name), record, sha256=sha256)
         if wrong:
             raise Damaged(f"{path.parent}/{wrong}") from failure
         if failure is not None:
             raise failure
 
-    def _deliver(self, data: memoryview, items: Iterable[ReadItem]) -> None:
+    def _deliver(
+        self, data: memoryview, items: Iterable[ReadItem], pipeline: Pipeline | None, lease: Lease | None
+    ) -> None:
+        """Hand a record's items to the planner: copied into the state now or, when the record was read
+        into `lease`, on the copy stream, committed once the copies are done."""
         items = list(items)
         if items[0].type == LoadItemType.BYTE_IO:
             with self._lock:
                 for item in items:
                     self._planner.load_bytes(item, io.BytesIO(data))
+            if lease is not None:
+                pipeline.submit(lease)  # type: ignore[union-attr]
             return
         stored = _stored_tensor(data)
+        copied = []
         for item in items:
             piece = narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
             with self._lock:
@@ -136,8 +152,19 @@ class _Loader:
             if target.size() != piece.size():
                 stored_size, wanted = tuple(piece.size()), tuple(target.size())
                 raise CheckpointError(f"{item.storage_index}: stored {stored_size}, the state has {wanted}")
-            target.copy_(piece)
-            with self._lock:
+            if lease is None:
+                target.copy_(piece)
+            else:
+                pipeline.copy(lease, target, piece)  # type: ignore[union-attr]
+            copied.append((item, target))
+        if lease is None:
+            self._commit(copied)
+        else:
+            pipeline.submit(lease, functools.partial(self._commit, copied))  # type: ignore[union-attr]
+
+    def _commit(self, copied: list[tuple[ReadItem, torch.Tensor]]) -> None:
+        with self._lock:
+            for item, target in copied:
                 self._planner.commit_tensor(item, target)
 
 
@@ -157,27 +184,17 @@ def _stored_tensor(data: memoryview) -> torch.Tensor:
 
 
 class _Buffers:
-    """One read buffer per thread, grown to the largest record it met; pinned (up to _PINNED_MAX)
-    for copies to a GPU."""
+    """One read buffer per thread, grown to the largest record it met."""
 
-    def __init__(self, pinned: bool) -> None:
-        self._pinned = pinned
+    def __init__(self) -> None:
         self._local = threading.local()  # freed with the reading threads, which end with the load
 
     def get(self, length: int) -> memoryview:
-        pinned = self._pinned and length <= _PINNED_MAX
-        kind = "pinned" if pinned else "pageable"
-        buffer = getattr(self._local, kind, None)
+        buffer = getattr(self._local, "buffer", None)
         if buffer is None or len(buffer) < length:
-            size = max(length, _GAP_CHUNK)
-            tensor = torch.empty(min(size, _PINNED_MAX) if pinned else size, dtype=torch.uint8, pin_memory=pinned)
-            setattr(self._local, kind, buffer := memoryview(tensor.numpy()))  # the view keeps the memory alive
+            tensor = torch.empty(max(length, _GAP_CHUNK), dtype=torch.uint8)
+            self._local.buffer = buffer = memoryview(tensor.numpy())  # the view keeps the memory alive
         return buffer[:length]
-
-    def release(self) -> None:
-        """Once the reading threads have ended (their buffers with them)."""
-        if self._pinned and hasattr(torch._C, "_host_emptyCache"):  # torch keeps freed pinned blocks cached
-            torch._C._host_emptyCache()
 
 
 class _CheckingReader:
@@ -197,7 +214,11 @@ class _CheckingReader:
 
     def take(self, length: int) -> memoryview:
         """The next `length` bytes (fewer at the end of the file), valid until the next call."""
-        view = self._buffers.get(length)
+        return self.take_into(self._buffers.get(length))
+
+    def take_into(self, view: memoryview) -> memoryview:
+        """The next `len(view)` bytes (fewer at the end of the file), read into `view`."""
+        length = len(view)
         got = 0
         while got < length:
             try:

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from spotguard.checkpoint.state import tensors_of
+
 Key = tuple[Any, ...]  # where a tensor sits in the state, and its shape, dtype and device type
 
 
@@ -97,12 +99,4 @@ class Stager:
 
 def on_device(tree: Any) -> bool:
     """Whether a (DCP) state dict holds tensors outside host memory."""
-    if isinstance(tree, DTensor):
-        return tree.to_local().device.type != "cpu"
-    if isinstance(tree, torch.Tensor):
-        return tree.device.type != "cpu"
-    if isinstance(tree, Mapping):
-        return any(on_device(v) for v in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return any(on_device(v) for v in tree)
-    return False
+    return any(t.device.type != "cpu" for t in tensors_of(tree))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 
 def _is_stateful(value: Any) -> bool:
@@ -117,3 +118,17 @@ def state_digest(state_dict: Mapping[str, torch.Tensor]) -> str:
         h.update(f"{name}:{tensor.dtype}:".encode())
         h.update(ctypes.string_at(tensor.data_ptr(), tensor.numel() * tensor.element_size()))
     return h.hexdigest()
+
+
+def tensors_of(tree: Any) -> Iterator[torch.Tensor]:
+    """The tensors of a (DCP) state dict (a DTensor's local shard)."""
+    if isinstance(tree, DTensor):
+        yield tree.to_local()
+    elif isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, Mapping):
+        for value in tree.values():
+            yield from tensors_of(value)
+    elif isinstance(tree, (list, tuple)):
+        for value in tree:
+            yield from tensors_of(value)

@@ -15,16 +15,16 @@ import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
 
+from spotguard.checkpoint.comm import ranks_per_node
 from spotguard.health import stacks
 from spotguard.health.hangs import HangSeen, HangWatch
 from spotguard.health.liveness import Liveness, PeerLoss
 from spotguard.job.kvstore import Connection
-from spotguard.checkpoint.comm import ranks_per_node
 from spotguard.job.topology import Topology
 
 log = logging.getLogger(__name__)

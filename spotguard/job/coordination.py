@@ -17,10 +17,10 @@ from typing import Any
 import torch.distributed as dist
 
 from cloud_adapters.notice import Notice
-from spotguard.job.agreement import Decision, StepAgreement
-from spotguard.job.broadcast import EMERGENCY, SILENT, Broadcast
 from spotguard.checkpoint.departure import Departure
 from spotguard.checkpoint.outcome import SaveReport
+from spotguard.job.agreement import Decision, StepAgreement
+from spotguard.job.broadcast import EMERGENCY, SILENT, Broadcast
 from spotguard.job.kvstore import Connection
 from spotguard.job.topology import Topology
 

@@ -4,11 +4,13 @@
 gives each rank its read items: which saved chunk, which box of it, into which box of the state.
 For each shard the reader turns them into runs of whole blocks (`BLOCK` bytes, merged where they
 touch) and reads them from one source, its own node's file or a peer's (`peers.PeerRuns`), in one
-request: the bytes of a box that is contiguous in the file (a dimension-0 slice, as FSDP shards,
-or a whole chunk) go straight into the state's tensor when that is contiguous host memory, the rest
-through a buffer; every block is checked against the trailer's CRC32C as its last byte arrives. A
-failed check or a broken transfer raises `ShardUnusable` naming the shard, after which the state
-may be overwritten in part (the caller then loads another snapshot or the durable step over it).
+request. The bytes of a box that is contiguous in the file (a dimension-0 slice, as FSDP shards,
+or a whole chunk) go straight into the state's tensor when that is contiguous host memory, or
+through the process's pinned buffers (`bounce`) into it when it lives on a GPU (the next piece is
+read while one is copied to the device); the rest go through a buffer. Every block is checked
+against the trailer's CRC32C as its last byte arrives. A failed check or a broken transfer raises
+`ShardUnusable` naming the shard, after which the state may be overwritten in part (the caller
+then loads another snapshot or the durable step over it).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
+from spotguard.checkpoint import bounce
+from spotguard.checkpoint.bounce import IN_FLIGHT, Pipeline
 from spotguard.snapshots.items import BYTES, Copy, StoredItem
 from spotguard.snapshots.shard_file import BlockCheck, ShardInfo, SnapshotError
 
@@ -88,6 +92,7 @@ class _Need:
     item: StoredItem
     dest: torch.Tensor | None = None  # where the planner wants them (None: a non-tensor value)
     direct: torch.Tensor | None = None  # the bytes of `dest` when they are read straight into it
+    device: torch.Tensor | None = None  # the bytes of `dest` on a device, when they cross through the pool
     buffer: bytearray | None = None
 
 
@@ -156,7 +161,11 @@ class SnapshotReader(StorageReader):
                 raise SnapshotError(f"two reads overlap at byte {after.start}")
         runs = _runs(needs, info)
         check = BlockCheck(info, f"rank {shard}'s shard")
+        pool = bounce.pool_for([n.dest for n in needs if n.device is not None], IN_FLIGHT)  # type: ignore[misc]
+        pipeline = Pipeline(pool) if pool is not None else None
         with contextlib.ExitStack() as stack:
+            if pipeline is not None:
+                stack.callback(pipeline.abandon)  # after a failure: copies in flight waited for, buffers back
             try:
                 source = stack.enter_context(self._open(shard, [(start, end - start) for start, end, _ in runs]))
             except Exception as exc:  # noqa: BLE001 - this copy cannot be reached
@@ -164,7 +173,9 @@ class SnapshotReader(StorageReader):
             for start, end, members in runs:
                 try:
                     check.start(start)
-                    self._read_run(source, check, shard, start, end, members)
+                    self._read_run(source, check, shard, start, end, members, pipeline)
+                    if pipeline is not None:
+                        pipeline.drain()  # the run's copies to the device done before its items are handed over
                 except Exception as exc:  # noqa: BLE001 - a broken transfer or a failed check: this copy
                     raise ShardUnusable(shard, f"{type(exc).__name__}: {exc}") from exc
                 for need in members:
@@ -172,7 +183,14 @@ class SnapshotReader(StorageReader):
                     need.buffer = None
 
     def _read_run(
-        self, source: Source, check: BlockCheck, shard: int, start: int, end: int, needs: list[_Need]
+        self,
+        source: Source,
+        check: BlockCheck,
+        shard: int,
+        start: int,
+        end: int,
+        needs: list[_Need],
+        pipeline: Pipeline | None,
     ) -> None:
         position = start
         discard = memoryview(bytearray(min(_DISCARD, end - start) or 1))
@@ -189,6 +207,15 @@ class SnapshotReader(StorageReader):
                 take(discard[: min(len(discard), need.start - position)])
             if need.direct is not None:
                 take(memoryview(need.direct.numpy()).cast("B"))
+            elif need.device is not None:
+                assert pipeline is not None
+                step = pipeline.pool.buffer_bytes
+                for first in range(0, need.end - need.start, step):
+                    piece = need.device[first : first + step]
+                    lease = pipeline.lease(piece.numel())
+                    take(lease.bytes())
+                    pipeline.copy(lease, piece, lease.buffer[: piece.numel()])
+                    pipeline.submit(lease)
             else:
                 need.buffer = bytearray(need.end - need.start)
                 take(memoryview(need.buffer))
@@ -208,13 +235,16 @@ def _need(read: ReadItem, item: StoredItem, planner: LoadPlanner) -> _Need:
     dest = planner.resolve_tensor(read).detach()
     if span is None:
         return _Need(item.offset, item.offset + item.nbytes, read, item, dest)
-    direct = (
-        dest.device.type == "cpu"
-        and dest.is_contiguous()
+    fits = (
+        dest.is_contiguous()
         and dest.dtype == item.torch_dtype
-        and dest.numel() * dest.element_size() == span[1] - span[0]
+        and dest.numel() * dest.element_size() == span[1] - span[0] > 0
     )
-    return _Need(*span, read, item, dest, _bytes(dest) if direct else None)
+    if not fits:
+        return _Need(*span, read, item, dest)
+    if bounce.bounced(dest):
+        return _Need(*span, read, item, dest, device=_bytes(dest))
+    return _Need(*span, read, item, dest, direct=_bytes(dest))
 
 
 def _contiguous_span(item: StoredItem, offsets: Sequence[int], lengths: Sequence[int]) -> tuple[int, int] | None:
@@ -230,7 +260,7 @@ def _contiguous_span(item: StoredItem, offsets: Sequence[int], lengths: Sequence
 
 
 def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """The bytes of a contiguous host tensor, as a uint8 tensor sharing its memory."""
+    """The bytes of a contiguous tensor, as a flat uint8 tensor sharing its memory."""
     return tensor.reshape(-1).view(torch.uint8)
 
 
@@ -257,7 +287,7 @@ def _deliver(need: _Need, planner: LoadPlanner) -> None:
         return
     target = need.dest
     assert target is not None
-    if need.direct is None:
+    if need.direct is None and need.device is None:
         stored = (
             torch.frombuffer(need.buffer, dtype=item.torch_dtype)
             if need.buffer

@@ -24,12 +24,11 @@ import mmap
 import os
 import stat
 import struct
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from spotguard.checkpoint.shard_io import crc32c_extend
 from spotguard.snapshots.items import BYTES, StoredItem, laid_out, stored
@@ -92,20 +91,6 @@ class ShardInfo:
                 raise SnapshotError(f"malformed trailer: the index of {item.fqn} does not fit the body")
             end = item.offset + item.nbytes
         return info
-
-
-def tensors_of(tree: Any) -> Iterator[torch.Tensor]:
-    """The tensors of a (DCP) state dict (a DTensor's local shard)."""
-    if isinstance(tree, DTensor):
-        yield tree.to_local()
-    elif isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, Mapping):
-        for value in tree.values():
-            yield from tensors_of(value)
-    elif isinstance(tree, (list, tuple)):
-        for value in tree:
-            yield from tensors_of(value)
 
 
 class BlockCrcs:

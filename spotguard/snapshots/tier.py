@@ -32,7 +32,7 @@ import torch.distributed as dist
 from spotguard.cadence import Cadence
 from spotguard.checkpoint.comm import FAILURES, Comm, describe, ranks_per_node
 from spotguard.checkpoint.staging import Stager, on_device
-from spotguard.checkpoint.state import load_from_dcp, optional_keys, to_dcp
+from spotguard.checkpoint.state import load_from_dcp, optional_keys, tensors_of, to_dcp
 from spotguard.job.kvstore import Connection
 from spotguard.snapshots import recovery, shard_file
 from spotguard.snapshots.loading import PlanLoader
@@ -285,7 +285,7 @@ class SnapshotTier:
 
     def _fits(self, state_dict: Mapping[str, Any], node_dir: NodeDir) -> bool:
         """Whether this node has room for the tier (logged with the sizes)."""
-        shard = sum(t.numel() * t.element_size() for t in shard_file.tensors_of(state_dict))
+        shard = sum(t.numel() * t.element_size() for t in tensors_of(state_dict))
         files = self.ranks_per_node * shard * (1 + self.replicas) * GENERATIONS
         host_copy = self.ranks_per_node * shard if on_device(state_dict) else 0  # GPU state: pinned buffers
         free = node_dir.free_bytes()
