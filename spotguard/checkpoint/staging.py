@@ -12,10 +12,9 @@ for what changed, and buffers nothing uses any more are dropped.
 Blocking saves (an emergency; not the survivors' and leaving ranks' saves of a departure) of a
 state on a GPU stage too once a background save has allocated the buffers (tensors the background
 saves did not hold get buffers then, pinned at the emergency's cost): the device-to-host copy
-into them runs at the copy's full speed (one H100: 8 GB in 0.15 s), where DCP's own per-tensor
-copies into fresh pageable memory cost about 2 s of an 8 GB save. Allocating them for the
+into them runs at the copy's full speed (one H100: 8 GB in 0.15 s). Allocating them for the
 emergency alone would cost more than it saves (pinning 8 GB took 3.2 s), so without a background
-save before, the write copies as it goes.
+save before, the write copies through the small pinned pool as it goes (`pipelined_write`).
 
 Memory: one staged copy of the state in host RAM, kept from one background save to the next.
 """
