@@ -123,9 +123,11 @@ def test_a_node_that_goes_silent_after_its_notice_is_leaving_not_lost(tmp_path):
     """Node 1 is reclaimed (its cloud's notice) and its VM stops answering before its processes end
     (frozen as soon as both nodes agreed on the step to save at). peer_timeout_s=2: node 0 takes the
     silence for the departure it was told of, saves without node 1 and exits as after any reclaim, not on
-    a lost node. (Frozen before it could agree, the round aborts, the job would train on, and the silence
-    is a loss again: test_health.py.)"""
-    nodes = localnodes.start_nodes(2, WORKER, str(tmp_path / "ckpt"), tmp_path, ["--steps", "100000"],
+    a lost node. The save takes 4 s (a state slow to copy), so node 0 is still there when the silence is
+    noticed: a small state is saved and the process gone before 2 s of silence. (Frozen before it could
+    agree, the round aborts, the job would train on, and the silence is a loss again: test_health.py.)"""
+    nodes = localnodes.start_nodes(2, WORKER, str(tmp_path / "ckpt"), tmp_path,
+                                   ["--steps", "100000", "--slow-state-s", "4"],
                                    {**CHECKOUT, "SPOTGUARD_PEER_TIMEOUT": "2"})  # fmt: skip
     try:
         nodes[0].step_reached(5)
