@@ -71,7 +71,7 @@ def ledger_resumes(ckpt: Path) -> list[dict]:
 def test_a_node_lost_without_notice_then_a_new_one_joins_both_resume_from_the_peers_memory(tmp_path):
     ckpt, mirror = tmp_path / "ckpt", tmp_path / "mirror"
     rdzv = localnodes.Rendezvous("2:3", 3, WORKER, CHECKOUT)
-    args = [*ARGS, "--steps", "60", "--mirror", str(mirror)]
+    args = [*ARGS, "--steps", "90", "--mirror", str(mirror)]  # room for two snapshots at size 3 under load
     nodes = [rdzv.join(i, str(ckpt), tmp_path, args, ENV) for i in range(3)]
     try:
         assert nodes[0].wait_for(r'"step": 25, "world": 3'), nodes[0].tail()
