@@ -162,7 +162,7 @@ def hang_trial(hang_timeout: float, timeout_s: float) -> dict[str, Any]:
             agents = wait_agents(nodes, t0, timeout_s)
             workers = [at_s(node, wall0) for node in nodes]
             files = exit_files(nodes)
-            after = max((int(json.loads(l)["step"]) for l in list(nodes[0].lines) if l.startswith('{"step"')),
+            after = max((int(json.loads(line)["step"]) for line in list(nodes[0].lines) if line.startswith('{"step"')),
                         default=None)  # fmt: skip
         finally:
             localnodes.stop_all(nodes)
@@ -225,7 +225,7 @@ def main() -> int:
     started = time.monotonic()
     freeze: dict[str, list[dict[str, Any]]] = {}
     if "freeze" in parts:
-        for name, value, goal in SETTINGS:
+        for name, value, _goal in SETTINGS:
             timeout = value or DEFAULT_PEER_TIMEOUT_S
             freeze[name] = []
             for t in range(args.trials):

@@ -36,7 +36,7 @@ from cloud_adapters.stores import check_location
 from spotguard.cadence import IntervalTimer
 from spotguard.checkpoint import Checkpointer, CheckpointError, CheckpointUnavailable, SaveReport
 from spotguard.checkpoint.auth import resolve_key
-from spotguard.checkpoint.comm import new_gloo_group, ranks_per_node
+from spotguard.checkpoint.comm import new_gloo_group
 from spotguard.checkpoint.departure import Departure
 from spotguard.checkpoint.progress import seconds
 from spotguard.ending import elastic
@@ -48,7 +48,7 @@ from spotguard.ending.exit_policy import (  # noqa: F401 - re-exported: where th
     ExitPolicy,
 )
 from spotguard.goodput import GoodputRecorder
-from spotguard.health.monitor import PEER_LOST, Health, SilentFailure
+from spotguard.guard_health import GuardHealth
 from spotguard.job import topology
 from spotguard.job.agreement import Decision
 from spotguard.job.broadcast import EMERGENCY
@@ -133,8 +133,7 @@ class Guard:
         self._started = False
         self._ckpt: Checkpointer | None = None
         self._last_step: int | None = None  # the last step the loop reported (for the ledger)
-        self._beats = 0  # guard.step() calls: the loop's heartbeat, read by the hang watch
-        self._health: Health | None = None
+        self._health: GuardHealth | None = None
         self._last_state: Mapping[str, Any] | None = None  # the state the loop last passed to step()
         self._coordination: Coordination | _NotStarted = _NotStarted()
 
@@ -165,7 +164,7 @@ class Guard:
             node_leader=self.topology.is_node_leader,
         )
         self._group = self._ckpt = self._watcher = self._timer = self._snapshot_timer = self._health = None
-        self._beats, self._last_step = 0, None  # a guard entered again times nothing before its first step
+        self._last_step = None  # a guard entered again times nothing before its first step
         self._coordination = _NotStarted()
         self._goodput.reset()
         self._started_at = time.monotonic()
@@ -189,13 +188,14 @@ class Guard:
         store = self.options.coordination.store or (
             dist.distributed_c10d._get_default_store() if self.topology.distributed else dist.HashStore()
         )
-        health = self._health = Health(
+        health = self._health = GuardHealth(
             self.topology,
-            peer_timeout_s=self.options.health.peer_timeout_s,
-            hang_timeout_s=self.options.health.hang_timeout_s,
-            beats=lambda: self._beats,
+            self.options.health,
+            timeline=self.timeline,
+            goodput=self._goodput,
+            exit_policy=self._exit,
+            min_nodes=self._min_nodes,
             last_step=lambda: self._last_step,
-            end=self._end_silently,
         )
         coordination = self._coordination = Coordination(
             store,
@@ -203,16 +203,10 @@ class Guard:
             self.topology,
             timeout_s=self.options.coordination.agreement_timeout_s,
             on_agreed=self._on_agreed,
-            on_silent=health.on_event,
+            on_silent=health.monitor.on_event,
         )
         coordination.start()
-        health.start(
-            store,
-            coordination.prefix,
-            publish=coordination.publish_silent_failure,
-            listening=lambda: coordination.listening,
-            excused=coordination.departing.__contains__,
-        )
+        health.start(store, coordination)
         notices = self.options.notices
         self._watcher = Watcher(
             [], self._on_notice, interval_s=notices.poll_interval_s, on_update=self._on_notice_update
@@ -368,7 +362,7 @@ class Guard:
             step = _as_step(step)
         again = step == self._last_step
         due = self._coordination.reached(step)
-        self._beats += 1
+        self._health.beats += 1  # type: ignore[union-attr]  # started: reached() raised otherwise
         self._last_step = step
         self._last_state = state  # for the listener thread to size a coming handoff (Checkpointer.expect_handoff)
         if due:
@@ -385,7 +379,7 @@ class Guard:
         """The loop works, though it makes no training step (an evaluation batch, a data shuffle's chunk):
         the hang timeout counts from now. Any thread; cheap enough to call per batch."""
         if self._health is not None:
-            self._health.alive()
+            self._health.monitor.alive()
 
     def long_phase(self, seconds: float, what: str = "a long phase") -> contextlib.AbstractContextManager[None]:
         """Say that the next `seconds` pass without a `step()` (an evaluation, a data shuffle): the hang
@@ -398,8 +392,8 @@ class Guard:
         seconds = check.seconds("seconds", seconds)
         self.timeline.add("long-phase", what=what, seconds=seconds)
         assert self._health is not None
-        self._health.allow(seconds)
-        return self._health.phase()
+        self._health.monitor.allow(seconds)
+        return self._health.monitor.phase()
 
     def request_checkpoint(self, reason: str = "manual") -> None:
         """Ask every rank, from this one (any thread), to save at the next step they all agree on, in the
@@ -499,28 +493,6 @@ class Guard:
     def _busy(self) -> contextlib.AbstractContextManager[None]:
         """spotguard's own work on the training thread: the hang timeout does not count it."""
         return self._health.busy() if self._health is not None else contextlib.nullcontext()
-
-    def _end_silently(self, failure: SilentFailure) -> None:
-        """A silent failure's end, on the thread that concluded it (the training thread is stuck): the exit
-        file, the ledger, then the process ends with `lost_exit_code`, whatever `exit_code` says."""
-        code = self._exit.lost_exit_code
-        self.timeline.add(
-            "silent-failure", cause=failure.cause, culprit=failure.culprit or "-", noticed_after_s=failure.noticed_after_s
-        )
-        log.error(
-            "%s: ending this process with code %d, so that the job restarts from the newest state the nodes hold",
-            failure.describe(),
-            code,
-        )
-        self._exit.record(code, committed=False, step=None, leaving=False, cause=failure.cause, culprit=failure.culprit)
-        self._goodput.silent_failure(failure, code, last_step=self._last_step)
-        self._goodput.close(timeout_s=2.0)
-        lost = ranks_per_node() if failure.cause == PEER_LOST else 0
-        self._exit.withdrawal = elastic.withdrawal(
-            reclaimed=False, leaving=False, ranks_left=self.topology.world_size - lost, at_least=self._min_nodes
-        )
-        self._exit.leave_agent()  # survivors fewer than min_nodes: their round could not close
-        self._exit.exit_now(code)
 
     def _on_notice(self, notice: Notice) -> None:
         """Watcher thread: turn a notice into an event every rank sees."""

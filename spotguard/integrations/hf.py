@@ -85,7 +85,9 @@ class SpotGuardTrainerCallback(TrainerCallback):
         if self.guard.started:  # the final save, the best model's load
             self.guard.long_phase(FRAMEWORK_PHASE_S, "the end of training")
 
-    def on_prediction_step(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any) -> None:
+    def on_prediction_step(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
         self.guard.heartbeat()  # a long evaluation between two training steps is no hang
 
     def resume(self, trainer: Trainer, scratch: Path) -> str | None:

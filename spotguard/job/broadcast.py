@@ -81,7 +81,8 @@ class Broadcast:
         """Announce an interruption of `notice.node` to every rank; False if that node's was announced first."""
         event = {"type": EMERGENCY, "notice": notice.to_json()}
         node = str(notice.node)
-        won = self._bounded(lambda: self._claim(f"{self.prefix}claim/{EMERGENCY}/{node}", event, claimed=node)) is not None
+        key = f"{self.prefix}claim/{EMERGENCY}/{node}"
+        won = self._bounded(lambda: self._claim(key, event, claimed=node)) is not None
         if won:
             log.info("published %s interruption notice of node %s to all ranks", notice.source, notice.node)
         return won
