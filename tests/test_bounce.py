@@ -22,6 +22,7 @@ from spotguard.checkpoint.bounce import BouncePool
 from spotguard.checkpoint.layout import step_dir_name
 from spotguard.checkpoint.pipelined_write import PipelinedWriter
 from spotguard.checkpoint.shard_io import ChecksummingFileSystem
+from spotguard.snapshots.reading import ShardUnusable
 from tests.test_checkpoint import flip_byte
 from tests.test_snapshots import digest, load, trained, write
 
@@ -71,16 +72,17 @@ def test_the_next_slice_is_copied_before_the_one_before_is_written(tmp_path, poo
         real_record(stream, name, results, item, data)
 
     monkeypatch.setattr(pipelined_write, "_record", record)
-    rows = torch.arange(8 * 1024, dtype=torch.float32).view(8, 1024)  # 8 rows of one buffer each
+    # rows of 1 KiB; a slice leaves half of a 4 KiB buffer for torch.save's own bytes: 2 rows, 12 slices
+    rows = torch.arange(24 * 256, dtype=torch.float32).view(24, 256)
     pool = BouncePool(torch.device("cpu"), BUFFER, count=3)
     save(tmp_path, {"w": rows}, pool, threads=1)
-    slices = [k * 1024 for k in range(8)]
+    slices = [k * 2 * 256 for k in range(12)]
     expected = [("fill", slices[0])]
-    for k in range(1, 8):
+    for k in range(1, 12):
         expected += [("fill", slices[k]), ("write", slices[k - 1])]
-    assert trace == [*expected, ("write", slices[7])]
+    assert trace == [*expected, ("write", slices[11])]
     assert pool.lent == 0
-    loaded = {"w": torch.zeros(8, 1024)}
+    loaded = {"w": torch.zeros(24, 256)}
     dcp.load(loaded, checkpoint_id=tmp_path, no_dist=True)  # DCP's own reader takes the slices
     assert torch.equal(loaded["w"], rows)
 
@@ -88,7 +90,7 @@ def test_the_next_slice_is_copied_before_the_one_before_is_written(tmp_path, poo
 def test_more_writing_threads_than_buffers_finish_within_the_pool(tmp_path, monkeypatch):
     monkeypatch.setattr(bounce, "bounced", lambda tensor: True)
     torch.manual_seed(0)
-    state = {f"t{i}": torch.randn(40 + i, 256) for i in range(6)}  # 40 KiB and more: 10+ slices each
+    state = {f"t{i}": torch.randn(40 + i, 256) for i in range(6)}  # 40 KiB and more: 20+ slices each
     state["odd"] = torch.randn(3, 2000)  # a row larger than a buffer: copied whole, as DCP does
     state["view"] = torch.randn(64, 8).t()  # not contiguous
     pool = BouncePool(torch.device("cpu"), BUFFER, count=2)
@@ -99,7 +101,7 @@ def test_more_writing_threads_than_buffers_finish_within_the_pool(tmp_path, monk
     dcp.load(loaded, checkpoint_id=tmp_path, no_dist=True)
     assert all(torch.equal(loaded[k], v) for k, v in state.items())
     metadata = dcp.FileSystemReader(tmp_path).read_metadata()
-    assert len(metadata.state_dict_metadata["t0"].chunks) == 10  # 40 rows of 1 KiB, 4 rows a slice
+    assert len(metadata.state_dict_metadata["t0"].chunks) == 20  # 40 rows of 1 KiB, 2 rows a slice
     assert len(metadata.state_dict_metadata["odd"].chunks) == 1
 
 
@@ -171,10 +173,35 @@ def test_a_snapshot_loads_into_device_tensors_through_the_pool(tmp_path, pooled,
     assert [pool.lent for pool in pooled.values()] == [0]
 
 
+def test_a_snapshot_that_fails_its_check_mid_piece_gives_every_buffer_back(tmp_path, pooled):
+    path, info = write(tmp_path, {"w": torch.randn(3000, 8)})  # the body ends with the weight's last piece
+    data = bytearray(path.read_bytes())
+    data[info.body_bytes // 2] ^= 1  # found when the block's last byte arrives: inside a buffer being filled
+    path.write_bytes(data)
+    with pytest.raises(ShardUnusable, match="CRC32C"):
+        load(path, {"w": torch.zeros(3000, 8)})
+    assert [pool.lent for pool in pooled.values()] == [0]
+
+
+def test_records_of_a_sliced_tensor_come_back_through_the_pool(tmp_path, pooled, monkeypatch):
+    torch.manual_seed(0)
+    state = {"w": torch.randn(64, 256), "step": 3}  # 64 KiB: slices of 2 rows, each record within a buffer
+    with Checkpointer(str(tmp_path)) as ckpt:
+        ckpt.save(1, state, reason="manual")
+    copies = []
+    real = bounce.CopyStream.copy
+    monkeypatch.setattr(bounce.CopyStream, "copy", lambda self, dst, src: copies.append(1) or real(self, dst, src))
+    fresh = {"w": torch.zeros(64, 256), "step": 0}
+    assert Checkpointer(str(tmp_path)).resume(fresh) == 1
+    assert torch.equal(fresh["w"], state["w"]) and fresh["step"] == 3
+    assert len(copies) == 32  # every slice's record, none too large for a buffer
+
+
 def test_one_pool_per_device_and_a_thread_that_holds_none_waits_for_a_buffer(pooled):
     pool = bounce.shared_pool(torch.device("cpu"), 2)
     assert bounce.shared_pool(torch.device("cpu"), 3) is pool and pool.count == 3
     assert bounce.pool_for([torch.zeros(1)], 1) is pool
+    assert bounce.pool_for([torch.zeros(1), torch.zeros(1, device="meta")], 1) is None  # one stream, one device
     first = bounce.Pipeline(pool)
     leases = [first.lease(BUFFER) for _ in range(3)]  # a thread may hold several: none waits on itself
     assert pool.try_acquire() is None

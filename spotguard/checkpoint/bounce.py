@@ -139,9 +139,11 @@ def bounced(tensor: torch.Tensor) -> bool:
 
 
 def pool_for(tensors: list[torch.Tensor], count: int) -> BouncePool | None:
-    """The shared pool of the device that `tensors` (those that cross, `bounced`) live on, or None."""
-    device = next((t.device for t in tensors if bounced(t)), None)
-    return None if device is None else shared_pool(device, count)
+    """The shared pool of the device that `tensors` (those that cross, `bounced`) live on; None when none
+    crosses, or when they live on several devices (a copy stream orders the copies of its own device only:
+    such a state takes the plain path, DCP's copies)."""
+    devices = {t.device for t in tensors if bounced(t)}
+    return shared_pool(devices.pop(), count) if len(devices) == 1 else None
 
 
 class Lease:
@@ -211,9 +213,14 @@ class Pipeline:
         held = [lease] if lease is not None else []
         held += [queued for queued, _ in self._queue]
         self._queue.clear()
+        failure = None
         for each in held:
             try:
                 for ticket in each.tickets:
                     ticket.synchronize()
+            except BaseException as exc:  # noqa: BLE001 - every buffer goes back first
+                failure = failure or exc
             finally:
                 self.pool.release(each.buffer)
+        if failure is not None:
+            raise failure

@@ -36,6 +36,12 @@ from spotguard.checkpoint.errors import CheckpointError
 Slice = tuple[WriteItem, int, int]  # the item planned, and the rows of it (first, count) a slice holds
 
 
+def record_room(buffer_bytes: int) -> int:
+    """What a slice leaves of a buffer for what torch.save writes around its bytes (about 1.6 KB), so that
+    the whole record fits a buffer when it is read back."""
+    return min(64 << 10, buffer_bytes // 2)
+
+
 class PipelinedWriter(FileSystemWriter):
     """DCP's file writer with every tensor that is not in host memory copied out through `pool`."""
 
@@ -56,9 +62,10 @@ class PipelinedWriter(FileSystemWriter):
             return [item]
         rows = data.chunk.sizes[0]
         row_bytes = data.properties.dtype.itemsize * int(torch.Size(data.chunk.sizes[1:]).numel())
-        if rows * row_bytes <= self.pool.buffer_bytes or row_bytes == 0 or row_bytes > self.pool.buffer_bytes:
+        most = self.pool.buffer_bytes - record_room(self.pool.buffer_bytes)
+        if rows * row_bytes <= most or row_bytes == 0 or row_bytes > most:
             return [item]
-        per = self.pool.buffer_bytes // row_bytes
+        per = most // row_bytes
         pieces = []
         for first in range(0, rows, per):
             count = min(per, rows - first)
@@ -134,6 +141,7 @@ class PipelinedWriter(FileSystemWriter):
             except BaseException:
                 pipeline.abandon(lease)
                 raise
+            stream.flush()
             os.fsync(stream.fileno())
         return results
 

@@ -70,7 +70,10 @@ def read_checked(
         raise CheckpointError(f"{step_dir}: the load plan reads files the manifest does not list: {unlisted}")
     readers = max(1, min(threads, len(per_file)))
     # Records bound for a GPU cross through pinned buffers (pageable ones, for records larger than a buffer).
-    loader = _Loader(planner, storage_data, bounce.pool_for(list(tensors_of(planner.state_dict)), readers + IN_FLIGHT))
+    pool = bounce.pool_for(list(tensors_of(planner.state_dict)), readers + IN_FLIGHT)
+    if pool is not None:
+        pool.stream.follow()  # the copies into the state come after the work queued on it (a fresh optimizer's)
+    loader = _Loader(planner, storage_data, pool)
     work = [(step_dir / name, records[name], items) for name, items in per_file.items()]
     with ThreadPoolExecutor(readers, thread_name_prefix="spotguard-read") as pool:
         futures = [pool.submit(loader.read_file, *args, sha256=sha256) for args in work]

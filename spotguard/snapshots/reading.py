@@ -165,6 +165,7 @@ class SnapshotReader(StorageReader):
         pipeline = Pipeline(pool) if pool is not None else None
         with contextlib.ExitStack() as stack:
             if pipeline is not None:
+                pool.stream.follow()  # type: ignore[union-attr]  # after the work queued on the state's tensors
                 stack.callback(pipeline.abandon)  # after a failure: copies in flight waited for, buffers back
             try:
                 source = stack.enter_context(self._open(shard, [(start, end - start) for start, end, _ in runs]))
@@ -213,8 +214,12 @@ class SnapshotReader(StorageReader):
                 for first in range(0, need.end - need.start, step):
                     piece = need.device[first : first + step]
                     lease = pipeline.lease(piece.numel())
-                    take(lease.bytes())
-                    pipeline.copy(lease, piece, lease.buffer[: piece.numel()])
+                    try:
+                        take(lease.bytes())
+                        pipeline.copy(lease, piece, lease.buffer[: piece.numel()])
+                    except BaseException:
+                        pipeline.abandon(lease)  # not submitted yet: it goes back with the others
+                        raise
                     pipeline.submit(lease)
             else:
                 need.buffer = bytearray(need.end - need.start)
