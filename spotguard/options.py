@@ -359,9 +359,8 @@ class HealthOptions:
     def __post_init__(self) -> None:
         peer = _from_env(self.peer_timeout_s, PEER_TIMEOUT_ENV, DEFAULT_PEER_TIMEOUT_S)
         if isinstance(peer, str):
-            raise ValueError(
-                f'peer_timeout_s (or ${PEER_TIMEOUT_ENV}) must be a number of seconds or "off", not {peer!r}'
-            )
+            wanted = 'a number of seconds or "off"'
+            raise ValueError(f"peer_timeout_s (or ${PEER_TIMEOUT_ENV}) must be {wanted}, not {peer!r}")
         if peer:
             peer = check.seconds("peer_timeout_s", peer)
             if peer < MIN_PEER_TIMEOUT_S:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.filesystem import _split_by_size_and_type, _StorageInfo
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
@@ -83,7 +83,9 @@ class PipelinedWriter(FileSystemWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data.prefix
-        files = [(f"{prefix}{i}.distcp", items) for i, items in enumerate(_bins(plan.items, self.thread_count))]
+        # DCP's own split of the items into files of about equal size; no empty files
+        bins = [b for b in _split_by_size_and_type(self.thread_count, plan.items) if b]
+        files = [(f"{prefix}{i}.distcp", items) for i, items in enumerate(bins)]
         results: list[WriteResult] = []
         errors: list[BaseException] = []
         stop = threading.Event()
@@ -168,24 +170,3 @@ def _record(stream: Any, name: str, results: list[WriteResult], item: WriteItem,
 def _own_storage(tensor: torch.Tensor) -> torch.Tensor:
     """torch.save writes a tensor's whole storage: a view of a larger one is copied out first (as DCP does)."""
     return tensor.clone() if tensor.untyped_storage().nbytes() != tensor.nbytes else tensor
-
-
-def _bins(items: list[WriteItem], count: int) -> list[list[WriteItem]]:
-    """The items in at most `count` files of about equal size (largest first, each to the lightest file);
-    every file gets bytes items in turn. Files that would be empty are left out."""
-    bins: list[list[WriteItem]] = [[] for _ in range(max(1, count))]
-    sizes = [0] * len(bins)
-    blobs = [i for i in items if i.type == WriteItemType.BYTE_IO]
-    for n, item in enumerate(blobs):
-        bins[n % len(bins)].append(item)
-    for item in sorted((i for i in items if i.type != WriteItemType.BYTE_IO), key=_nbytes, reverse=True):
-        lightest = sizes.index(min(sizes))
-        bins[lightest].append(item)
-        sizes[lightest] += _nbytes(item)
-    return [b for b in bins if b]
-
-
-def _nbytes(item: WriteItem) -> int:
-    data = item.tensor_data
-    assert data is not None
-    return data.properties.dtype.itemsize * int(torch.Size(data.chunk.sizes).numel())
