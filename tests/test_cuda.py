@@ -124,24 +124,25 @@ def test_an_nccl_job_saves_on_a_notice_and_resumes_bit_identical(tmp_path):
     assert got["stopped_at"] >= 3
 
 
-def test_an_emergency_save_after_a_background_save_stages_into_its_buffers(tmp_path, monkeypatch):
-    from spotguard.checkpoint.staging import Stager
-
-    staged = []
-    real_stage = Stager.stage
-    monkeypatch.setattr(Stager, "stage", lambda self, sd: staged.append(1) or real_stage(self, sd))
+def test_an_emergency_save_after_a_background_save_stages_into_its_buffers(tmp_path):
+    """The emergency copies the state into the pinned buffers the background save allocated (the
+    same memory, holding the emergency's step afterwards) instead of copying as it writes."""
     model, optim = cuda_state(0)
     state = {"model": model, "optim": optim}
     with Checkpointer(str(tmp_path)) as ckpt:
         step(model, optim)
-        ckpt.save(1, state, reason="emergency")  # no buffers yet: DCP copies as it writes
-        assert staged == []
-        ckpt.save(2, state, reason="periodic", wait=False)
+        ckpt.save(1, state, reason="emergency")  # no buffers yet: the write copies through the small pinned pool
+        assert ckpt._stager.nbytes == 0
+        ckpt.save(2, state, reason="periodic", wait=False)  # stages (allocates) before it returns
+        pinned = {key: b.data_ptr() for key, b in ckpt._stager._buffers.items() if b.is_pinned()}
         step(model, optim)
         torch.cuda.synchronize()
         expected = on_host(model, optim)
         ckpt.save(3, state, reason="emergency")
-        assert staged == [1, 1]
+        buffers = {key: b for key, b in ckpt._stager._buffers.items() if b.is_pinned()}
+        assert pinned and {key: b.data_ptr() for key, b in buffers.items()} == pinned
+        for b in buffers.values():  # step 3's values: the emergency copied into them (step 2's were there)
+            assert any(b.shape == t.shape and torch.equal(b, t) for t in expected.values())
     model2, optim2 = cuda_state(1)
     step(model2, optim2)
     assert Checkpointer(str(tmp_path)).resume({"model": model2, "optim": optim2}) == 3

@@ -28,6 +28,7 @@ from spotguard.checkpoint.handoff import Receiver, send_shards
 from spotguard.checkpoint.outcome import SurvivorsOutcome
 from spotguard.job.kvstore import Connection
 from tests.ckpt_workers import ROOT
+from tests.floods import failing_accepts, frame, wait_closed
 
 STEP = 7
 
@@ -287,31 +288,6 @@ print(sharded_nbytes({"model": model, "opt": opt, "nested": {"w": sharded, "v": 
 # -- the listener, bounded before the hello ---------------------------------------------------
 
 
-def frame(obj: object) -> bytes:
-    body = json.dumps(obj).encode()
-    return struct.pack("!Q", len(body)) + body
-
-
-def closed(sock: socket.socket) -> bool:
-    """Whether the survivor has closed this connection (a FIN, or a reset for bytes it never read)."""
-    try:
-        return sock.recv(1, socket.MSG_DONTWAIT) == b""
-    except BlockingIOError:
-        return False
-    except ConnectionResetError:
-        return True
-
-
-def wait_closed(socks: list[socket.socket], within_s: float) -> list[bool]:
-    """Which of `socks` the survivor closed within `within_s` (looked at until all are)."""
-    gone = [False] * len(socks)
-    until = time.monotonic() + within_s
-    while not all(gone) and time.monotonic() < until:
-        gone = [was or closed(s) for was, s in zip(gone, socks)]
-        time.sleep(0.02)
-    return gone
-
-
 def two_leaving() -> Departure:
     """Leaving ranks 1 and 2 both hand to survivor 0: it still listens after rank 1's handoff."""
     return Departure(frozenset({1, 2}), Connection.of(dist.HashStore()), "run/emergency/1/", world_size=3)
@@ -398,16 +374,8 @@ def test_a_hello_from_an_unexpected_or_already_connected_rank_is_closed():
 def test_failed_accepts_are_logged_once_each_and_survived(departure, monkeypatch, caplog):
     """Out of descriptors (EMFILE, ENFILE) or a connection aborted before it was taken: the
     listener pauses and goes on, and the real sender's handoff then goes through."""
-    failures = iter([errno.EMFILE] * 3 + [errno.ECONNABORTED] * 2 + [errno.ENFILE])
-    real_accept = socket.socket.accept
-
-    def failing_accept(self: socket.socket):
-        err = next(failures, None)
-        if err is not None:
-            raise OSError(err, os.strerror(err))
-        return real_accept(self)
-
-    monkeypatch.setattr(socket.socket, "accept", failing_accept)  # only the survivor accepts here
+    # only the survivor accepts here
+    failures = failing_accepts(monkeypatch, [errno.EMFILE] * 3 + [errno.ECONNABORTED] * 2 + [errno.ENFILE])
     survivor = Survivor(departure)
     sent = shards()
     with caplog.at_level(logging.WARNING, logger="spotguard.checkpoint.handoff"):

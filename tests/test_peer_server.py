@@ -1,14 +1,19 @@
 """The snapshot peer server under strangers: a connection takes a place only once its whole request
-is in (within the doorway's deadline) and carries the token, so slow drips and wrong tokens cannot
-lock the job's own ranks out."""
+is in (within the doorway's deadline), bounded in size, and carries the token, so slow drips, wrong
+tokens and huge length prefixes cannot lock the job's own ranks out; transfers are capped, a failed
+accept() is survived, and a file is served whole from the one open file its trailer was read from."""
 
 from __future__ import annotations
 
+import builtins
+import errno
 import json
 import logging
+import os
 import socket
 import threading
 import time
+import tracemalloc
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -16,10 +21,13 @@ from typing import Any
 import pytest
 import torch
 
+from spotguard.checkpoint.departure import HandoffError
 from spotguard.checkpoint.handoff import doorway
+from spotguard.snapshots import shard_file
 from spotguard.snapshots.loading import load_shards
 from spotguard.snapshots.node_dir import NodeDir, name_of
 from spotguard.snapshots.peers import MAX_CONNECTIONS, PeerRuns, PeerServer, fetch_info, push
+from tests.floods import closed, failing_accepts, frame, wait_closed
 from tests.test_snapshots import write_shard
 
 NAME = name_of(5, 0, 1)
@@ -43,7 +51,11 @@ def round_trip(server: PeerServer, path, live: dict) -> float:
 
 
 def fetch_back(address: str, live: dict) -> None:
-    info = fetch_info(address, NAME)
+    load_runs(address, fetch_info(address, NAME), live)
+
+
+def load_runs(address: str, info: shard_file.ShardInfo, live: dict) -> None:
+    """Load into `live` the body of the peer's file whose trailer is `info`, its blocks checked against it."""
     load_shards(live, {0: info}, lambda s: s, lambda shard, runs: PeerRuns(address, NAME, runs))
 
 
@@ -146,4 +158,130 @@ def test_wrong_token_connections_are_answered_and_closed_without_a_place(tmp_pat
     finally:
         for sock in strangers:
             sock.close()
+        server.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_huge_length_prefix_is_refused_at_once_without_allocating_it(tmp_path, snapshot, monkeypatch):
+    """2^40 bytes (more than any machine has) and 64 MiB (which it would hand out): both closed as
+    soon as their length is read, not at the request deadline, and no buffer of either size exists."""
+    monkeypatch.setattr(doorway, "HELLO_DEADLINE_S", 60.0)  # only the size check closes anything here
+    path, state = snapshot
+    server = PeerServer(NodeDir(tmp_path / "b", "run"))
+    host, port, _ = server.address.split()
+    strangers = [socket.create_connection((host, int(port))) for _ in range(2)]  # blocking: see `closed`
+    tracemalloc.start()
+    try:
+        for sock, length in zip(strangers, (1 << 40, 64 << 20)):
+            sock.sendall(length.to_bytes(8, "big") + b"{")
+        gone = wait_closed(strangers, within_s=5.0)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        for sock in strangers:
+            sock.close()
+    assert peak < 8 << 20, f"{peak} bytes allocated while refusing"
+    assert gone == [True, True]
+    try:
+        live = {"w": torch.zeros(4096), "step": 0}
+        round_trip(server, path, live)
+        assert torch.equal(live["w"], state["w"])
+    finally:
+        server.close()
+
+
+@pytest.mark.timeout(60)
+def test_transfers_past_max_connections_are_refused_busy_at_once_and_served_once_places_free(tmp_path, snapshot):
+    """MAX_CONNECTIONS requests with the token that never send their runs each hold a transfer's
+    place (a thread); one more is told "busy" at once instead of a thread of its own."""
+    path, state = snapshot
+    server = PeerServer(NodeDir(tmp_path / "b", "run"))
+    host, port, token = server.address.split()
+    within(5, push, server.address, path, NAME)
+    holders = []
+    try:
+        for _ in range(MAX_CONNECTIONS):
+            sock = socket.create_connection((host, int(port)))  # blocking: see `closed`
+            sock.sendall(frame({"token": token, "op": "get", "name": NAME}))  # and no runs frame
+            holders.append(sock)
+        time.sleep(1.5)  # every holder admitted (the doorway reads each at once)
+        with pytest.raises(HandoffError, match="busy"):
+            within(5, fetch_info, server.address, NAME)
+        assert not any(closed(sock) for sock in holders)  # the places were theirs, not given away
+        for sock in holders:
+            sock.close()
+        deadline = time.monotonic() + 5  # each holder's handler sees its connection close, then leaves
+        while True:
+            try:
+                live = {"w": torch.zeros(4096), "step": 0}
+                round_trip(server, path, live)
+                break
+            except HandoffError as exc:
+                if "busy" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+        assert torch.equal(live["w"], state["w"])
+    finally:
+        for sock in holders:
+            sock.close()
+        server.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_accept_is_logged_and_survived(tmp_path, snapshot, monkeypatch, caplog):
+    """Out of descriptors (EMFILE) or a connection aborted before it was taken: the server goes on
+    listening, and the next push and fetch are served."""
+    path, state = snapshot
+    server = PeerServer(NodeDir(tmp_path / "b", "run"))
+    failures = failing_accepts(monkeypatch, [errno.EMFILE, errno.ECONNABORTED])  # only the server accepts here
+    live = {"w": torch.zeros(4096), "step": 0}
+    try:
+        with caplog.at_level(logging.WARNING, logger="spotguard.checkpoint.handoff.doorway"):
+            round_trip(server, path, live)
+    finally:
+        server.close()
+    assert next(failures, None) is None and torch.equal(live["w"], state["w"])
+    logged = [r.getMessage() for r in caplog.records if "could not accept" in r.getMessage()]
+    assert len(logged) == 2 and all(m.startswith("the snapshot peer server") for m in logged), logged
+
+
+def replaced_once_opened(monkeypatch: pytest.MonkeyPatch, target, replacement) -> None:
+    """The first time `target` is opened, a new file (`replacement`, moved) takes its name right after:
+    a replica of the same name landing while the server holds the old one open. Whatever the
+    server then reads or sends by the name comes from the new file."""
+    real_open = builtins.open
+
+    def opening(file, *args, **kwargs):
+        f = real_open(file, *args, **kwargs)
+        if not isinstance(file, int) and os.fspath(file) == os.fspath(target) and replacement.exists():
+            os.replace(replacement, target)
+        return f
+
+    monkeypatch.setattr(builtins, "open", opening)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("replaced_at", ["info", "get"])
+def test_a_file_replaced_while_served_is_sent_from_the_file_whose_trailer_was_read(
+    tmp_path, snapshot, monkeypatch, replaced_at
+):
+    """The trailer (`info`) or the runs (`get`) of the file the request opened, whatever takes its name after."""
+    path, state = snapshot
+    newer = tmp_path / "newer.snap"
+    newer_info = write_shard(newer, {"w": torch.arange(4096, dtype=torch.float32) + 1, "step": 5})  # same size
+    server = PeerServer(NodeDir(tmp_path / "b", "run"))
+    target = server.node_dir.file(NAME)
+    try:
+        within(5, push, server.address, path, NAME)
+        if replaced_at == "info":
+            replaced_once_opened(monkeypatch, target, newer)
+        info = within(5, fetch_info, server.address, NAME)
+        assert info == shard_file.read_info(path)  # the pushed file's trailer, whole
+        if replaced_at == "get":
+            replaced_once_opened(monkeypatch, target, newer)
+            live = {"w": torch.zeros(4096), "step": 0}
+            within(5, load_runs, server.address, info, live)  # every block checked against `info`
+            assert torch.equal(live["w"], state["w"])
+        assert shard_file.read_info(target) == newer_info != info  # it was replaced while being served
+    finally:
         server.close()

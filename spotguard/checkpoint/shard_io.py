@@ -2,10 +2,10 @@
 
 Three things make a save faster than a plain `dcp.save` followed by a checksum pass:
 the CRC32C of each file (and its SHA-256, with a checkpoint key) is computed from the bytes
-as DCP hands them over (no second read); torch.save's own per-record zip CRC32 is switched off while we save (the
-manifest's CRC32C already covers every byte; torch.load does not check the zip's); and on
-Linux the disk starts writing each file while it is still being filled (sync_file_range)
-instead of only at the closing fsync, so serializing and writing overlap. With a `tee`
+as DCP hands them over (no second read); torch.save's own per-record zip CRC32 is switched off
+on the threads that write (the manifest's CRC32C already covers every byte; torch.load does not
+check the zip's); and on Linux the disk starts writing each file while it is still being filled
+(sync_file_range) instead of only at the closing fsync, so serializing and writing overlap. With a `tee`
 (`streaming.ShardStreams.open`), each file's bytes also go to the object store part by part
 as they are written.
 """
@@ -51,7 +51,7 @@ class ChecksummingFileSystem(FileSystem):
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
         tee = None
         try:
-            with super().create_stream(path, mode) as raw:
+            with super().create_stream(path, mode) as raw, without_zip_crc32():
                 if mode != "wb":
                     yield raw
                     return
@@ -178,29 +178,69 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
 _zip_crc32_lock = threading.Lock()
 _zip_crc32_users = 0
 _zip_crc32_before = True
+_zip_crc32_per_thread: bool | None = None  # learnt at the first save
+_zip_crc32_local = threading.local()
+
+
+def _switch_is_per_thread() -> bool:
+    """Whether torch keeps the zip CRC32 switch per thread (torch 2.13 does: its serialization config
+    holds each thread's own overrides) or one for the process (older releases). Learnt by flipping it
+    on a thread of our own and looking from this one meanwhile; that thread then puts it back."""
+    seen = torch.serialization.get_crc32_options()
+    flipped, looked = threading.Event(), threading.Event()
+
+    def flip() -> None:
+        torch.serialization.set_crc32_options(not seen)
+        flipped.set()
+        looked.wait()
+        torch.serialization.set_crc32_options(seen)
+
+    thread = threading.Thread(target=flip, name="spotguard-probe")
+    thread.start()
+    flipped.wait()
+    per_thread = torch.serialization.get_crc32_options() == seen
+    looked.set()
+    thread.join()
+    return per_thread
 
 
 @contextlib.contextmanager
 def without_zip_crc32() -> Iterator[None]:
-    """Let torch.save skip the CRC32 of each zip record while our saves run.
+    """Let torch.save skip the CRC32 of each zip record while our saves run, on the calling thread.
 
-    DCP writes every tensor with torch.save, and that zip CRC32 is over half of torch.save's
-    time. The switch is process-wide, so it is counted: a background save and an emergency
-    save may overlap, and the user's setting comes back when the last one ends.
+    DCP writes every tensor with torch.save, and that zip CRC32 is over half of torch.save's time.
+    Every thread that writes a file enters this (`ChecksummingFileSystem.create_stream`). Where torch
+    keeps the switch per thread, each thread turns off its own and puts its own back; where it is one
+    for the process, it is counted: saves and their writing threads overlap, and the user's setting
+    comes back when the last one ends.
     """
-    global _zip_crc32_users, _zip_crc32_before
+    global _zip_crc32_users, _zip_crc32_before, _zip_crc32_per_thread
     if not hasattr(torch.serialization, "set_crc32_options"):  # torch < 2.5: nothing to switch
         yield
         return
     with _zip_crc32_lock:
-        if _zip_crc32_users == 0:
-            _zip_crc32_before = torch.serialization.get_crc32_options()
-            torch.serialization.set_crc32_options(False)
-        _zip_crc32_users += 1
+        if _zip_crc32_per_thread is None:
+            _zip_crc32_per_thread = _switch_is_per_thread()
+        if _zip_crc32_per_thread:
+            depth = getattr(_zip_crc32_local, "depth", 0)
+            if depth == 0:
+                _zip_crc32_local.before = torch.serialization.get_crc32_options()
+                torch.serialization.set_crc32_options(False)
+            _zip_crc32_local.depth = depth + 1
+        else:
+            if _zip_crc32_users == 0:
+                _zip_crc32_before = torch.serialization.get_crc32_options()
+                torch.serialization.set_crc32_options(False)
+            _zip_crc32_users += 1
     try:
         yield
     finally:
         with _zip_crc32_lock:
-            _zip_crc32_users -= 1
-            if _zip_crc32_users == 0:
-                torch.serialization.set_crc32_options(_zip_crc32_before)
+            if _zip_crc32_per_thread:
+                _zip_crc32_local.depth -= 1
+                if _zip_crc32_local.depth == 0:
+                    torch.serialization.set_crc32_options(_zip_crc32_local.before)
+            else:
+                _zip_crc32_users -= 1
+                if _zip_crc32_users == 0:
+                    torch.serialization.set_crc32_options(_zip_crc32_before)

@@ -68,10 +68,11 @@ def _tensors(tree: Any) -> Iterator[torch.Tensor]:
 class ReceivePool:
     """Memory for the shards a survivor is about to receive, touched before they arrive.
 
-    Bytes received into fresh memory wait for the kernel to zero each page first (0.33 s per GB on
-    the 2-core CI VM: a third of the handoff). A survivor learns at the agreement, while the training
-    step in flight still runs, that shards will come; it touches this much memory then, on a thread
-    of its own, and the handoff receives into it. Until the pool is ready, or once it is used up,
+    Bytes received into fresh memory wait for the kernel to zero each page first (about a third
+    of the handoff's time on the 2-core CI VM before this pool; docs/benchmarks.md, survivors). A
+    survivor learns at the agreement, while the training step in flight still runs, that shards
+    will come; it touches this much memory then, on a thread of its own, and the handoff receives
+    into it. Until the pool is ready, or once it is used up,
     the receiver allocates as before. A pool nothing takes from within `unused_s` (a handoff that
     began before it was ready) gives its memory back.
     """
