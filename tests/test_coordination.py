@@ -15,7 +15,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from spotguard.job.agreement import StepAgreement
+from spotguard.job.agreement import DECIDE_GRACE_S, StepAgreement
 from spotguard.job.kvstore import Connection
 from tests.counting import Counts, counting_store
 from tests.threaded_guards import Job, tcp_server
@@ -137,23 +137,11 @@ def test_a_store_that_refuses_requests_mid_round_means_no_save_on_every_rank(cap
         for t in threads:
             t.join(30)
     assert decisions == {0: None, 1: None, 2: None}
-    assert time.monotonic() - started < 15
+    # Rank 1 tries to reach the store to decide for DECIDE_GRACE_S past the round's 1 s; 3 s more is room for
+    # a loaded machine, and a round that waited 10 s (or the store's own timeout) would fail.
+    assert time.monotonic() - started < 1.0 + DECIDE_GRACE_S + 3.0
     assert "store error while gathering steps" in caplog.text and "no save in this round" in caplog.text
     assert server.get("job/agree/1/decision") == b"abort"
-
-
-def test_a_stated_topology_is_checked_at_the_call(tmp_path):
-    import spotguard
-
-    store = dist.HashStore()
-    with pytest.raises(ValueError, match="rank and world_size go together"):
-        spotguard.Guard(str(tmp_path), cloud="none", store=store, rank=1)
-    with pytest.raises(ValueError, match="need the store the ranks share"):
-        spotguard.Guard(str(tmp_path), cloud="none", rank=1, world_size=4)
-    with pytest.raises(ValueError, match=r"rank must lie in \[0, world_size=4\), not 4"):
-        spotguard.Guard(str(tmp_path), cloud="none", store=store, rank=4, world_size=4)
-    with pytest.raises(ValueError, match="local_rank and node need rank and world_size"):
-        spotguard.Guard(str(tmp_path), cloud="none", local_rank=0)
 
 
 def test_saving_without_a_process_group_says_what_is_missing(tmp_path, caplog):

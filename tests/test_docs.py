@@ -13,12 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.doc_prose import PAGES, auto_bounds, auto_bounds_of, guard_calls, keywords_of, python_blocks
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-
-
-def python_blocks(path: Path) -> list[str]:
-    return re.findall(r"^```python\n(.*?)^```", path.read_text(), flags=re.S | re.M)
 
 
 def test_the_site_builds_in_strict_mode(tmp_path):
@@ -34,9 +32,7 @@ def test_the_site_builds_in_strict_mode(tmp_path):
     assert (tmp_path / "site" / "reference" / "api" / "index.html").read_text().count("spotguard.guard.Guard") > 0
 
 
-@pytest.mark.parametrize(
-    "page", sorted(p.relative_to(ROOT).as_posix() for p in [ROOT / "README.md", *DOCS.rglob("*.md")])
-)
+@pytest.mark.parametrize("page", [p.relative_to(ROOT).as_posix() for p in PAGES])
 def test_python_examples_compile(page):
     for block in python_blocks(ROOT / page):
         if block.lstrip().startswith("--8<--"):
@@ -73,6 +69,28 @@ def test_every_guard_option_is_in_the_configuration_reference():
     missing += [name for name in inspect.signature(Guard).parameters if name != "options" and f"`{name}" not in page]
     assert not missing, f"Guard options not in the configuration reference: {missing}"
     assert "| `keep_last` | all | the highest committed steps to keep" in page
+
+
+def test_every_keyword_the_docs_give_guard_or_an_options_group_is_one_it_takes():
+    """A renamed or misspelt keyword in a page's `Guard(...)`, `SaveOptions(...)` or `guarded(...)` (code
+    blocks parsed, inline code read; tests/doc_prose.py): the example would fail with a TypeError."""
+    calls = guard_calls()
+    wrong = [
+        f"{c.where()}: {c.name}() takes no {sorted(keywords - keywords_of(callee))}"
+        for c in calls
+        for callee, keywords in [c.value]
+        if keywords - keywords_of(callee)
+    ]
+    assert not wrong, "\n".join(wrong)
+    assert {c.name for c in calls} >= {"Guard", "SaveOptions", "guarded"}  # the scan still finds them
+
+
+def test_the_bounds_of_an_auto_interval_written_in_the_prose_are_the_code_s():
+    """ "between 10 s and 900 s" next to `snapshot_interval_s="auto"`, for instance (tests/doc_prose.py)."""
+    said = auto_bounds()
+    wrong = [s for s in said if s.value != auto_bounds_of(s.name)]
+    assert not wrong, "\n".join(f"{s.where()}: {s.name} {s.value}, the code's {auto_bounds_of(s.name)}" for s in wrong)
+    assert "snapshot_interval_s" in {s.name for s in said}  # the scan still finds it
 
 
 def test_every_exit_code_is_in_the_operations_guide():

@@ -32,10 +32,16 @@ def importers_of(prefix: str) -> set[str]:
 
 
 def test_no_module_imports_itself_through_others():
-    """Import circles among modules; a package's `__init__` only re-exports, so edges into it are left out."""
+    """Import circles among modules. spotguard's package `__init__`s re-export its API (`spotguard.goodput`
+    reads `spotguard.__version__`), so edges into them are left out; cloud_adapters, the layer below,
+    has no circle even through its `__init__`s: a module there that imported its own package would
+    run half-initialised."""
     graph = imports()
     packages = {m for m in graph if (ROOT / m.replace(".", "/") / "__init__.py").exists()}
-    edges = {m: {i for i in found if i in graph and i != m and i not in packages} for m, found in graph.items()}
+    edges = {
+        m: {i for i in found if i in graph and i != m and (i not in packages or i.startswith("cloud_adapters"))}
+        for m, found in graph.items()
+    }
     graphlib.TopologicalSorter(edges).prepare()  # CycleError names the circle
 
 
@@ -79,10 +85,8 @@ def test_the_packages_below_the_guard_never_import_it():
     """job/ (the store, the agreement) stands under health/ (silent failures), and neither knows the guard,
     its options, its ledger or the other one above it."""
     graph = imports()
-    above = {
-        "spotguard.job": ("spotguard.guard", "spotguard.goodput", "spotguard.options", "spotguard.health", "spotguard.ending"),
-        "spotguard.health": ("spotguard.guard", "spotguard.goodput", "spotguard.options", "spotguard.ending"),
-    }
+    guard_and_up = ("spotguard.guard", "spotguard.goodput", "spotguard.options", "spotguard.ending")
+    above = {"spotguard.job": (*guard_and_up, "spotguard.health"), "spotguard.health": guard_and_up}
     upward = {
         (module, found)
         for package, banned in above.items()

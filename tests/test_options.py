@@ -4,12 +4,12 @@ import dataclasses
 import warnings
 
 import pytest
-
 import torch.distributed as dist
 
 import spotguard
-from spotguard import CoordinationOptions, ExitOptions, GuardOptions, NoticeOptions, SaveOptions, StorageOptions
+from spotguard import CoordinationOptions, ExitOptions, NoticeOptions, SaveOptions, StorageOptions
 from spotguard.options import SnapshotOptions
+from tests.doc_prose import default_of, matches, prose_defaults
 
 STORE = dist.HashStore()
 
@@ -63,13 +63,16 @@ def test_renamed_keywords_still_work_with_a_deprecation_warning(tmp_path):
         ({"notices": NoticeOptions(), "cloud": "aws"}, TypeError, "cloud is given twice"),
         ({"saving": {"keep_last": 3}}, TypeError, "saving must be a SaveOptions, not dict"),
         ({"rank": 0}, ValueError, "rank and world_size go together"),
+        ({"store": STORE, "rank": 1}, ValueError, "rank and world_size go together"),
+        ({"rank": 1, "world_size": 4}, ValueError, "a stated rank and world_size need the store the ranks share"),
+        ({"local_rank": 0}, ValueError, "local_rank and node need rank and world_size too"),
         ({"checkpoint_key": ""}, ValueError, "checkpoint_key must not be empty"),
         ({"min_nodes": 0}, ValueError, "min_nodes (or $SPOTGUARD_MIN_NODES) must be a positive int"),
         # a stated topology: refused at Guard(), not when the guard starts (store="x" was an AttributeError there)
-        ({"store": STORE, "rank": 5, "world_size": 2}, ValueError, "rank must lie in [0, world_size=2), not 5"),
+        ({"store": STORE, "rank": 2, "world_size": 2}, ValueError, "rank must lie in [0, world_size=2), not 2"),
         ({"store": "x", "rank": 0, "world_size": 2}, TypeError, "store must be a torch.distributed.Store, not str"),
         ({"store": "x"}, TypeError, "store must be a torch.distributed.Store, not str"),
-        ({"store": STORE, "rank": 1, "world_size": 4, "local_rank": 2}, ValueError, "local_rank (2) cannot exceed rank"),
+        ({"store": STORE, "rank": 1, "world_size": 4, "local_rank": 2}, ValueError, "local_rank (2) cannot exceed"),
         ({"store": STORE, "rank": -1, "world_size": 4}, ValueError, "rank must be >= 0, got -1"),
         ({"store": STORE, "rank": 1.0, "world_size": 4}, TypeError, "rank must be an int, not float"),
         ({"store": STORE, "rank": 0, "world_size": 0}, ValueError, "world_size must be >= 1, got 0"),
@@ -109,10 +112,13 @@ def test_the_checkpoint_key_stays_out_of_reprs(tmp_path):
 
 
 def test_guard_options_default_to_the_documented_values():
-    options = GuardOptions()
-    assert options.notices.cloud == "auto" and options.notices.grace_s == 25.0
-    assert options.exiting.exit_code == 143 and options.exiting.lost_exit_code == 75
-    assert options.coordination.agreement_timeout_s == 30.0 and options.storage.transfer_threads == 4
+    """Every default the pages write by an option's name, "`grace_s` (25 s)", "`snapshot_replicas` (default 1)",
+    a settings table's default column... (tests/doc_prose.py finds them), is the one the code takes."""
+    said = prose_defaults()
+    wrong = [f"{s.where()}: {s.name} {s.value}, the code's {default_of(s.name)!r}" for s in said if not matches(s)]
+    assert not wrong, "\n".join(wrong)
+    found = {s.name for s in said}  # the scan still finds the guides' mentions
+    assert found >= {"grace_s", "poll_interval_s", "snapshot_replicas", "snapshot_dir", "peer_timeout_s"}
 
 
 def test_settings_read_by_their_former_attribute_names_still_answer_with_a_warning(tmp_path, monkeypatch):

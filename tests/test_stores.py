@@ -6,8 +6,6 @@ proxy between the store and its server, or kill the server mid-upload.
 
 from __future__ import annotations
 
-import ast
-import graphlib
 import os
 import subprocess
 import sys
@@ -192,28 +190,6 @@ def test_check_location_refuses_a_bad_location_in_one_line_naming_the_argument(u
 )
 def test_check_location_passes_what_open_store_takes(url):
     assert check_location(url) == str(url)
-
-
-def cloud_adapters_imports() -> dict[str, set[str]]:
-    """{module: the cloud_adapters modules it imports}, function-level (lazy) imports included."""
-    paths = {
-        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
-        for p in (ROOT / "cloud_adapters").rglob("*.py")
-    }
-    graph = {}
-    for name, path in paths.items():
-        imported = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                imported.add(node.module)
-            elif isinstance(node, ast.Import):
-                imported.update(alias.name for alias in node.names)
-        graph[name] = imported & paths.keys()
-    return graph
-
-
-def test_cloud_adapters_has_no_import_circle():
-    graphlib.TopologicalSorter(cloud_adapters_imports()).prepare()  # CycleError names the circle
 
 
 class Interrupted(Exception):

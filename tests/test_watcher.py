@@ -8,7 +8,9 @@ import json
 import logging
 import queue
 import socket
+import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
@@ -21,6 +23,7 @@ from cloud_adapters.gcp.emulator import GCPMetadataEmulator
 from cloud_adapters.notice import Notice, utc_now
 from cloud_adapters.sources import cloud_sources
 from spotguard.watcher import Watcher
+from tests.servers import FaultProxy
 
 
 def closed_port_url():
@@ -146,14 +149,44 @@ def test_a_failing_callback_gets_the_notice_again_at_the_next_poll(aws, caplog):
     assert sum("notice callback failed" in r.getMessage() for r in caplog.records) == 1
 
 
+def wait_until(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
 def test_stop_returns_while_a_gcp_hanging_get_is_open():
-    with GCPMetadataEmulator() as emu:
-        watcher, _ = watch(cloud_sources("gcp", emu.url))
-        watcher.start()
-        time.sleep(0.3)
-        started = time.monotonic()
-        watcher.stop(timeout_s=1.0)
-        assert time.monotonic() - started < 5
+    """stop() waits at most its timeout in all, though each source's thread sits in a hanging GET
+    (60 s); those threads are daemons, so they never hold up the exit, and each ends once its
+    request does: here, when the metadata server goes away."""
+    before, proxy = set(threading.enumerate()), None
+    try:
+        with GCPMetadataEmulator() as emu:
+            proxy = FaultProxy(emu.url)  # to see the requests as they arrive
+            sources = cloud_sources("gcp", proxy.url)
+            watcher, _ = watch(sources)
+            watcher.start()
+            threads = [t for t in threading.enumerate() if t.name.startswith("spotguard") and t not in before]
+            assert len(threads) == len(sources) == 2
+
+            def hanging() -> set[str]:  # the keys whose hanging GET reached the emulator
+                seen = [path for _, path, _ in list(proxy.seen)]
+                if emu.requests_seen < len(seen):  # one is still on its way through the proxy
+                    return set()
+                return {path.split("?")[0] for path in seen if "wait_for_change=true" in path}
+
+            wait_until(lambda: len(hanging()) == len(sources))
+            started = time.monotonic()
+            watcher.stop(timeout_s=1.0)
+            assert time.monotonic() - started < 2.0  # its 1 s timeout, and nothing waits on a hanging GET
+            assert all(t.daemon for t in threads if t.is_alive())
+        for thread in threads:  # the server's end ends their requests, and stopped watchers poll no more
+            thread.join(10)
+        assert not [t for t in threads if t.is_alive()]
+    finally:
+        if proxy is not None:  # after the emulator: its requests through the proxy ended with it
+            proxy.close()
 
 
 @pytest.mark.parametrize("interval", [0, -1.0, float("nan"), float("inf")])
