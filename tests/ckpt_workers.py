@@ -96,22 +96,24 @@ def free_port() -> int:
 
 def launch(scenario: str, world_size: int, **args: Any) -> list[subprocess.Popen]:
     """Start `world_size` ranks of `scenario` on one host (LOCAL_RANK = RANK)."""
-    port = free_port()
+    return launch_command([str(Path(__file__)), scenario, json.dumps(args)], world_size)
+
+
+def launch_code(code: str, world_size: int, *argv: str) -> list[subprocess.Popen]:
+    """Start `world_size` ranks of `python -c code argv...`, each a node of its own (no LOCAL_RANK)."""
+    return launch_command(["-c", code, *argv], world_size, local_rank=False)
+
+
+def launch_command(argv: list[str], world_size: int, *, local_rank: bool = True) -> list[subprocess.Popen]:
+    """`python argv...` as each rank of a gloo job on 127.0.0.1; stdout and stderr together, as text."""
+    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
+    env.update(PYTHONPATH=str(ROOT), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), GLOO_SOCKET_IFNAME="lo")
+    env.update(WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     procs = []
     for rank in range(world_size):
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(ROOT),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "GLOO_SOCKET_IFNAME": "lo",
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "OMP_NUM_THREADS": "1",
-        }
-        cmd = [sys.executable, str(Path(__file__)), scenario, json.dumps(args)]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        ranked = {**env, "RANK": str(rank), **({"LOCAL_RANK": str(rank)} if local_rank else {})}
+        procs.append(subprocess.Popen([sys.executable, *argv], env=ranked, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))  # fmt: skip
     return procs
 
 

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import pickle
-import subprocess
-import sys
 
 import torch
 
 from spotguard.checkpoint import Checkpointer, IfSaved, list_checkpoints, verify_checkpoint
-from tests.ckpt_workers import ROOT, Own, assert_same, finish, free_port, make_model, run_ranks, snapshot, train
+from tests.ckpt_workers import Own, assert_same, finish, launch_code, make_model, run_ranks, snapshot, train
 
 
 def resume_in_process(ckpt, width=32, depth=3, with_step=True, **kwargs):
@@ -109,18 +106,5 @@ dist.destroy_process_group()
 
 def test_without_local_rank_one_rank_leads_the_node_as_the_guard_sees_it():
     """Two ranks that both thought they were the node leader would race downloading into one local_dir."""
-    env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
-    env.update(PYTHONPATH=str(ROOT), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2")
-    env.update(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", NODE_LEADER_PROBE],
-            env={**env, "RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    answers = [out.strip().splitlines()[-1] for out in finish(procs, timeout=60)]
+    answers = [out.strip().splitlines()[-1] for out in finish(launch_code(NODE_LEADER_PROBE, 2), timeout=60)]
     assert answers == ["leader 0", "follower 1"]

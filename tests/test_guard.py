@@ -24,7 +24,7 @@ from cloud_adapters.storage import LocalStore
 from cloud_adapters.validation import MAX_SECONDS
 from spotguard.checkpoint import list_checkpoints
 from spotguard.ledger import read_ledger
-from tests.ckpt_workers import ROOT, finish, free_port
+from tests.ckpt_workers import finish, launch_code
 from tests.servers import FaultProxy
 
 
@@ -267,38 +267,22 @@ dist.destroy_process_group()
 """
 
 
-def run_ranks(script: str, world: int, *argv: str, timeout: float = 180) -> list[str]:
-    """`script` (python -c) as each rank of a gloo job on 127.0.0.1, one process per rank and node."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    env.update(WORLD_SIZE=str(world), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    env.pop("LOCAL_RANK", None)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", script, *argv],
-            env={**env, "RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for rank in range(world)
-    ]
-    return finish(procs, timeout=timeout)
-
-
 def test_interval_saves_and_rebalance_saves_are_agreed_then_taken_in_the_background(tmp_path):
     """Two ranks, rank 1 the slower (rank 0 waits for it in the all_reduce, as under DDP): every interval
     and rebalance save is taken by both at one agreed step, and guard.step() at that step returns on
     every rank before the save is committed (a save taken in the foreground commits first)."""
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     out.mkdir()
-    run_ranks(INTERVAL_AND_REBALANCE_RANK, 2, str(ckpt), str(out))
+    finish(launch_code(INTERVAL_AND_REBALANCE_RANK, 2, str(ckpt), str(out)), timeout=180)
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     saves = [c for c in list_checkpoints(str(ckpt)) if c.committed]
     reasons = {c.reason for c in saves}
     assert reasons == {"interval", "rebalance"}, reasons
     reached = {step for step, _, _ in ranks[0]["steps"]}  # a round agreed as the loop ended is never reached
     agreed = [[step for event, _, step in r["timeline"] if event == "agreed" and step in reached] for r in ranks]
-    assert agreed[0] == agreed[1] == [c.step for c in saves]  # one step per round, the same on both ranks
+    assert agreed[0] == agreed[1]  # one step per round, the same on both ranks
+    # an interval round and the rebalance's may agree on the same step: one save takes both
+    assert sorted(set(agreed[0])) == [c.step for c in saves]
     for c in saves:  # each holds both ranks' shards (DCP's files are named __RANK_N.distcp)
         shards = {p.name.split("_")[2] for p in (ckpt / f"step-{c.step:010d}").glob("__*_*.distcp")}
         assert c.world_size == 2 and shards == {"0", "1"}, c
