@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -101,17 +102,20 @@ def launch(scenario: str, world_size: int, **args: Any) -> list[subprocess.Popen
 
 def launch_code(code: str, world_size: int, *argv: str) -> list[subprocess.Popen]:
     """Start `world_size` ranks of `python -c code argv...`, each a node of its own (no LOCAL_RANK)."""
-    return launch_command(["-c", code, *argv], world_size, local_rank=False)
+    return launch_command(["-c", code, *argv], world_size, local_rank=None)
 
 
-def launch_command(argv: list[str], world_size: int, *, local_rank: bool = True) -> list[subprocess.Popen]:
-    """`python argv...` as each rank of a gloo job on 127.0.0.1; stdout and stderr together, as text."""
+def launch_command(
+    argv: list[str], world_size: int, *, local_rank: Callable[[int], int] | None = lambda rank: rank
+) -> list[subprocess.Popen]:
+    """`python argv...` as each rank of a gloo job on 127.0.0.1; stdout and stderr together, as text.
+    LOCAL_RANK is `local_rank(rank)` (by default all ranks on one node), unset with None."""
     env = {k: v for k, v in os.environ.items() if k != "LOCAL_RANK"}
     env.update(PYTHONPATH=str(ROOT), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), GLOO_SOCKET_IFNAME="lo")
     env.update(WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
     procs = []
     for rank in range(world_size):
-        ranked = {**env, "RANK": str(rank), **({"LOCAL_RANK": str(rank)} if local_rank else {})}
+        ranked = {**env, "RANK": str(rank), **({"LOCAL_RANK": str(local_rank(rank))} if local_rank else {})}
         procs.append(subprocess.Popen([sys.executable, *argv], env=ranked, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))  # fmt: skip
     return procs

@@ -7,6 +7,7 @@ actually loads."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -14,6 +15,7 @@ import shutil
 import stat
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -157,15 +159,24 @@ def test_a_planted_world_readable_file_keeps_neither_its_owner_nor_its_mode(tmp_
 # ---- 2. a full tmpfs ---------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def tmpfs(mount: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` at `mount` (the test is skipped where one cannot be mounted), unmounted after."""
+    mount.mkdir()
+    mounting = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)]
+    if os.geteuid() != 0 or subprocess.run(mounting).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    """A 4 MiB tmpfs of this test's own (skipped where it cannot be mounted)."""
-    mount = tmp_path / "tmpfs"
-    mount.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)]).returncode:
-        pytest.skip("cannot mount a tmpfs here")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+    """A 4 MiB tmpfs of this test's own."""
+    with tmpfs(tmp_path / "tmpfs", "4m") as mount:
+        yield mount
 
 
 FILL_THEN_TRAIN = """
@@ -306,13 +317,23 @@ def test_a_snapshot_dir_under_a_regular_file_means_training_without_snapshots(tm
     assert start == 0  # nothing durable, nothing in memory: afresh, without an error
 
 
-def test_one_rank_with_an_unusable_dir_turns_snapshots_off_for_all_at_once(tmp_path):
-    (tmp_path / "file").write_text("not a directory")
-    dirs = [str(tmp_path / "memory0"), str(tmp_path / "file" / "memory1")]
-    run_ranks("guarded_snapshots", 2, ckpt=str(tmp_path / "ckpt"), snapshot_dirs=dirs, steps=9, out=str(tmp_path))
+@pytest.mark.parametrize("lacking", [1, 0], ids=["rank 1: a dir under a regular file", "rank 0: a tmpfs too small"])
+def test_one_rank_without_room_turns_snapshots_off_for_all_at_once(tmp_path, lacking):
+    dirs = [str(tmp_path / "memory0"), str(tmp_path / "memory1")]
+    with contextlib.ExitStack() as stack:
+        if lacking == 1:
+            (tmp_path / "file").write_text("not a directory")
+            dirs[1] = str(tmp_path / "file" / "memory1")
+        else:  # the job needs 230 KiB a node (38 KiB x own + replica x 3 generations): the tmpfs holds 64
+            dirs[0] = str(stack.enter_context(tmpfs(tmp_path / "tmpfs", "64k")))
+        outputs = run_ranks("guarded_snapshots", 2, ckpt=str(tmp_path / "ckpt"), snapshot_dirs=dirs, steps=9,
+                            out=str(tmp_path))  # fmt: skip
     done = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(d["train_s"] < 60 for d in done), done  # no rank waited out the room verdict (300 s)
-    assert snaps(tmp_path / "memory0") == []  # rank 0 has room, yet none of its snapshots: the job is off
+    assert snaps(Path(dirs[1 - lacking])) == []  # the other rank has room, yet no snapshots: the job is off
+    assert "snapshots are off: a node lacks the room" in outputs[0]
+    if lacking == 0:
+        assert "no room, so no snapshots" in outputs[0]
 
 
 def test_a_peer_server_that_cannot_start_means_no_snapshots_not_a_failed_resume(tmp_path, monkeypatch, caplog):
@@ -338,4 +359,3 @@ def test_a_damaged_newest_durable_step_yields_to_an_intact_newer_snapshot(tmp_pa
     assert start == 29  # the snapshot of 28, not the durable 20 that loaded (start 21)
     assert resumes(tmp_path)[-1]["tier"] == "snapshot"
     assert digest(state) == digest(reference)
-

@@ -17,7 +17,6 @@ import spotguard
 from cloud_adapters.aws.emulator import AWSMetadataEmulator
 from tests.counting import Counts, counting_store
 
-
 # These guards share one process: a silent end of one (os._exit) would end the test run. Their tests are
 # about coordination; the silent-failure watches have tests of their own (test_health.py).
 NO_HEALTH = {"peer_timeout_s": 0, "hang_timeout_s": 0}
