@@ -85,8 +85,10 @@ class Cadence:
         max_s: float = DEFAULT_MAX_S,
         prior_per_hour: float | None = None,
         on_change: Callable[[Choice], Any] | None = None,
+        name: str = "save",
     ) -> None:
         self.min_s, self.max_s = min_s, max_s
+        self.name = name  # what the interval is between, in the log: "save" or "snapshot"
         self.prior_per_hour = DEFAULT_RATE_PER_H if prior_per_hour is None else prior_per_hour
         self._lock = threading.Lock()
         self._costs: deque[float] = deque(maxlen=RECENT_SAVES)
@@ -136,7 +138,7 @@ class Cadence:
         choice = Choice(value, cost, rate, k, hours, bound)
         said = self._announced
         if said is None or abs(value - said.interval_s) > CHANGE * said.interval_s:
-            log.info("save interval (auto): %s", choice.explain())
+            log.info("%s interval (auto): %s", self.name, choice.explain())
             self._announced = choice
             if self.on_change is not None:
                 self.on_change(choice)

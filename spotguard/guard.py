@@ -399,6 +399,8 @@ class Guard:
         """Ask every rank, from this one (any thread), to save at the next step they all agree on, in the
         background, as an interval save does: unlike `save()`, the other ranks need not call anything."""
         self._require_started("request_checkpoint")
+        if reason == SNAPSHOT:  # the reason the snapshot timer's requests carry: it would take no save
+            raise ValueError(f"request_checkpoint: reason {SNAPSHOT!r} is reserved for snapshots; give another")
         self._request(reason)
 
     def _request(self, reason: str) -> None:

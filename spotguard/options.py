@@ -329,7 +329,7 @@ class SnapshotOptions:
 
     def cadence(self) -> Cadence | None:
         """The adaptive cadence for `snapshot_interval_s="auto"`, else None."""
-        return Cadence(SNAPSHOT_MIN_S, SNAPSHOT_MAX_S) if self.snapshot_interval_s == "auto" else None
+        return Cadence(SNAPSHOT_MIN_S, SNAPSHOT_MAX_S, name="snapshot") if self.snapshot_interval_s == "auto" else None
 
 
 PEER_TIMEOUT_ENV = "SPOTGUARD_PEER_TIMEOUT"

@@ -353,6 +353,8 @@ def test_misuse_gets_clear_errors(tmp_path, monkeypatch):
         with pytest.raises(TypeError, match="^step must be an int, not str"):
             entered.save("5", {})
         assert not entered.step(np.int64(3), {}) and not entered.step(torch.tensor(4), {})
+        with pytest.raises(ValueError, match="^request_checkpoint: reason 'snapshot' is reserved"):
+            entered.request_checkpoint("snapshot")  # it would take a snapshot and no save
     for bad in ("", None, "s3://", "ftp://host/x"):
         with pytest.raises(ValueError, match="^checkpoint_dir: "):  # one line, from Guard(...) itself
             spotguard.Guard(bad, cloud="none")

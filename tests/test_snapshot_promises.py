@@ -317,7 +317,7 @@ def test_timed_snapshots_are_agreed_and_one_ranks_failure_is_every_ranks_verdict
 
 
 def test_auto_snapshot_interval_follows_young_daly_from_the_measured_stall_and_the_ledgers_interruptions(
-    tmp_path, capsys
+    tmp_path, capsys, caplog
 ):
     ckpt = tmp_path / "ckpt"
     state = {**trained(1, steps=0), "buffer": torch.ones(4 << 20)}  # 16 MiB: a stall of milliseconds at least
@@ -331,7 +331,7 @@ def test_auto_snapshot_interval_follows_young_daly_from_the_measured_stall_and_t
         next_wait = guard._snapshot_timer._interval  # what rank 0's snapshot timer waits next
         start = guard.resume(state)
         assert next_wait() == SNAPSHOT_MIN_S  # nothing measured yet: the lower bound, to measure one soon
-        guard.request_checkpoint(SNAPSHOT)  # what the timer asks when it fires
+        guard._request(SNAPSHOT)  # what the timer asks when it fires (request_checkpoint refuses the reason)
         step = start
         while guard.snapshots is None or guard.snapshots.last is None:
             assert step < start + 1000, "no snapshot taken"
@@ -347,3 +347,5 @@ def test_auto_snapshot_interval_follows_young_daly_from_the_measured_stall_and_t
 
     assert waits == pytest.approx(young_daly(rate), rel=1e-3)
     assert young_daly(1 / 24) > 1.05 * waits  # the prior alone would wait longer: the ledger was read
+    said = [r.getMessage() for r in caplog.records if "interval (auto)" in r.getMessage()]
+    assert said and all(m.startswith("snapshot interval (auto): ") for m in said), said  # not called a save's
