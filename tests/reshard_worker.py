@@ -48,6 +48,7 @@ def main() -> None:
     parser.add_argument("--step-time", type=float, default=0.0)
     parser.add_argument("--mirror", help="keep a plain DCP checkpoint of every step here")
     parser.add_argument("--load", help="load this plain DCP checkpoint, print the digest, exit")
+    parser.add_argument("--snapshot-replicas", type=int, default=1, help="other nodes that keep each snapshot")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     dist.init_process_group("gloo")
@@ -68,7 +69,11 @@ def main() -> None:
         dist.destroy_process_group()
         return
     with spotguard.Guard(
-        args.checkpoint_dir, cloud=args.cloud, local_dir=args.local_dir, save_every=args.save_every
+        args.checkpoint_dir,
+        cloud=args.cloud,
+        local_dir=args.local_dir,
+        save_every=args.save_every,
+        snapshot_replicas=args.snapshot_replicas,
     ) as guard:
         start = guard.resume(state)
         value = digest(model, optim)

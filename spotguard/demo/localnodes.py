@@ -4,7 +4,8 @@ rendezvous on a store this process hosts, as a host that is never reclaimed woul
 own AWS metadata emulator, its own staging dir and its own snapshot dir (its host memory). A caller
 reclaims a node through its emulator and may SIGKILL it (the agent and its workers: the VM
 vanishes) at a moment it picks from what the node prints. The training script takes
-`--checkpoint-dir`, `--local-dir` and `--cloud`."""
+`--checkpoint-dir`, `--local-dir` and `--cloud`. A node runs one worker unless asked for more
+(`nproc_per_node`: one count for every node, or one per node for an uneven layout)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch.distributed as dist
@@ -29,11 +31,20 @@ class LocalNodeError(RuntimeError):
 
 
 class LocalNode:
-    """One node: a torchrun agent running `script` (a path, or `--module`, NAME) with `args`, its own
-    AWS metadata emulator and staging dir under `tmp`; every line it prints is kept in `lines`."""
+    """One node: a torchrun agent running `nproc` workers of `script` (a path, or `--module`, NAME) with
+    `args`, its own AWS metadata emulator and staging dir under `tmp`; every line they print is kept in
+    `lines`."""
 
     def __init__(
-        self, rank: int, rdzv: list[str], script: list[str], ckpt: str, tmp: Path, args: list[str], env: dict[str, str]
+        self,
+        rank: int,
+        rdzv: list[str],
+        script: list[str],
+        ckpt: str,
+        tmp: Path,
+        args: list[str],
+        env: dict[str, str],
+        nproc: int = 1,
     ) -> None:
         self.rank = rank
         self.emulator = AWSMetadataEmulator().__enter__()
@@ -44,7 +55,7 @@ class LocalNode:
         self.arrived: list[float] = []  # when each line was read (monotonic)
         self._new_line = threading.Condition()
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", *rdzv, "--nproc-per-node", "1",
+            sys.executable, "-m", "torch.distributed.run", *rdzv, "--nproc-per-node", str(nproc),
             *script,
             "--checkpoint-dir", ckpt, "--local-dir", str(self.local_dir), "--cloud", "aws", *args,
         ]  # fmt: skip
@@ -87,7 +98,7 @@ class LocalNode:
         """Wait until rank 0 (on node 0) printed `step`."""
 
         def printed(line: str) -> bool:
-            return line.startswith("{") and json.loads(line)["step"] >= step
+            return line.startswith('{"step"') and json.loads(line)["step"] >= step
 
         deadline = time.monotonic() + timeout
         while not any(printed(line) for line in list(self.lines)):
@@ -165,9 +176,11 @@ def run_nodes(
     args: list[str],
     out: Path | None = None,
     env: dict[str, str] | None = None,
+    nproc_per_node: int | Sequence[int] = 1,
 ) -> dict | None:
     """A whole static run with no interruption; returns what rank 0 wrote to `out` (`--out`)."""
-    nodes = start_nodes(nnodes, script, str(ckpt), tmp, [*args, *(["--out", str(out)] if out else [])], env)
+    args = [*args, *(["--out", str(out)] if out else [])]
+    nodes = start_nodes(nnodes, script, str(ckpt), tmp, args, env, nproc_per_node)
     try:
         codes = [node.finish(180) for node in nodes]
     finally:
@@ -180,13 +193,26 @@ def run_nodes(
 
 
 def start_nodes(
-    nnodes: int, script: list[str], ckpt: str, tmp: Path, args: list[str], env: dict[str, str] | None = None
+    nnodes: int,
+    script: list[str],
+    ckpt: str,
+    tmp: Path,
+    args: list[str],
+    env: dict[str, str] | None = None,
+    nproc_per_node: int | Sequence[int] = 1,
 ) -> list[LocalNode]:
-    """`nnodes` agents with a static rendezvous hosted by node 0."""
+    """`nnodes` agents with a static rendezvous hosted by node 0, each running `nproc_per_node` workers
+    (a count per node: node i's ranks follow node i-1's, as torchrun numbers them)."""
+    nprocs = [nproc_per_node] * nnodes if isinstance(nproc_per_node, int) else list(nproc_per_node)
+    if len(nprocs) != nnodes:
+        raise ValueError(f"{len(nprocs)} worker counts for {nnodes} nodes")
     port = free_port()
     static = ["--nnodes", str(nnodes), "--rdzv-backend", "static", "--master-addr", "127.0.0.1",
               "--master-port", str(port), "--max-restarts", "0"]  # fmt: skip
-    return [LocalNode(i, [*static, "--node-rank", str(i)], script, ckpt, tmp, args, env or {}) for i in range(nnodes)]
+    return [
+        LocalNode(i, [*static, "--node-rank", str(i)], script, ckpt, tmp, args, env or {}, nproc)
+        for i, nproc in enumerate(nprocs)
+    ]
 
 
 class Rendezvous:
