@@ -29,6 +29,15 @@ def ranks_per_node() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
+def even_layout(world_size: int) -> bool:
+    """Whether every node may be taken to run `ranks_per_node()` ranks: it divides the world size and, where
+    torchrun says how many nodes there are (GROUP_WORLD_SIZE), times that count it is the world size. A node
+    whose own count happens to fit an uneven job (nodes of 1, 2 and 3 ranks: the node of 2) cannot tell."""
+    per_node = ranks_per_node()
+    nodes = os.environ.get("GROUP_WORLD_SIZE")
+    return world_size % per_node == 0 and (nodes is None or per_node * int(nodes) == world_size)
+
+
 def new_gloo_group(ranks: Sequence[int] | None = None, **kwargs: Any) -> dist.ProcessGroup:
     """A gloo group whose ranks connect pair by pair, when a collective first needs the pair.
 

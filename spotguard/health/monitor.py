@@ -20,7 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from spotguard.checkpoint.comm import ranks_per_node
+from spotguard.checkpoint.comm import even_layout, ranks_per_node
 from spotguard.health import stacks
 from spotguard.health.hangs import HangSeen, HangWatch
 from spotguard.health.liveness import Liveness, PeerLoss
@@ -94,8 +94,8 @@ class Health:
         self._store, self._prefix, self._publish, self._listening = store, f"{prefix}health/", publish, listening
         per_node = ranks_per_node()
         nodes = self.topology.world_size // per_node
-        if self.topology.world_size % per_node:
-            log.warning("LOCAL_WORLD_SIZE=%d does not divide the world size %d: no liveness ring", per_node,
+        if not even_layout(self.topology.world_size):
+            log.warning("LOCAL_WORLD_SIZE=%d does not fit the world size %d: no liveness ring", per_node,
                         self.topology.world_size)  # fmt: skip
         elif self.peer_timeout_s and nodes > 1 and self.topology.rank % per_node == 0:
             self._join_ring(store, prefix, excused, per_node, nodes)
