@@ -8,23 +8,27 @@ sleep (the step runs on an accelerator and the host's cores are free: the common
 2048x2048 matmul on the rank's one core (about 0.18 s: both cores of this machine busy, the worst
 case); either way it updates one 64 MB tensor of the state in place.
 
-  overhead   for each kind of step: --every steps without snapshots (the baseline step time t0),
-             then three intervals of --every steps with a snapshot at the first step of each (the
-             state copied into the snapshot file's mapped pages on the training thread; then in the
-             background its CRC32C, and the copy sent to the other rank, which keeps it as its
-             replica). The extra time of an interval is its time, waiting for its snapshot's
-             background work included, less --every x t0. The first two snapshots make the tier's
-             files (new tmpfs pages: two warm-up intervals, shown apart); later ones write over a
-             freed snapshot's. The goal: the steady extra time of one snapshot a minute <= 1 % of
-             the time (extra / 60 s).
+  overhead   for each kind of step: windows of --every steps without snapshots (baseline: their
+             median step time t0, and the process's CPU time) alternate with intervals of --every
+             steps with a snapshot at the first step of each (the state copied into the snapshot
+             file's mapped pages on the training thread; then in the background its CRC32C, and the
+             copy sent to the other rank, which keeps it as its replica): A B A B ... A. The extra
+             time of an interval is its time, waiting for its snapshot's background work included,
+             less --every x t0 of the two baseline windows around it (their mean); its extra CPU the
+             same against their CPU time. The first two snapshots make the tier's files (new tmpfs
+             pages: two warm-up intervals, shown apart); later ones write over a freed snapshot's.
+             The goal: the steady extra time of one snapshot a minute <= 1 % of the time (extra /
+             60 s: an extrapolation, since the intervals measured are --every x t0, 18 s by default).
   lost work  at every step of the later intervals, how many steps a loss without a notice would
-             lose: the step less the newest snapshot written and replicated (one interval at most,
-             when the background work ends within the interval).
+             lose: the step less the newest snapshot whole on every rank (each rank's shard written
+             and replicated; gathered after the run). One interval at most, when the background
+             work ends within the interval.
   recovery   guard.resume() of the same state, timed on rank 0, from: the peer's memory (rank 0's
-             snapshot dir emptied first, a replacement VM: its shard comes from rank 1), its own
-             node's memory, a checkpoint on the local disk (--disk-dir; just written: the page cache
-             is warm) and an S3 bucket (moto on 127.0.0.1, staged through a fresh local dir). The
-             goal: from the peers' memory >= 5x faster than from the bucket.
+             snapshot dir moved away first, a replacement VM: its shard comes from rank 1), its own
+             node's memory (the dir put back: a restart of the workers), a checkpoint on the local
+             disk (--disk-dir; just written: the page cache is warm) and an S3 bucket (moto on
+             127.0.0.1 on the same cores, staged through a fresh local dir under --dir). The goal:
+             from the peers' memory >= 5x faster than from the bucket.
   cadences   lost work at snapshots every 10, 50 and 200 steps of 10 ms, with 64 MB per rank.
 """
 
@@ -64,6 +68,18 @@ def train_step(state: dict, a, kind: str) -> None:
     state["model"]["w0"].add_(1e-3)
 
 
+def lost_steps(newest_by_step: dict[int, int]) -> list[int]:
+    """Per step, what a loss without a notice would lose: a job resumes from the newest snapshot whole on every
+    rank, so the step less the oldest of the ranks' newest snapshots written and replicated (gathered after the
+    run, so that counting costs the training nothing)."""
+    import torch.distributed as dist
+
+    every_rank: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank, newest_by_step)
+    steps = set.intersection(*(set(r) for r in every_rank))
+    return [step - min(r[step] for r in every_rank) for step in sorted(steps)]
+
+
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
@@ -80,31 +96,41 @@ def worker(args: argparse.Namespace) -> None:
     nbytes = sum(t.numel() * 4 for t in state["model"].values())
     ckpt = str(Path(args.disk_dir) / "ckpt")
 
-    def phase(kind: str, guard: spotguard.Guard, first: int, warmup: int) -> dict:
+    def baseline_window(kind: str) -> tuple[float, float]:
+        """--every steps without snapshots: their median step time and the process's CPU time."""
         dist.barrier()
-        baseline = []
+        times, cpu = [], time.process_time()
         for _ in range(args.every):
             began = time.perf_counter()
             train_step(state, a, kind)
-            baseline.append(time.perf_counter() - began)
-        t0 = statistics.median(baseline)
-        dist.barrier()
-        windows, lost, done = [], [], []
+            times.append(time.perf_counter() - began)
+        return statistics.median(times), time.process_time() - cpu
+
+    def phase(kind: str, guard: spotguard.Guard, first: int, warmup: int) -> dict:
+        # Baseline and snapshot windows alternate (A B A B ... A): each snapshot window is judged against
+        # the mean of the baseline windows on either side of it, so a drift of the machine cancels out.
+        bases = [baseline_window(kind)]
+        windows, cpus, newest_by_step, done = [], [], {}, []
         for window in range(warmup + 3):
             start = first + window * args.every
-            began = time.perf_counter()
+            dist.barrier()
+            began, cpu = time.perf_counter(), time.process_time()
             for step in range(start, start + args.every):
                 train_step(state, a, kind)
                 guard.step(step, state)
-                tier = guard.snapshots
-                finished = tier.last.step if tier.last is not None and tier.last.ok else None
-                newest = max((s for s in (tier.complete, finished) if s is not None), default=None)
-                if window > warmup and newest is not None:
-                    lost.append(step - newest)
-            done.append(tier.wait())  # the interval's background work, whatever outlasted its steps
-            windows.append(time.perf_counter() - began - args.every * t0)
-        return {"kind": kind, "t0": t0, "warmup": warmup, "extra": windows, "stall_s": [d.stall_s for d in done],
-                "write_s": [d.write_s for d in done], "replicate_s": [d.replicate_s for d in done],
+                last = guard.snapshots.last
+                if window >= warmup and last is not None and last.ok:
+                    newest_by_step[step] = last.step  # this rank's shard written and replicated
+            done.append(guard.snapshots.wait())  # the interval's background work, whatever outlasted its steps
+            elapsed, cpu = time.perf_counter() - began, time.process_time() - cpu
+            bases.append(baseline_window(kind))
+            t0 = (bases[-2][0] + bases[-1][0]) / 2
+            windows.append(elapsed - args.every * t0)
+            cpus.append(cpu - (bases[-2][1] + bases[-1][1]) / 2)
+        lost = lost_steps({k: v for k, v in newest_by_step.items() if k >= first + (warmup + 1) * args.every})
+        return {"kind": kind, "t0": statistics.mean(b[0] for b in bases), "warmup": warmup, "extra": windows,
+                "cpu": cpus, "stall_s": [d.stall_s for d in done], "write_s": [d.write_s for d in done],
+                "replicate_s": [d.replicate_s for d in done],
                 "lost_mean": statistics.mean(lost), "lost_max": max(lost)}  # fmt: skip
 
     with spotguard.Guard(ckpt, cloud="none", snapshot_every=args.every, exit_code=None) as guard:
@@ -124,11 +150,17 @@ def worker(args: argparse.Namespace) -> None:
             assert step is not None, f"nothing to resume from in {location}"
         return took
 
-    # A replacement VM for rank 0: its memory is empty; rank 1 still holds its replica.
+    # A replacement VM for rank 0: its memory is empty; rank 1 still holds its replica. A resume from
+    # the peer writes nothing back to rank 0's memory, so its files are put back from a copy before the
+    # second resume: a restart of the workers on the same node.
+    node0 = Path(args.dir) / "node0"
     if rank == 0:
-        shutil.rmtree(Path(args.dir) / "node0")
+        node0.rename(node0.with_name("node0-kept"))
     peer = timed_resume(ckpt, snapshot_every=args.every)
-    own = timed_resume(ckpt, snapshot_every=args.every)  # rank 0 now holds its shard again
+    if rank == 0:
+        shutil.rmtree(node0, ignore_errors=True)
+        node0.with_name("node0-kept").rename(node0)
+    own = timed_resume(ckpt, snapshot_every=args.every)
     shutil.rmtree(Path(args.dir) / f"node{rank}")  # the memory back for the durable runs
     with spotguard.Guard(ckpt, cloud="none", exit_code=None) as guard:
         guard.save(10_000, state)
@@ -146,18 +178,17 @@ def worker(args: argparse.Namespace) -> None:
     by_cadence = {}
     for every in CADENCES:
         dist.barrier()
-        lost = []
+        newest_by_step = {}
         location = str(Path(args.disk_dir) / f"cadence-{every}")
         with spotguard.Guard(location, cloud="none", snapshot_every=every, exit_code=None) as guard:
             for step in range(4 * every):
                 time.sleep(0.01)
                 small["model"]["w0"].add_(1.0)
                 guard.step(step, small)
-                tier = guard.snapshots
-                finished = tier.last.step if tier.last is not None and tier.last.ok else None
-                newest = max((s for s in (tier.complete, finished) if s is not None), default=None)
-                if step >= every:
-                    lost.append(step - newest)
+                last = guard.snapshots.last
+                if step >= every and last is not None and last.ok:
+                    newest_by_step[step] = last.step
+        lost = lost_steps(newest_by_step)
         by_cadence[every] = (statistics.mean(lost), max(lost))
     if rank == 0:
         report(kind="cadences", lost=by_cadence)
@@ -203,13 +234,16 @@ def main() -> int:
             rows.append([f"{p['kind']} (t0 {p['t0'] * 1e3:.0f} ms)" if i == 0 else "",
                          f"{i + 1}{' (new pages)' if i < p['warmup'] else ''}",
                          f"{p['stall_s'][i]:.3f} s", f"{p['extra'][i]:.2f} s", f"{p['write_s'][i]:.2f} s",
-                         f"{p['replicate_s'][i]:.2f} s"])  # fmt: skip
-    print(table(["training step", "interval", "stall", "extra time of the interval", "write", "replicate"], rows))
+                         f"{p['replicate_s'][i]:.2f} s", f"{p['cpu'][i] / o['bytes'] * 1e9:.2f} s"])  # fmt: skip
+    print(table(["training step", "interval", "stall", "extra time of the interval", "write", "replicate",
+                 "extra CPU per GB"], rows))  # fmt: skip
     for p in o["phases"]:
         steady = statistics.mean(p["extra"][p["warmup"] :])
-        print(f"{p['kind']}: overhead at one snapshot a minute {steady:.2f} s / 60 s = {100 * steady / 60:.2f} % "
-              f"(goal <= 1 %); lost work on a loss without notice: mean {p['lost_mean']:.1f} steps, "
-              f"max {p['lost_max']} (one interval: {args.every} steps)")  # fmt: skip
+        interval_s = args.every * p["t0"]
+        print(f"{p['kind']}: extra time per snapshot {steady:.2f} s; at one snapshot a minute {steady:.2f} s / 60 s = "
+              f"{100 * steady / 60:.2f} % (goal <= 1 %; extrapolated from intervals of {interval_s:.0f} s); lost work "
+              f"on a loss without notice: mean {p['lost_mean']:.1f} steps, max {p['lost_max']} (one interval: "
+              f"{args.every} steps)")  # fmt: skip
     print(table(
         ["resume from", "guard.resume()", "vs the bucket"],
         [[name, f"{r[key]:.2f} s", f"{r['bucket'] / r[key]:.1f}x"] for name, key in

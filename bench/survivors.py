@@ -7,9 +7,12 @@ that gives about `--gb-per-rank` of model and Adam state per rank. Node 1's emul
 interruption; node 1 hands the shards that exist only on it to node 0 over TCP and is free to go;
 node 0 writes everything and commits. Measured from the nodes' own logs (one host, one clock):
 
-- notice -> leaving node free to go (the handoff), against the baseline: the same bytes written
-  to the leaving node's own disk with fsync (what it did before survivors committed alone), timed
-  in this run on the same disk with two writer threads;
+- agreed step reached (the leaving node's "save-start as=leaving") -> leaving node free to go (the
+  handoff), against the baseline: the same bytes written to the leaving node's own disk with fsync
+  (what it did before survivors committed alone), timed in this run on the same disk with two
+  writer threads;
+- notice -> agreed step reached (the training step in flight when the notice came) and notice ->
+  leaving node free to go, the sum of the two;
 - notice -> committed by the survivors, against GCP's 30 s window.
 
     python bench/survivors.py [--gb-per-rank 1.0]
@@ -108,6 +111,7 @@ def main() -> None:
         ["agreed step reached -> leaving node free to go (handoff)", f"{free_s:.2f}", f"{free_s / baseline:.2f}"],
         ["  of which the transfer to the survivor", f"{when(free) - when(handing):.2f}", ""],
         ["notice -> agreed step reached (the training step in flight)", f"{step_s:.2f}", ""],
+        ["notice -> leaving node free to go", f"{when(free) - t0:.2f}", ""],
         ["notice -> committed by the survivor", f"{committed_s:.2f}", ""],
     ]
     print(table(["what (one host, 2 nodes)", "seconds", "vs own disk write"], rows))
