@@ -54,13 +54,15 @@ class Choice:
     interruptions: int  # k: seen in the ledger's history, this run, plus rebalance recommendations
     hours: float  # H: hours of running behind the estimate
     bound: str | None  # "min" or "max" when the bound decided
+    name: str = "save"  # what is taken at this interval: "save" or "snapshot"
 
     def explain(self) -> str:
         if self.save_cost_s is None:
-            return f"{self.interval_s:.3g} s (the lower bound, until a background save has been measured)"
+            taken = "background save" if self.name == "save" else self.name
+            return f"{self.interval_s:.3g} s (the lower bound, until a {taken} has been measured)"
         mtbi = 3600.0 / self.rate_per_h
         why = (
-            f"sqrt(2 x {self.save_cost_s:.3f} s save stall x {mtbi / 3600:.1f} h between interruptions)"
+            f"sqrt(2 x {self.save_cost_s:.3f} s {self.name} stall x {mtbi / 3600:.1f} h between interruptions)"
             f" = {young_daly(self.save_cost_s, mtbi):.3g} s"
         )
         clamp = f", held at the {self.bound} bound" if self.bound else ""
@@ -135,7 +137,7 @@ class Cadence:
             ideal = young_daly(cost, 3600.0 / rate)
             value = min(self.max_s, max(self.min_s, ideal))
             bound = "min" if ideal < self.min_s else "max" if ideal > self.max_s else None
-        choice = Choice(value, cost, rate, k, hours, bound)
+        choice = Choice(value, cost, rate, k, hours, bound, self.name)
         said = self._announced
         if said is None or abs(value - said.interval_s) > CHANGE * said.interval_s:
             log.info("%s interval (auto): %s", self.name, choice.explain())

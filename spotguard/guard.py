@@ -70,6 +70,7 @@ from spotguard.timeline import Timeline
 from spotguard.watcher import Watcher, add_sources
 
 log = logging.getLogger(__name__)
+ROUTINE_SAVES = ("periodic", "interval")  # a save that is also another round's takes that round's reason
 
 
 class Guard:
@@ -397,10 +398,11 @@ class Guard:
 
     def request_checkpoint(self, reason: str = "manual") -> None:
         """Ask every rank, from this one (any thread), to save at the next step they all agree on, in the
-        background, as an interval save does: unlike `save()`, the other ranks need not call anything."""
+        background, as an interval save does: unlike `save()`, the other ranks need not call anything.
+        `reason` names the save in its manifest and the ledger ("snapshot" and "emergency" are reserved)."""
         self._require_started("request_checkpoint")
-        if reason == SNAPSHOT:  # the reason the snapshot timer's requests carry: it would take no save
-            raise ValueError(f"request_checkpoint: reason {SNAPSHOT!r} is reserved for snapshots; give another")
+        if reason in (SNAPSHOT, "emergency"):  # the snapshot timer's (it takes no save), and a notice's
+            raise ValueError(f"request_checkpoint: reason {reason!r} is reserved; give another")
         self._request(reason)
 
     def _request(self, reason: str) -> None:
@@ -420,8 +422,9 @@ class Guard:
             if SNAPSHOT in reasons:
                 self._snapshot(step, state)
             saves = [r for r in reasons if r != SNAPSHOT]
-            if saves:
-                self._save(step, state, reason=saves[-1], wait=False)
+            if saves:  # rounds agreed on one step make one save: named for the one that is not routine
+                reason = next((r for r in saves if r not in ROUTINE_SAVES), saves[-1])
+                self._save(step, state, reason=reason, wait=False)
             return False
         plan = self._coordination.plan(emergencies)
         self.leaving = self.topology.rank in plan.leaving or plan.departure is None

@@ -21,6 +21,7 @@ from spotguard.checkpoint import (
     CheckpointError,
     IfSaved,
     list_checkpoints,
+    shard_io,
     verify_checkpoint,
 )
 from spotguard.checkpoint.layout import step_dir_name
@@ -179,6 +180,54 @@ def test_torch_save_s_zip_crc32_is_off_while_we_write_and_the_users_setting_come
         torch.serialization.set_crc32_options(True)
     crcs = zip_crcs(tmp_path / step_dir_name(1))
     assert len(crcs) >= 6 and set(crcs) == {0}  # none computed (the manifest's CRC32C covers every byte)
+
+
+class _Switch:
+    """torch's zip CRC32 switch as torch 2.13 keeps it (per thread) or as older releases did (one for all)."""
+
+    def __init__(self, per_thread: bool) -> None:
+        self.per_thread, self.shared, self.local = per_thread, True, threading.local()
+
+    def get(self) -> bool:
+        return getattr(self.local, "value", True) if self.per_thread else self.shared
+
+    def set(self, value: bool) -> None:
+        if self.per_thread:
+            self.local.value = value
+        else:
+            self.shared = value
+
+
+@pytest.mark.parametrize("scope", ["thread", "process"])
+def test_the_zip_crc32_switch_is_off_in_every_writing_thread_and_comes_back_as_the_user_set_it(monkeypatch, scope):
+    """Saves and their writing threads overlap and end in any order; however torch keeps the switch."""
+    switch = _Switch(per_thread=scope == "thread")
+    monkeypatch.setattr(torch.serialization, "get_crc32_options", switch.get)
+    monkeypatch.setattr(torch.serialization, "set_crc32_options", switch.set)
+    monkeypatch.setattr(shard_io, "_zip_crc32_scope", None)  # learnt again, from this switch
+    switch.set(True)
+    inside, after, all_in = [], [], threading.Barrier(3)
+
+    def writer(leave_after_s: float) -> None:
+        with shard_io.without_zip_crc32():
+            all_in.wait(5)  # all three inside at once
+            inside.append(torch.serialization.get_crc32_options())
+            time.sleep(leave_after_s)
+        after.append(torch.serialization.get_crc32_options())
+
+    with shard_io.without_zip_crc32():  # the save's own, on the calling thread
+        threads = [threading.Thread(target=writer, args=(0.05 * i,)) for i in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(10)
+        assert torch.serialization.get_crc32_options() is False
+    assert shard_io._zip_crc32_scope == scope
+    assert inside == [False] * 3  # off in every writing thread, whichever left first
+    assert torch.serialization.get_crc32_options() is True  # the user's setting is back
+    if scope == "thread":
+        assert after == [True] * 3  # each thread's own put back as it left
+    assert not any(t.name == "spotguard-probe" for t in threading.enumerate())
 
 
 def test_corrupt_shard_is_reported_and_resume_falls_back(tmp_path, caplog):

@@ -157,7 +157,7 @@ def test_a_staged_emergency_save_whose_upload_failed_is_not_reported_saved(tmp_p
 # 50 ms (docs/benchmarks.md, bench/fault_matrix.py, on an idle machine); on two cores shared with other
 # test runs a thread can wait a few hundred ms for the CPU, while a step that waited on the hung poll
 # would take its whole 2 s timeout (cloud_adapters/aws/metadata.py DEFAULT_TIMEOUT_S).
-NEVER_STALLED_S = 0.5
+NEVER_STALLED_S = 1.0  # half the timeout: a stall on the poll cannot pass
 
 
 def test_metadata_down_never_touches_the_training_loop(tmp_path, caplog):
@@ -267,6 +267,22 @@ dist.destroy_process_group()
 """
 
 
+def test_rounds_agreed_on_one_step_make_one_save_named_for_the_one_that_is_not_routine(tmp_path):
+    """An interval round that lands on the step of a rebalance (or any named) save must not rename it."""
+    state = make_state()
+    with spotguard.Guard(tmp_path, cloud="none", exit_code=None) as guard:
+        guard.step(0, state)
+        guard.request_checkpoint("manual")
+        guard._request("interval")  # what the interval timer asks, after it: both agree on step 1
+        deadline = time.monotonic() + 30
+        while sum(e.event == "agreed" for e in guard.timeline.entries) < 2:
+            assert time.monotonic() < deadline, "the two rounds were not agreed"
+            time.sleep(0.01)
+        guard.step(1, state)  # leaving the block waits for the background save
+    assert [e.detail.get("step") for e in guard.timeline.entries if e.event == "agreed"] == [1, 1]
+    assert committed(tmp_path) == [(1, "manual")]
+
+
 def test_interval_saves_and_rebalance_saves_are_agreed_then_taken_in_the_background(tmp_path):
     """Two ranks, rank 1 the slower (rank 0 waits for it in the all_reduce, as under DDP): every interval
     and rebalance save is taken by both at one agreed step, and guard.step() at that step returns on
@@ -353,8 +369,9 @@ def test_misuse_gets_clear_errors(tmp_path, monkeypatch):
         with pytest.raises(TypeError, match="^step must be an int, not str"):
             entered.save("5", {})
         assert not entered.step(np.int64(3), {}) and not entered.step(torch.tensor(4), {})
-        with pytest.raises(ValueError, match="^request_checkpoint: reason 'snapshot' is reserved"):
-            entered.request_checkpoint("snapshot")  # it would take a snapshot and no save
+        for reserved in ("snapshot", "emergency"):  # a snapshot and no save; a save counted as a notice's
+            with pytest.raises(ValueError, match=f"^request_checkpoint: reason '{reserved}' is reserved"):
+                entered.request_checkpoint(reserved)
     for bad in ("", None, "s3://", "ftp://host/x"):
         with pytest.raises(ValueError, match="^checkpoint_dir: "):  # one line, from Guard(...) itself
             spotguard.Guard(bad, cloud="none")

@@ -349,3 +349,4 @@ def test_auto_snapshot_interval_follows_young_daly_from_the_measured_stall_and_t
     assert young_daly(1 / 24) > 1.05 * waits  # the prior alone would wait longer: the ledger was read
     said = [r.getMessage() for r in caplog.records if "interval (auto)" in r.getMessage()]
     assert said and all(m.startswith("snapshot interval (auto): ") for m in said), said  # not called a save's
+    assert "snapshot stall" in said[-1] and "save" not in said[-1], said[-1]

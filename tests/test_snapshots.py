@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import spotguard
-from spotguard.checkpoint.comm import even_layout
+from spotguard.checkpoint.comm import node_count
 from spotguard.checkpoint.departure import HandoffError
 from spotguard.checkpoint.state import load_from_dcp, state_digest, to_dcp
 from spotguard.cli import main
@@ -147,24 +147,25 @@ def test_a_freed_snapshot_file_is_written_over_by_the_next_one(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "local, nodes, world, even",
+    "local, nodes, world, count",
     [
-        ("2", "2", 4, True),
-        ("1", None, 3, True),  # no torchrun: one rank per node
-        ("2", "2", 3, False),  # nodes of 2 and 1 ranks: the node of 2 ...
-        ("1", "2", 3, False),  # ... and the node of 1 both see it
-        ("2", None, 3, False),  # 2 does not divide 3
-        ("2", "3", 6, True),  # nodes of 1, 2 and 3 ranks: the node of 2 cannot tell (documented)
+        ("2", "2", 4, 2),
+        ("1", None, 3, 3),  # no torchrun: one rank per node
+        ("2", "2", 3, None),  # nodes of 2 and 1 ranks: the node of 2 ...
+        ("1", "2", 3, None),  # ... and the node of 1 both see it
+        ("2", None, 3, None),  # 2 does not divide 3
+        ("2", "3", 6, 3),  # nodes of 1, 2 and 3 ranks: the node of 2 cannot tell (documented)
+        ("2", "", 4, 2),  # an empty or odd GROUP_WORLD_SIZE is no count
     ],
 )
-def test_an_uneven_layout_is_seen_from_torchruns_counts(monkeypatch, local, nodes, world, even):
+def test_an_uneven_layout_is_seen_from_torchruns_counts(monkeypatch, local, nodes, world, count):
     """Buddies are the same local rank on the next nodes: only meaningful when every node runs as many ranks."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
     if nodes is None:
         monkeypatch.delenv("GROUP_WORLD_SIZE", raising=False)
     else:
         monkeypatch.setenv("GROUP_WORLD_SIZE", nodes)
-    assert even_layout(world) is even
+    assert node_count(world) == count
 
 
 def test_the_newest_whole_snapshot_is_chosen_at_any_world_size_from_one_attempt():

@@ -29,6 +29,10 @@ SNAPSHOT_EVERY = 3
 # after a start reduces in another order than the steps after DDP rebuilt its buckets.)
 ARGS = ["--steps", str(STEPS), "--step-time", "0.05", "--save-every", str(SAVE_EVERY), "--fsdp"]
 ENV = {"SPOTGUARD_SNAPSHOT_EVERY": str(SNAPSHOT_EVERY)}
+# A loss loses at most one interval plus the newest snapshot's own write and replication: a kill right
+# after step 24's snapshot began, before its replica was whole, resumes from step 21 (docs/guide/snapshots.md);
+# `last` is the step the worker printed last, before its guard.step().
+MOST_LOST = 2 * SNAPSHOT_EVERY
 STEP_LINE = re.compile(r'^\{"step": (\d+)', re.MULTILINE)  # what rank 0 prints after each step
 RESUMED = re.compile(r"resumed from the snapshot of step (\d+)")
 SNAP_NAME = re.compile(r"step-(\d+)/shard-(\d+)-of-(\d+)\.snap$")
@@ -151,7 +155,7 @@ def test_a_node_lost_without_notice_resumes_from_the_peers_memory_bit_identical(
     snapshot = resumed_snapshot(text)
     assert snapshot > durable  # newer than the bucket's newest: from the survivors' memory
     assert resumed["start"] == snapshot + 1
-    assert last - snapshot <= SNAPSHOT_EVERY  # lost work: at most one snapshot interval
+    assert last - snapshot <= MOST_LOST  # lost work: at most one interval and the newest snapshot in flight
     assert re.search(r"read \d+ bytes of rank 2's shard \(of 3\) from rank 0", text)  # its buddy kept it
     assert resumed["digest"] == reference(THREE)
     assert ledger_resumes(tmp_path)[-1]["tier"] == "snapshot"
@@ -185,7 +189,7 @@ def test_a_frozen_node_ends_the_job_in_seconds_and_the_relaunch_resumes_from_the
     durable = max(committed(tmp_path))
     resumed, text = relaunch(tmp_path)
     snapshot = resumed_snapshot(text)
-    assert durable < snapshot and last - snapshot <= SNAPSHOT_EVERY
+    assert durable < snapshot and last - snapshot <= MOST_LOST
     assert resumed["start"] == snapshot + 1
     assert resumed["digest"] == reference(THREE)
 
@@ -250,7 +254,7 @@ def test_two_ranks_per_node_a_node_lost_resumes_from_the_same_local_ranks_on_its
     durable = max(committed(tmp_path))
     resumed, text = relaunch(tmp_path, TWO_BY_TWO)
     snapshot = resumed_snapshot(text)
-    assert durable < snapshot and last - snapshot <= SNAPSHOT_EVERY
+    assert durable < snapshot and last - snapshot <= MOST_LOST
     assert resumed["start"] == snapshot + 1
     for shard, buddy in ((2, 0), (3, 1)):
         assert re.search(rf"read \d+ bytes of rank {shard}'s shard \(of 4\) from rank {buddy}\b", text), shard
@@ -266,7 +270,7 @@ def test_two_replicas_two_adjacent_nodes_lost_resume_from_the_survivors_memory(t
     durable = max(committed(tmp_path))
     resumed, text = relaunch(tmp_path, THREE_TWO_REPLICAS)
     snapshot = resumed_snapshot(text)
-    assert durable < snapshot and last - snapshot <= SNAPSHOT_EVERY
+    assert durable < snapshot and last - snapshot <= MOST_LOST
     assert resumed["start"] == snapshot + 1
     for shard in (1, 2):
         assert re.search(rf"read \d+ bytes of rank {shard}'s shard \(of 3\) from rank 0\b", text), shard

@@ -29,13 +29,22 @@ def ranks_per_node() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
 
-def even_layout(world_size: int) -> bool:
-    """Whether every node may be taken to run `ranks_per_node()` ranks: it divides the world size and, where
-    torchrun says how many nodes there are (GROUP_WORLD_SIZE), times that count it is the world size. A node
-    whose own count happens to fit an uneven job (nodes of 1, 2 and 3 ranks: the node of 2) cannot tell."""
+def node_count(world_size: int) -> int | None:
+    """How many nodes of `ranks_per_node()` ranks the job has, or None for an uneven layout: that count
+    does not divide the world size or, where torchrun says how many nodes there are (GROUP_WORLD_SIZE),
+    times that many it is not the world size. A node whose own count happens to fit an uneven job
+    (nodes of 1, 2 and 3 ranks: the node of 2) cannot tell."""
     per_node = ranks_per_node()
-    nodes = os.environ.get("GROUP_WORLD_SIZE")
-    return world_size % per_node == 0 and (nodes is None or per_node * int(nodes) == world_size)
+    nodes = os.environ.get("GROUP_WORLD_SIZE", "")
+    if world_size % per_node or (nodes.isdigit() and per_node * int(nodes) != world_size):
+        return None
+    return world_size // per_node
+
+
+def layout_said() -> str:
+    """The counts a layout is judged by, for a log line."""
+    said = f"LOCAL_WORLD_SIZE={ranks_per_node()}"
+    return said + (f", GROUP_WORLD_SIZE={os.environ['GROUP_WORLD_SIZE']}" if "GROUP_WORLD_SIZE" in os.environ else "")
 
 
 def new_gloo_group(ranks: Sequence[int] | None = None, **kwargs: Any) -> dist.ProcessGroup:

@@ -51,13 +51,14 @@ class ChecksummingFileSystem(FileSystem):
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
         tee = None
         try:
-            with super().create_stream(path, mode) as raw, without_zip_crc32():
+            with super().create_stream(path, mode) as raw:
                 if mode != "wb":
                     yield raw
                     return
                 tee = self._tee(Path(path)) if self._tee is not None else None
                 stream = _ChecksummingStream(raw, sha256=self._sha256, tee=tee)
-                yield stream
+                with without_zip_crc32():  # on this thread, the one that writes the file
+                    yield stream
         except BaseException:
             if tee is not None:
                 tee.fail("the local write failed")
@@ -176,32 +177,39 @@ def start_writeback(fd: int, offset: int, length: int) -> None:
 
 
 _zip_crc32_lock = threading.Lock()
-_zip_crc32_users = 0
+_zip_crc32_users = 0  # where the switch is one for the process: the saves and threads inside
 _zip_crc32_before = True
-_zip_crc32_per_thread: bool | None = None  # learnt at the first save
+_zip_crc32_scope: str | None = None  # "thread", "process" or "unknown"; learnt at the first save
 _zip_crc32_local = threading.local()
 
 
-def _switch_is_per_thread() -> bool:
-    """Whether torch keeps the zip CRC32 switch per thread (torch 2.13 does: its serialization config
-    holds each thread's own overrides) or one for the process (older releases). Learnt by flipping it
-    on a thread of our own and looking from this one meanwhile; that thread then puts it back."""
+def _switch_scope() -> str:
+    """Whether torch keeps the zip CRC32 switch per thread ("thread": torch 2.13, whose serialization
+    config holds each context's own overrides) or one for the process ("process": older releases);
+    "unknown" when the probe could not tell. Learnt by flipping it on a thread of our own and looking
+    from this one meanwhile; that thread then puts it back."""
     seen = torch.serialization.get_crc32_options()
     flipped, looked = threading.Event(), threading.Event()
 
     def flip() -> None:
-        torch.serialization.set_crc32_options(not seen)
-        flipped.set()
-        looked.wait()
-        torch.serialization.set_crc32_options(seen)
+        try:
+            torch.serialization.set_crc32_options(not seen)
+            flipped.set()
+            looked.wait(5.0)
+        finally:
+            torch.serialization.set_crc32_options(seen)
 
-    thread = threading.Thread(target=flip, name="spotguard-probe")
-    thread.start()
-    flipped.wait()
-    per_thread = torch.serialization.get_crc32_options() == seen
+    thread = threading.Thread(target=flip, name="spotguard-probe", daemon=True)
+    try:
+        thread.start()
+    except RuntimeError:  # no thread to be had
+        return "unknown"
+    scope = "unknown"
+    if flipped.wait(5.0):
+        scope = "thread" if torch.serialization.get_crc32_options() == seen else "process"
     looked.set()
-    thread.join()
-    return per_thread
+    thread.join(5.0)
+    return scope
 
 
 @contextlib.contextmanager
@@ -212,22 +220,22 @@ def without_zip_crc32() -> Iterator[None]:
     Every thread that writes a file enters this (`ChecksummingFileSystem.create_stream`). Where torch
     keeps the switch per thread, each thread turns off its own and puts its own back; where it is one
     for the process, it is counted: saves and their writing threads overlap, and the user's setting
-    comes back when the last one ends.
+    comes back when the last one ends. Where the probe could not tell, the switch is left alone.
     """
-    global _zip_crc32_users, _zip_crc32_before, _zip_crc32_per_thread
+    global _zip_crc32_users, _zip_crc32_before, _zip_crc32_scope
     if not hasattr(torch.serialization, "set_crc32_options"):  # torch < 2.5: nothing to switch
         yield
         return
     with _zip_crc32_lock:
-        if _zip_crc32_per_thread is None:
-            _zip_crc32_per_thread = _switch_is_per_thread()
-        if _zip_crc32_per_thread:
+        if _zip_crc32_scope is None:
+            _zip_crc32_scope = _switch_scope()
+        if _zip_crc32_scope == "thread":
             depth = getattr(_zip_crc32_local, "depth", 0)
             if depth == 0:
                 _zip_crc32_local.before = torch.serialization.get_crc32_options()
                 torch.serialization.set_crc32_options(False)
             _zip_crc32_local.depth = depth + 1
-        else:
+        elif _zip_crc32_scope == "process":
             if _zip_crc32_users == 0:
                 _zip_crc32_before = torch.serialization.get_crc32_options()
                 torch.serialization.set_crc32_options(False)
@@ -236,11 +244,11 @@ def without_zip_crc32() -> Iterator[None]:
         yield
     finally:
         with _zip_crc32_lock:
-            if _zip_crc32_per_thread:
+            if _zip_crc32_scope == "thread":
                 _zip_crc32_local.depth -= 1
                 if _zip_crc32_local.depth == 0:
                     torch.serialization.set_crc32_options(_zip_crc32_local.before)
-            else:
+            elif _zip_crc32_scope == "process":
                 _zip_crc32_users -= 1
                 if _zip_crc32_users == 0:
                     torch.serialization.set_crc32_options(_zip_crc32_before)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from spotguard.checkpoint.comm import even_layout, ranks_per_node
+from spotguard.checkpoint.comm import layout_said, node_count, ranks_per_node
 from spotguard.health import stacks
 from spotguard.health.hangs import HangSeen, HangWatch
 from spotguard.health.liveness import Liveness, PeerLoss
@@ -92,11 +92,9 @@ class Health:
         """`publish` announces a failure to every rank's listener; `listening()`: whether this rank's still
         reads (after a rank left its guard none does, and this rank ends alone)."""
         self._store, self._prefix, self._publish, self._listening = store, f"{prefix}health/", publish, listening
-        per_node = ranks_per_node()
-        nodes = self.topology.world_size // per_node
-        if not even_layout(self.topology.world_size):
-            log.warning("LOCAL_WORLD_SIZE=%d does not fit the world size %d: no liveness ring", per_node,
-                        self.topology.world_size)  # fmt: skip
+        per_node, nodes = ranks_per_node(), node_count(self.topology.world_size)
+        if nodes is None:
+            log.warning("%s does not fit the world size %d: no liveness ring", layout_said(), self.topology.world_size)
         elif self.peer_timeout_s and nodes > 1 and self.topology.rank % per_node == 0:
             self._join_ring(store, prefix, excused, per_node, nodes)
         if self.hangs is not None:

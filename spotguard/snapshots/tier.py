@@ -30,7 +30,7 @@ from typing import Any
 import torch.distributed as dist
 
 from spotguard.cadence import Cadence
-from spotguard.checkpoint.comm import FAILURES, Comm, describe, even_layout, ranks_per_node
+from spotguard.checkpoint.comm import FAILURES, Comm, describe, layout_said, node_count, ranks_per_node
 from spotguard.checkpoint.staging import Stager, on_device
 from spotguard.checkpoint.state import load_from_dcp, optional_keys, tensors_of, to_dcp
 from spotguard.job.kvstore import Connection
@@ -91,13 +91,11 @@ class SnapshotTier:
         self.comm = comm
         self.rank, self.world_size = comm.rank, comm.world_size
         self.ranks_per_node = ranks_per_node()
-        nodes = self.world_size // self.ranks_per_node
-        if not even_layout(self.world_size):  # which ranks share a node is unknown: this node replicates nothing
+        nodes = node_count(self.world_size)
+        if nodes is None:  # which ranks share a node is unknown: this node replicates nothing
             if comm.is_node_leader:
-                log.warning("snapshots stay on this node: LOCAL_WORLD_SIZE=%d does not fit the world size %d%s",
-                            self.ranks_per_node, self.world_size,
-                            f" over GROUP_WORLD_SIZE={os.environ['GROUP_WORLD_SIZE']} nodes"
-                            if "GROUP_WORLD_SIZE" in os.environ else "")  # fmt: skip
+                log.warning("snapshots stay on this node: %s does not fit the world size %d", layout_said(),
+                            self.world_size)  # fmt: skip
             nodes = 1
         elif nodes == 1 and comm.is_coordinator:
             log.info("snapshots stay on this node: it is the job's only one (they outlive the workers, not the VM)")
