@@ -8,21 +8,22 @@ sleep (the step runs on an accelerator and the host's cores are free: the common
 2048x2048 matmul on the rank's one core (about 0.18 s: both cores of this machine busy, the worst
 case); either way it updates one 64 MB tensor of the state in place.
 
-  overhead   for each kind of step: windows of --every steps without snapshots (baseline: their
-             median step time t0, and the process's CPU time) alternate with intervals of --every
+  overhead   for each kind of step: windows of --every steps without snapshots (the baseline: wall
+             and process CPU time, between barriers of both ranks) alternate with intervals of --every
              steps with a snapshot at the first step of each (the state copied into the snapshot
              file's mapped pages on the training thread; then in the background its CRC32C, and the
              copy sent to the other rank, which keeps it as its replica): A B A B ... A. The extra
-             time of an interval is its time, waiting for its snapshot's background work included,
-             less --every x t0 of the two baseline windows around it (their mean); its extra CPU the
-             same against their CPU time. The first two snapshots make the tier's files (new tmpfs
+             time of an interval is its time, until both ranks' snapshots are written and
+             replicated, less the mean of the two baseline windows around it; its extra CPU the same
+             against their CPU time (this rank's copy, CRC32C, send, and the other rank's replica
+             received). The first two snapshots make the tier's files (new tmpfs
              pages: two warm-up intervals, shown apart); later ones write over a freed snapshot's.
              The goal: the steady extra time of one snapshot a minute <= 1 % of the time (extra /
              60 s: an extrapolation, since the intervals measured are --every x t0, 18 s by default).
   lost work  at every step of the later intervals, how many steps a loss without a notice would
              lose: the step less the newest snapshot whole on every rank (each rank's shard written
-             and replicated; gathered after the run). One interval at most, when the background
-             work ends within the interval.
+             and replicated; gathered after the run; a failed snapshot's steps are left out). At most
+             one interval plus the steps the newest snapshot takes to be written and replicated.
   recovery   guard.resume() of the same state, timed on rank 0, from: the peer's memory (rank 0's
              snapshot dir moved away first, a replacement VM: its shard comes from rank 1), its own
              node's memory (the dir put back: a restart of the workers), a checkpoint on the local
@@ -68,6 +69,13 @@ def train_step(state: dict, a, kind: str) -> None:
     state["model"]["w0"].add_(1e-3)
 
 
+def note_newest(guard, step: int, newest_by_step: dict[int, int]) -> None:
+    """At `step`, this rank's newest snapshot written and replicated (none yet, or failed: nothing noted)."""
+    last = guard.snapshots.last
+    if last is not None and last.ok:
+        newest_by_step[step] = last.step
+
+
 def lost_steps(newest_by_step: dict[int, int]) -> list[int]:
     """Per step, what a loss without a notice would lose: a job resumes from the newest snapshot whole on every
     rank, so the step less the oldest of the ranks' newest snapshots written and replicated (gathered after the
@@ -97,14 +105,13 @@ def worker(args: argparse.Namespace) -> None:
     ckpt = str(Path(args.disk_dir) / "ckpt")
 
     def baseline_window(kind: str) -> tuple[float, float]:
-        """--every steps without snapshots: their median step time and the process's CPU time."""
+        """--every steps without snapshots, timed as a snapshot window is: wall and process CPU time."""
         dist.barrier()
-        times, cpu = [], time.process_time()
+        began, cpu = time.perf_counter(), time.process_time()
         for _ in range(args.every):
-            began = time.perf_counter()
             train_step(state, a, kind)
-            times.append(time.perf_counter() - began)
-        return statistics.median(times), time.process_time() - cpu
+        dist.barrier()
+        return time.perf_counter() - began, time.process_time() - cpu
 
     def phase(kind: str, guard: spotguard.Guard, first: int, warmup: int) -> dict:
         # Baseline and snapshot windows alternate (A B A B ... A): each snapshot window is judged against
@@ -118,18 +125,18 @@ def worker(args: argparse.Namespace) -> None:
             for step in range(start, start + args.every):
                 train_step(state, a, kind)
                 guard.step(step, state)
-                last = guard.snapshots.last
-                if window >= warmup and last is not None and last.ok:
-                    newest_by_step[step] = last.step  # this rank's shard written and replicated
+                if window > warmup:
+                    note_newest(guard, step, newest_by_step)
             done.append(guard.snapshots.wait())  # the interval's background work, whatever outlasted its steps
+            dist.barrier()  # and the other rank's, whose replica this rank's server takes in
             elapsed, cpu = time.perf_counter() - began, time.process_time() - cpu
             bases.append(baseline_window(kind))
-            t0 = (bases[-2][0] + bases[-1][0]) / 2
-            windows.append(elapsed - args.every * t0)
+            windows.append(elapsed - (bases[-2][0] + bases[-1][0]) / 2)
             cpus.append(cpu - (bases[-2][1] + bases[-1][1]) / 2)
-        lost = lost_steps({k: v for k, v in newest_by_step.items() if k >= first + (warmup + 1) * args.every})
-        return {"kind": kind, "t0": statistics.mean(b[0] for b in bases), "warmup": warmup, "extra": windows,
-                "cpu": cpus, "stall_s": [d.stall_s for d in done], "write_s": [d.write_s for d in done],
+        lost = lost_steps(newest_by_step)
+        t0 = statistics.mean(b[0] for b in bases) / args.every  # the baseline's mean step time
+        return {"kind": kind, "t0": t0, "warmup": warmup, "extra": windows, "cpu": cpus,
+                "stall_s": [d.stall_s for d in done], "write_s": [d.write_s for d in done],
                 "replicate_s": [d.replicate_s for d in done],
                 "lost_mean": statistics.mean(lost), "lost_max": max(lost)}  # fmt: skip
 
@@ -185,9 +192,8 @@ def worker(args: argparse.Namespace) -> None:
                 time.sleep(0.01)
                 small["model"]["w0"].add_(1.0)
                 guard.step(step, small)
-                last = guard.snapshots.last
-                if step >= every and last is not None and last.ok:
-                    newest_by_step[step] = last.step
+                if step >= every:
+                    note_newest(guard, step, newest_by_step)
         lost = lost_steps(newest_by_step)
         by_cadence[every] = (statistics.mean(lost), max(lost))
     if rank == 0:
@@ -242,8 +248,8 @@ def main() -> int:
         interval_s = args.every * p["t0"]
         print(f"{p['kind']}: extra time per snapshot {steady:.2f} s; at one snapshot a minute {steady:.2f} s / 60 s = "
               f"{100 * steady / 60:.2f} % (goal <= 1 %; extrapolated from intervals of {interval_s:.0f} s); lost work "
-              f"on a loss without notice: mean {p['lost_mean']:.1f} steps, max {p['lost_max']} (one interval: "
-              f"{args.every} steps)")  # fmt: skip
+              f"on a loss without notice: mean {p['lost_mean']:.1f} steps, max {p['lost_max']} (an interval: "
+              f"{args.every} steps, plus the newest snapshot's write and replication)")  # fmt: skip
     print(table(
         ["resume from", "guard.resume()", "vs the bucket"],
         [[name, f"{r[key]:.2f} s", f"{r['bucket'] / r[key]:.1f}x"] for name, key in
