@@ -248,8 +248,10 @@ class Worker:
         for r in self.current:
             r.thread.join()
         ended = self.agreed(kind)
-        # Ring members that knew their watched node's address (a private attribute: the bench checks the ring formed).
-        watching = sum(1 for r in self.current if getattr(getattr(r.guard._health, "liveness", None), "watched", None))
+        # Ring members that knew their watched node's address (private attributes: the bench checks the ring
+        # formed; a guard without its health monitor is an error here, not a silent 0).
+        rings = [r.guard._health.monitor.liveness for r in self.current]
+        watching = sum(1 for ring in rings if ring is not None and ring.watched)
         for rank in ended:
             ended[rank]["watching"] = 0
         if self.ranks:
