@@ -139,6 +139,7 @@ class CadenceChange(Record):
     hours: float
     bound: str | None
     explain: str
+    name: str = "save"  # what the interval is between (ledgers written before it have saves only)
 
 
 RECORDS: dict[str, type[Record]] = {
