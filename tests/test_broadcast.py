@@ -125,14 +125,14 @@ def test_concurrent_publishers_fill_consecutive_slots_and_every_listener_reads_t
 def test_a_rank_leaving_stops_every_listener(caplog):
     """No agreement can complete without a rank that left its Guard; its `left` event also wakes the
     listeners, which would otherwise block until the store's timeout."""
+    store = tcp_store()
     with caplog.at_level(logging.INFO, logger="spotguard.job.broadcast"):
-        ranks = Ranks(tcp_store()).__enter__()
+        ranks = Ranks(store).__enter__()
         ranks.broadcasts[0].stop()
         ranks.broadcasts[1]._thread.join(10)
     assert not ranks.broadcasts[1]._thread.is_alive()
     assert "rank 0 left its guard" in caplog.text
     ranks.broadcasts[1].stop()  # nothing left to wake: no second left event
-    store = ranks.broadcasts[0].store
     assert json.loads(store.get("run/event/1"))["type"] == "left" and not store.check(["run/event/2"])
 
 
@@ -162,6 +162,33 @@ def test_only_the_listener_s_own_connection_waits_long(make_store):
     store.set("present", "yes")
     assert connection.get("present", timeout_s=5) == b"yes"
     assert connection.get_now("absent") is None and connection.get_now("present") == b"yes"
+
+
+def test_a_wait_on_the_job_s_store_client_does_not_hold_a_notice_up():
+    """A c10d store client serves one request at a time, and the job's client is torch's and the training
+    code's too (a process group made while a peer is late waits on it). A notice published meanwhile
+    reaches every listener at once, not when that wait ends (it once came 9 s late, at the run's end)."""
+    store = tcp_store()
+    waiting = threading.Thread(target=lambda: _wait_quietly(store, "a-peer-that-is-late", 20), daemon=True)
+    with Ranks(store) as ranks:
+        waiting.start()
+        time.sleep(0.3)  # the job's client is inside the wait
+        started = time.monotonic()
+        assert ranks.broadcasts[1].publish_interruption(notice())
+        for (index, event), in ranks.next_events(1, timeout_s=5):
+            assert event["type"] == "emergency"
+        assert time.monotonic() - started < 3
+        assert ranks.broadcasts[0].request_checkpoint("interval") == 2
+        assert ranks.broadcasts[0].publish_silent_failure({"cause": "hang"}) == 3  # a hung loop may be the waiter
+        store.clone().set("a-peer-that-is-late", "1")  # the wait ends (not through its busy client)
+    waiting.join(10)
+
+
+def _wait_quietly(store, key, seconds):
+    try:
+        store.wait([key], timedelta(seconds=seconds))
+    except Exception:  # noqa: BLE001 - the test ends it by setting the key; a timeout is as good
+        pass
 
 
 STORE_SERVER = """

@@ -12,6 +12,11 @@ claim wins, later ones are harmless), so many ranks receiving SIGTERM, or a sign
 metadata notice together, make one event. The winner also appends the node to
 `<prefix>claimed`, which the agreement reads once per round to tell which nodes are leaving.
 
+Publishing goes on a store client of its own, made at the first publish (most ranks never
+publish). The job's store client is shared with torch and the training code, and a c10d client
+serves one request at a time: a thread waiting on it (a process group being made while a peer is
+late, a store barrier) would hold a notice up for as long as it waits.
+
 A silent failure (`spotguard.health`: a node lost without a notice, a hang) is claimed once per job
 (`<prefix>claim/silent`): the first rank to see one writes one `silent` event, on which every
 listener ends its process.
@@ -64,9 +69,9 @@ class Broadcast:
         connection: Connection | None = None,
         publish_timeout_s: float = PUBLISH_TIMEOUT_S,
     ) -> None:
-        self.store = store
         self.prefix = prefix
-        self.log = EventLog(store, prefix + "event/")
+        self.publishing = Connection.of(store, lazy=True)
+        self.log = EventLog(self.publishing, prefix + "event/")
         self.connection = connection or Connection.of(store)
         self.on_event = on_event
         self.rank = rank
@@ -100,14 +105,15 @@ class Broadcast:
         """Append `event` only if nobody has claimed `key` yet; its slot if this call won, else None.
         `claimed`: a node whose interruption this is, added to the claimed nodes first."""
         token = json.dumps(event)
-        if self.store.compare_set(key, "", token).decode() != token:
+        store = self.publishing.store
+        if store.compare_set(key, "", token).decode() != token:
             return None
         try:
             if claimed is not None:
-                self.store.append(self._claimed_key, claimed + "\n")  # before the event: its round must see it
+                store.append(self._claimed_key, claimed + "\n")  # before the event: its round must see it
             index = self.log.append(event, self._next)
         except Exception:
-            self.store.delete_key(key)  # release the claim, so a retry (the next poll) can make it
+            store.delete_key(key)  # release the claim, so a retry (the next poll) can make it
             raise
         assert index is not None  # no `unless`: the record always goes in
         return index

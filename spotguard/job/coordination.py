@@ -130,8 +130,9 @@ class Coordination:
         index = self.broadcast.publish_silent_failure(event)
         if index is None:
             return False
+        store = self.broadcast.publishing.store  # not the job's client: the hung training may be waiting on it
         for earlier in range(min(self.broadcast.reading, index), index):  # every round any rank may still be in
-            self.agreement.abort(self.store, earlier)
+            self.agreement.abort(store, earlier)
         return True
 
     @property

@@ -108,8 +108,8 @@ class EventLog:
     one write wakes all of them.
     """
 
-    def __init__(self, store: dist.Store, prefix: str) -> None:
-        self.store = store
+    def __init__(self, writer: Connection, prefix: str) -> None:
+        self.writer = writer  # the connection records are written on
         self.prefix = prefix
 
     def slot(self, index: int) -> str:
@@ -125,9 +125,9 @@ class EventLog:
         ends the search: None, nothing written.
         """
         payload = json.dumps({**record, "id": secrets.token_hex(8)})  # unique: a slot we took says so
-        index = start
+        index, store = start, self.writer.store
         while True:
-            current = self.store.compare_set(self.slot(index), "", payload)
+            current = store.compare_set(self.slot(index), "", payload)
             if current == payload.encode():
                 return index
             if unless is not None and unless(json.loads(current)):
