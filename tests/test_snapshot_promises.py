@@ -1,7 +1,9 @@
 """The snapshot tier's promises about failures, through real Guards: a snapshot that cannot be read
 whole after a rank began reading it gives way to the durable checkpoint, loaded over the whole state
 (one process with damaged files; two gloo ranks whose buddy's stream a TCP proxy cuts midway); a
-failed snapshot on one rank is the same verdict on every rank, soon, with no training thread held;
+failed snapshot on one rank is the same verdict on every rank, soon, with no training thread held; a
+verdict that does not come in time is "failed" once for every rank, and a snapshot still replicating
+when the next is due holds the training thread until it ends;
 timed snapshots are agreed on one step by every rank; and `snapshot_interval_s="auto"` follows
 Young/Daly from the stall the tier measured and the ledger's interruptions.
 
@@ -30,6 +32,7 @@ import torch
 import spotguard
 from spotguard.checkpoint import CheckpointError
 from spotguard.options import SNAPSHOT_MAX_S, SNAPSHOT_MIN_S
+from spotguard.snapshots.tier import TIMED_OUT
 from spotguard.snapshotting import SNAPSHOT
 from tests.ckpt_workers import finish, launch_command
 from tests.test_goodput import report_json
@@ -234,7 +237,49 @@ def durable_over_a_cut_stream(group, rank: int, ckpt: str, memory: list[str], ou
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(done))
 
 
-SCENARIOS = {f.__name__: f for f in (timed_snapshots, durable_over_a_cut_stream)}
+STUCK_S = 6.0  # how long rank 1's replication of its first snapshot is held (a buddy that answers slowly)
+SHORT_VERDICT_S = 2.0  # the verdict wait, down from 300 s for the test
+
+
+def a_report_that_never_comes_in_time(group, rank: int, ckpt: str, memory: list[str], out: str) -> None:
+    """A snapshot at steps 0 and 1 on both ranks. Rank 1's replication of step 0 is held STUCK_S, so its
+    report of step 0 comes after rank 0 stopped waiting for it (SHORT_VERDICT_S). Writes the verdicts each
+    rank read, how long its step 1 took, and which snapshot it had finished when step 1's began."""
+    from spotguard.snapshots import tier
+
+    tier.VERDICT_WAIT_S = SHORT_VERDICT_S
+    if rank == 1:
+        replicate = tier.push
+
+        def held(*args: Any, **kwargs: Any) -> None:
+            time.sleep(STUCK_S)
+            replicate(*args, **kwargs)
+
+        tier.push = held
+    seen = Records()
+    state = model_state()
+    with spotguard.Guard(ckpt, cloud="none", snapshot_every=1, snapshot_dir=memory[rank], exit_code=None) as guard:
+        guard.resume(state)
+        train_step(state, 0)
+        guard.step(0, state)
+        train_step(state, 1)
+        started = time.monotonic()
+        guard.step(1, state)
+        step_1_s = time.monotonic() - started
+        finished_before = [a[0] for a in seen.args_of("snapshot of step %d: %s")]
+        guard.snapshots.wait()
+        complete = guard.snapshots.complete
+        torch.distributed.barrier(group)  # rank 0 (the store's host, a buddy) stays until rank 1 is done
+    done = {
+        "step_1_s": step_1_s,
+        "finished_before_step_1": finished_before,
+        "not_complete": [list(a) for a in seen.args_of("the snapshot of step %d is not complete everywhere (%s)")],
+        "complete": complete,
+    }
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(done))
+
+
+SCENARIOS = {f.__name__: f for f in (timed_snapshots, durable_over_a_cut_stream, a_report_that_never_comes_in_time)}
 
 
 # ---- a snapshot given up after reading began: the durable checkpoint over it ----------------------------------
@@ -311,6 +356,24 @@ def test_timed_snapshots_are_agreed_and_one_ranks_failure_is_every_ranks_verdict
         assert result["longest_step_s"] < VERDICT_BOUND_S
     assert done[0]["complete"] == done[1]["complete"] == taken[0][-2]  # complete again after it
     assert len(list(Path(memory[0]).rglob(f"step-{failed:010d}/*.snap"))) == 0  # freed: it was never whole
+
+
+def test_a_verdict_that_never_comes_is_timed_out_once_for_every_rank_and_a_snapshot_waits_for_the_one_before(
+    tmp_path,
+):
+    """Rank 1's first snapshot is still replicating when its next is due: its training thread waits for it
+    (a rank never has two snapshots in flight). Rank 0, waiting for the verdict of the first, stops after
+    the verdict wait and writes "failed: not every rank reported in time"; rank 1's report, coming later,
+    cannot turn it into "ok": both ranks read the same verdict and neither counts that snapshot complete."""
+    memory = [str(tmp_path / "node0-memory"), str(tmp_path / "node1-memory")]
+    done = run_scenario("a_report_that_never_comes_in_time", 2, ckpt=str(tmp_path / "ckpt"), memory=memory,
+                        out=str(tmp_path))  # fmt: skip
+    for result in done:
+        assert result["not_complete"] == [[0, TIMED_OUT]], result
+        assert result["complete"] is None, result
+    assert done[1]["finished_before_step_1"] == [0]  # its step-0 snapshot, finished before step 1's began
+    assert done[1]["step_1_s"] >= STUCK_S - 1.5, done[1]  # ... which the training thread waited for
+    assert SHORT_VERDICT_S - 0.5 <= done[0]["step_1_s"] < STUCK_S, done[0]  # the verdict wait, not rank 1's
 
 
 # ---- the auto snapshot interval ---------------------------------------------------------------------------------
