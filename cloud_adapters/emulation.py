@@ -117,8 +117,11 @@ class MetadataEmulator:
             loop.call_soon(ready.set)
             loop.run_forever()
             loop.run_until_complete(self._runner.cleanup())
-            # Let the requests cleanup cancelled (hanging GETs) unwind before the loop closes.
+            # Hanging GETs whose client left are not cancelled by the cleanup (aiohttp lets a handler run on
+            # after its client is gone): cancel whatever is left, and let it unwind before the loop closes.
             if pending := asyncio.all_tasks(loop):
+                for task in pending:
+                    task.cancel()
                 loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
             loop.close()
 

@@ -163,6 +163,23 @@ def test_stopping_the_emulator_ends_a_hanging_poll(emulator: GCPMetadataEmulator
         source.close()
 
 
+def test_stopping_the_emulator_does_not_wait_for_a_hanging_poll_whose_client_left(
+    emulator: GCPMetadataEmulator,
+) -> None:
+    """aiohttp lets a handler run on after its client closed the connection: stop() cancels it rather than
+    waiting out its 60 s (it waited 10 s, then left the loop's thread behind)."""
+    client = socket.create_connection(("127.0.0.1", emulator.port))
+    client.sendall(
+        b"GET /computeMetadata/v1/instance/preempted?wait_for_change=true&timeout_sec=60 HTTP/1.1\r\n"
+        b"Host: metadata\r\nMetadata-Flavor: Google\r\n\r\n"
+    )
+    wait_for_requests(emulator, 1)
+    client.close()
+    started = time.monotonic()
+    emulator.stop()
+    assert time.monotonic() - started < 3
+
+
 def test_preemption_seen_on_first_poll(emulator: GCPMetadataEmulator, preempted: PreemptionSource) -> None:
     emulator.raise_notice(kind="preempt")
     notice = preempted.poll()
