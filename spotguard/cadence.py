@@ -36,6 +36,7 @@ DEFAULT_RATE_PER_H = 1 / 24  # no prior and no history: one interruption a day
 PRIOR_WEIGHT_H = 4.0  # the prior counts as this many hours of running (bench/cadence_sim.py: 2 to 8 do well)
 RECENT_SAVES = 8  # C is the median stall of this many most recent background saves
 CHANGE = 0.05  # a new interval differing from the last one by more than this fraction is logged
+RECHECK_S = 1.0  # how often a waiting IntervalTimer asks its interval again
 # A fleet-wide AWS rebalance recommendation reaches every node leader, each of which asks for a
 # save: the requests of one wave, this close together, count once.
 SAME_WAVE_S = 600.0
@@ -149,9 +150,11 @@ class Cadence:
 
 
 class IntervalTimer:
-    """Asks for a save every `interval()` seconds (asked again after each wait, so an adaptive cadence
-    takes effect at the next one) on a daemon thread, until stopped. A failed request (a store hiccup)
-    skips one save, not all of them."""
+    """Asks for a save every `interval()` seconds, counted from the last request, on a daemon thread,
+    until stopped. `interval()` is asked again every RECHECK_S while waiting: an adaptive cadence
+    learns the cost of a save only once that save (asked at the end of the last wait) is taken, and
+    its new interval then applies to the wait under way, not only to the one after. A failed request
+    (a store hiccup) skips one save, not all of them."""
 
     def __init__(self, interval: Callable[[], float], request: Callable[[], None]) -> None:
         self._interval = interval
@@ -163,7 +166,14 @@ class IntervalTimer:
         self._stop.set()
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval()):
+        last = time.monotonic()
+        while True:
+            remaining = last + self._interval() - time.monotonic()
+            if remaining > 0:
+                if self._stop.wait(min(remaining, RECHECK_S)):
+                    return
+                continue
+            last = time.monotonic()
             try:
                 self._request()
             except Exception as exc:  # noqa: BLE001 - logged; the next interval tries again

@@ -539,7 +539,7 @@ class Guard:
             )
 
     def _interval(self) -> float:
-        """The next wait of the interval timer: fixed, or the cadence's choice now."""
+        """The interval timer's interval: fixed, or the cadence's choice now."""
         if self._goodput.cadence is None:
             return self.options.saving.save_interval_s  # type: ignore[return-value]
         return self._goodput.next_interval(self._run_hours())

@@ -126,7 +126,7 @@ class GuardSnapshots:
             log.warning("the snapshot of the emergency's step %d did not finish in %.0f s", step, budget)
 
     def interval(self, goodput: GoodputRecorder, run_hours: float) -> float:
-        """The next wait of the snapshot timer: fixed, or the snapshot cadence's choice now."""
+        """The snapshot timer's interval: fixed, or the snapshot cadence's choice now."""
         if self.cadence is None:
             return self.options.snapshot_interval_s  # type: ignore[return-value]
         return goodput.next_interval(run_hours, self.cadence)

@@ -17,7 +17,7 @@ import pytest
 
 import spotguard
 from cloud_adapters.storage import LocalStore, StoreError
-from spotguard.cadence import Cadence, young_daly
+from spotguard.cadence import Cadence, IntervalTimer, young_daly
 from spotguard.cli import main
 from spotguard.ledger import LEDGER_NAME, LEDGER_PREFIX, Ledger, read_ledger
 from spotguard.ledger_records import Exit, NoticeSeen, Progress, Resume, Save, Start
@@ -207,6 +207,27 @@ def test_the_auto_cadence_is_young_daly_within_bounds(caplog):
         assert cadence.interval(0.0) == 1000 and cadence.last.bound == "max"
     assert [round(c.interval_s) for c in changes] == [10, 120, 85, 1000]  # each change logged once
     assert sum("save interval (auto)" in r.getMessage() for r in caplog.records) == 4
+
+
+def test_the_interval_timer_applies_a_changed_interval_to_the_wait_under_way():
+    """The adaptive cadence learns a save's cost only after the save that the last wait asked for: a
+    shorter interval then ends the wait under way (counted from the last request), not the one after."""
+    asked: list[float] = []
+    interval = [30.0]  # nothing measured yet: a long first wait
+    timer = IntervalTimer(lambda: interval[0], lambda: asked.append(time.monotonic()))
+    try:
+        started = time.monotonic()
+        time.sleep(0.3)
+        assert not asked
+        interval[0] = 1.0  # the cadence measured a save: 1 s from the start, which has passed
+        deadline = started + 10
+        while len(asked) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(asked) >= 2, asked
+        assert asked[0] - started < 2.5  # within RECHECK_S of the change, not after the 30 s
+        assert asked[1] - asked[0] == pytest.approx(1.0, abs=0.5)  # then every interval, from the last request
+    finally:
+        timer.stop()
 
 
 def test_auto_cadence_arguments_are_checked_at_guard(tmp_path):
