@@ -242,26 +242,31 @@ def main() -> int:
     server = start_s3()
     shutil.rmtree(args.dir, ignore_errors=True)
     args.disk_dir = tempfile.mkdtemp(prefix="spotguard-bench-reshard-", dir=args.disk_dir)
+    logs = tempfile.mkdtemp(prefix="spotguard-bench-logs-")  # kept when the run fails
     try:
-        with tempfile.TemporaryDirectory(prefix="spotguard-bench-") as logs:
-            taken = run(args, 3, "reshard", Path(logs))["taken"]
-            if not taken["ok"]:
-                raise SystemExit(f"the snapshot of step 0 did not finish on every rank: {taken}")
+        taken = run(args, 3, "reshard", Path(logs))["taken"]
+        if not taken["ok"]:
+            raise SystemExit(f"the snapshot of step 0 did not finish on every rank: {taken}")
+        lose_node_2(args)
+        r = run(args, 2, "reshard", Path(logs))["reshard"]
+        clear(args)
+        lost = {}
+        for every in CADENCES:
+            trained = run(args, 3, f"cadence-{every}", Path(logs))["trained"]
             lose_node_2(args)
-            r = run(args, 2, "reshard", Path(logs))["reshard"]
+            resumed = run(args, 2, f"cadence-{every}", Path(logs))["resumed"]
             clear(args)
-            lost = {}
-            for every in CADENCES:
-                trained = run(args, 3, f"cadence-{every}", Path(logs))["trained"]
-                lose_node_2(args)
-                resumed = run(args, 2, f"cadence-{every}", Path(logs))["resumed"]
-                clear(args)
-                last, durable = trained["last"], trained["durable"]
-                if resumed["progress"] != resumed["step"] or resumed["record"].get("tier") != "snapshot":
-                    raise SystemExit(f"cadence {every}: not a resume from the nodes' memory: {resumed}")
-                in_flight = math.ceil(trained["background_s"] / STEP_S)
-                since_durable = last - durable if durable is not None else last + 1
-                lost[every] = (last - resumed["step"], since_durable, durable, in_flight, resumed["record"])
+            last, durable = trained["last"], trained["durable"]
+            if resumed["progress"] != resumed["step"] or resumed["record"].get("tier") != "snapshot":
+                raise SystemExit(f"cadence {every}: not a resume from the nodes' memory: {resumed}")
+            in_flight = math.ceil(trained["background_s"] / STEP_S)
+            since_durable = last - durable if durable is not None else last + 1
+            lost[every] = (last - resumed["step"], since_durable, durable, in_flight, resumed["record"])
+    except BaseException:
+        print(f"the ranks' logs are kept in {logs}", file=sys.stderr)
+        raise
+    else:
+        shutil.rmtree(logs)
     finally:
         server.stop()
         shutil.rmtree(args.dir, ignore_errors=True)
