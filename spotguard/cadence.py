@@ -169,9 +169,9 @@ class IntervalTimer:
         last = time.monotonic()
         while True:
             remaining = last + self._interval() - time.monotonic()
-            if remaining > 0:
-                if self._stop.wait(min(remaining, RECHECK_S)):
-                    return
+            if self._stop.wait(max(0.0, min(remaining, RECHECK_S))):  # also between requests that run long
+                return
+            if remaining > RECHECK_S:
                 continue
             last = time.monotonic()
             try:

@@ -9,6 +9,7 @@ import logging
 import os
 import threading
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -19,8 +20,12 @@ import spotguard
 
 
 def next_batch(step: int, rank: int, args: argparse.Namespace) -> tuple[torch.Tensor, torch.Tensor]:
-    """The data loader; on --hang-rank at --hang-at it never returns (a worker that died, a lock)."""
+    """The data loader; on --hang-rank at --hang-at it never returns (a worker that died, a lock), or with
+    --hang-in-store it waits on the job's store client for a key nobody sets (a store barrier, a process
+    group made while a peer never comes): c10d's client then serves nobody else in this process."""
     if rank == args.hang_rank and step == args.hang_at:
+        if args.hang_in_store:
+            dist.distributed_c10d._get_default_store().wait(["a-peer-that-never-comes"], timedelta(hours=1))
         threading.Event().wait()
     g = torch.Generator().manual_seed(step * 1009 + rank)
     x = torch.randn(16, 32, generator=g)
@@ -52,6 +57,7 @@ def main() -> None:
     parser.add_argument("--save-every", type=int)
     parser.add_argument("--hang-rank", type=int, default=-1)
     parser.add_argument("--hang-at", type=int, default=-1)
+    parser.add_argument("--hang-in-store", action="store_true", help="the hang is a wait on the job's store client")
     parser.add_argument("--long-step-at", type=int, default=-1, help="this step lasts --long-step-s on every rank")
     parser.add_argument("--long-step-s", type=float, default=0.0)
     parser.add_argument("--eval-at", type=int, default=-1, help="an evaluation of --eval-s after this step")

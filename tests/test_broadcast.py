@@ -184,6 +184,36 @@ def test_a_wait_on_the_job_s_store_client_does_not_hold_a_notice_up():
     waiting.join(10)
 
 
+def test_a_rank_that_never_published_leaves_without_a_connection_of_its_own():
+    """Every rank writes `left` at the job's end: one that never published writes it on the job's client,
+    not on a publishing connection made for it (N new connections at once, to a host that may be gone)."""
+    with Ranks(tcp_store()) as ranks:
+        ranks.broadcasts[0].stop()
+        assert ranks.broadcasts[1]._thread.join(10) is None and not ranks.broadcasts[1].listening
+    assert not ranks.broadcasts[0].publishing.made
+
+
+def test_a_publishing_connection_that_cannot_be_made_is_an_error_tried_again_not_the_job_s_client():
+    """A lazy connection whose clone the server does not take raises (the publish fails and is retried at
+    the next poll) instead of settling on the job's shared client for good."""
+    import subprocess
+    import sys
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", STORE_SERVER, str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        job_store = dist.TCPStore("127.0.0.1", port, 1, False, timeout=timedelta(seconds=2))
+        lazy = Connection.of(job_store, lazy=True)
+    finally:
+        server.kill()
+        server.wait()
+    for _ in range(2):
+        with pytest.raises(dist.DistError):
+            lazy.store.set("k", "v")
+        assert not lazy.made
+
+
 def _wait_quietly(store, key, seconds):
     try:
         store.wait([key], timedelta(seconds=seconds))

@@ -230,6 +230,25 @@ def test_the_interval_timer_applies_a_changed_interval_to_the_wait_under_way():
         timer.stop()
 
 
+def test_the_interval_timer_stops_between_requests_that_take_longer_than_the_interval():
+    """A request can take its whole bound (a slow store) while the interval is shorter: the timer still
+    stops when asked, instead of requesting back to back after its guard is gone."""
+    asked: list[float] = []
+
+    def slow_request() -> None:
+        asked.append(time.monotonic())
+        time.sleep(0.3)
+
+    timer = IntervalTimer(lambda: 0.1, slow_request)
+    deadline = time.monotonic() + 10
+    while len(asked) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    timer.stop()
+    stopped = time.monotonic()
+    time.sleep(1.0)
+    assert len(asked) >= 2 and not [t for t in asked if t > stopped + 0.35], asked
+
+
 def test_auto_cadence_arguments_are_checked_at_guard(tmp_path):
     for kwargs, message in (
         ({"save_interval_s": "often"}, 'save_interval_s must be a number of seconds or "auto"'),

@@ -48,13 +48,15 @@ def ledger(tmp: Path) -> list[dict]:
     return [json.loads(line) for line in (tmp / "ckpt" / "spotguard-ledger.jsonl").read_text().splitlines()]
 
 
-def test_a_rank_stuck_in_its_data_loading_ends_the_job_with_its_stack_and_its_rank_named(tmp_path):
+@pytest.mark.parametrize("in_store", [False, True], ids=["lock", "store-wait"])
+def test_a_rank_stuck_in_its_data_loading_ends_the_job_with_its_stack_and_its_rank_named(tmp_path, in_store):
     """Rank 1 never returns from its data loader at step 10; ranks 0 and 2 wait for it in DDP's
     allreduce (gloo: 30 minutes). With SPOTGUARD_HANG_TIMEOUT=5 every rank ends with the restart code:
     every rank's stacks in its log (rank 1's in next_batch), rank 0's report naming rank 1 (the others
-    wait inside torch, it does not), the exit files and the ledger saying so."""
-    nodes = start(tmp_path, ["--steps", "100000", "--hang-rank", "1", "--hang-at", "10"],
-                  {"SPOTGUARD_HANG_TIMEOUT": "5"})  # fmt: skip
+    wait inside torch, it does not), the exit files and the ledger saying so. Stuck in a wait on the job's
+    store client (which serves one request at a time), rank 1 still announces the hang and reports."""
+    hang = ["--hang-rank", "1", "--hang-at", "10", *(["--hang-in-store"] if in_store else [])]
+    nodes = start(tmp_path, ["--steps", "100000", *hang], {"SPOTGUARD_HANG_TIMEOUT": "5"})
     nodes[0].step_reached(9)
     stuck = time.monotonic()
     codes, text = finish(nodes, timeout=120)

@@ -81,7 +81,7 @@ class Departure:
 
     def _post(self, rank: int, record: dict[str, Any]) -> None:
         try:
-            EventLog(self.store, self._mailbox_prefix(self.receiver_of(rank))).append(record)
+            EventLog(self.connection, self._mailbox_prefix(self.receiver_of(rank))).append(record)
         except Exception as exc:  # noqa: BLE001 - the survivor then waits a bounded time for nothing
             log.warning("could not tell rank %d's survivor %s (%s)", rank, record, exc)
 
@@ -147,7 +147,7 @@ class Mailbox:
 
     def __init__(self, departure: Departure, survivor: int) -> None:
         self._departure = departure
-        self._log = EventLog(departure.store, departure._mailbox_prefix(survivor))
+        self._log = EventLog(departure.connection, departure._mailbox_prefix(survivor))
         self.handing: dict[int, bool] = {}
         self.failed: dict[int, str] = {}
         self._changed = threading.Condition()

@@ -186,12 +186,12 @@ class Health:
             return failure
 
     def _gather(self, mine: stacks.RankReport) -> str:
-        store, key, world = self._store, self._prefix + "hang/", self.topology.world_size
-        assert store is not None
+        assert self._store is not None
+        conn = Connection.of(self._store)  # not the job's client: the hung training thread may be waiting on it
+        store, key, world = conn.store, self._prefix + "hang/", self.topology.world_size
         store.append(key + "reports", mine.to_json() + "\n")
         if store.add(key + "arrived", 1) == world:
             store.set(key + "all", "1")
-        conn = Connection.of(store)
         if self.topology.rank != 0:
             if not self.topology.is_node_leader:
                 return ""

@@ -15,7 +15,8 @@ metadata notice together, make one event. The winner also appends the node to
 Publishing goes on a store client of its own, made at the first publish (most ranks never
 publish). The job's store client is shared with torch and the training code, and a c10d client
 serves one request at a time: a thread waiting on it (a process group being made while a peer is
-late, a store barrier) would hold a notice up for as long as it waits.
+late, a store barrier) would hold a notice up for as long as it waits. The `left` event of a rank
+that never published goes on the job's client (see `stop`).
 
 A silent failure (`spotguard.health`: a node lost without a notice, a hang) is claimed once per job
 (`<prefix>claim/silent`): the first rank to see one writes one `silent` event, on which every
@@ -70,6 +71,7 @@ class Broadcast:
         publish_timeout_s: float = PUBLISH_TIMEOUT_S,
     ) -> None:
         self.prefix = prefix
+        self._store = store
         self.publishing = Connection.of(store, lazy=True)
         self.log = EventLog(self.publishing, prefix + "event/")
         self.connection = connection or Connection.of(store)
@@ -172,9 +174,12 @@ class Broadcast:
         if self._thread is None or not self._thread.is_alive():
             return
         if not self._left.is_set():
+            # A rank that never published writes it on the job's client: a connection made only for it,
+            # on every rank at the job's end, would be N new connections at once, to a host maybe gone.
+            events = self.log if self.publishing.made else EventLog(Connection(self._store, own=False), self.log.prefix)
             try:
                 left = {"type": LEFT, "rank": self.rank}
-                self._bounded(lambda: self.log.append(left, self._next, unless=lambda e: e.get("type") == LEFT))
+                self._bounded(lambda: events.append(left, self._next, unless=lambda e: e.get("type") == LEFT))
             except Exception as exc:  # noqa: BLE001 - the store is gone: so is the listener's wait
                 log.debug("could not write this rank's left event: %s", exc)
         self._thread.join(timeout=timeout_s)

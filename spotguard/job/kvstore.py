@@ -59,9 +59,16 @@ class Connection:
             return connection
         try:
             clone = store.clone()
+        except dist.DistError:  # the server did not take the connection: the caller's error (a lazy one retries)
+            raise
         except (RuntimeError, NotImplementedError, AttributeError):  # stores that cannot be cloned
             return cls(store, own=False)
         return cls(clone, own=base_store(clone) is not base_store(store))
+
+    @property
+    def made(self) -> bool:
+        """Whether the client exists (a lazy one is made at its first use)."""
+        return self._store is not None
 
     @property
     def store(self) -> dist.Store:
