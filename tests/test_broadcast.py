@@ -258,3 +258,30 @@ def test_a_frozen_store_never_holds_the_publisher_for_long():
     finally:
         os.kill(server.pid, signal.SIGKILL)
         server.wait()
+
+
+def test_a_slow_store_s_publish_is_a_warning_with_the_time_it_took(caplog):
+    """The store's host stalls for 1.5 s (SIGSTOP, then SIGCONT): the notice goes out when it wakes, and
+    the log says how long it took, as a warning (every rank's save waited for it)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-c", STORE_SERVER, str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        job_store = dist.TCPStore("127.0.0.1", port, 1, False, timeout=timedelta(seconds=30))
+        publisher = Broadcast(job_store, "run/", lambda *_: None, rank=0)
+        publisher.request_checkpoint("warm")  # the publishing connection is made
+        os.kill(server.pid, signal.SIGSTOP)
+        threading.Timer(1.5, os.kill, args=(server.pid, signal.SIGCONT)).start()
+        with caplog.at_level(logging.INFO, logger="spotguard.job.broadcast"):
+            assert publisher.publish_interruption(notice())
+        (record,) = [r for r in caplog.records if "interruption notice of node" in r.getMessage()]
+        took = float(record.getMessage().rsplit(" in ", 1)[1].removesuffix(" s"))
+        assert record.levelno == logging.WARNING and 1.3 <= took < 5, record.getMessage()
+    finally:
+        os.kill(server.pid, signal.SIGKILL)
+        server.wait()

@@ -79,6 +79,7 @@ WORKER_ARGS = ("--step-time", "0.05", "--save-every", str(SAVE_EVERY))
 THREE = Job()
 TWO_BY_TWO = Job(nnodes=2, nproc_per_node=2, script=WORKER, args=WORKER_ARGS)
 THREE_TWO_REPLICAS = Job(script=WORKER, args=WORKER_ARGS, replicas=2)
+UNEVEN = Job(nnodes=2, nproc_per_node=(2, 1), script=WORKER, args=WORKER_ARGS)
 
 
 @pytest.fixture(scope="module")
@@ -276,3 +277,25 @@ def test_two_replicas_two_adjacent_nodes_lost_resume_from_the_survivors_memory(t
         assert re.search(rf"read \d+ bytes of rank {shard}'s shard \(of 3\) from rank 0\b", text), shard
     assert resumed["digest"] == reference(THREE_TWO_REPLICAS)
     assert ledger_resumes(tmp_path)[-1]["tier"] == "snapshot"
+
+
+def test_an_uneven_layout_keeps_snapshots_on_each_node_and_a_lost_node_resumes_from_the_durable_checkpoint(
+    tmp_path, reference
+):
+    """A node of two ranks beside a node of one: which ranks share a node cannot be told from the world
+    size, so no node sends copies to another (a rank's buddy could be on its own node) and there is no
+    liveness ring; both node leaders say why. Node 1 lost, its shard is nowhere else: the relaunch
+    loads the durable checkpoint, and the whole state ends as an uninterrupted run's."""
+    interrupted_run(tmp_path, lost=[1], job=UNEVEN)
+    durable = max(committed(tmp_path))
+    resumed, text = relaunch(tmp_path, UNEVEN)
+    for said in ("LOCAL_WORLD_SIZE=2, GROUP_WORLD_SIZE=2", "LOCAL_WORLD_SIZE=1, GROUP_WORLD_SIZE=2"):
+        assert f"snapshots stay on this node: {said} does not fit the world size 3" in text, said
+        assert f"{said} does not fit the world size 3: no liveness ring" in text, said
+    assert not re.search(r"read \d+ bytes of rank \d+'s shard", text)  # nothing was kept on another node
+    assert resumed["start"] == durable + 1
+    assert ledger_resumes(tmp_path)[-1]["tier"] == "durable"
+    assert resumed["digest"] == reference(UNEVEN)
+    for node in ("node0-memory", "node1-memory"):  # each rank's snapshots on its own node only
+        shards = {shard for _, shard in snapshot_files(tmp_path / node).values()}
+        assert shards <= ({0, 1} if node == "node0-memory" else {2}), (node, shards)

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 # A publish (on the watcher's thread) that the store does not answer in this long fails, and the
 # watcher tries again at its next poll: c10d's store requests have no timeout of their own.
 PUBLISH_TIMEOUT_S = 10.0
+SLOW_PUBLISH_S = 1.0  # a publish slower than this is logged as a warning
 EMERGENCY = "emergency"  # an interruption notice: save and stop
 CHECKPOINT = "checkpoint"  # a save the job keeps running after (interval, rebalance advisory)
 LEFT = "left"  # a rank left its Guard: the listeners stop
@@ -89,9 +91,13 @@ class Broadcast:
         event = {"type": EMERGENCY, "notice": notice.to_json()}
         node = str(notice.node)
         key = f"{self.prefix}claim/{EMERGENCY}/{node}"
+        started = time.monotonic()
         won = self._bounded(lambda: self._claim(key, event, claimed=node)) is not None
-        if won:
-            log.info("published %s interruption notice of node %s to all ranks", notice.source, notice.node)
+        took = time.monotonic() - started
+        if won:  # how long the store took: a slow one delays every rank's save
+            log.log(logging.WARNING if took > SLOW_PUBLISH_S else logging.INFO,
+                    "published %s interruption notice of node %s to all ranks in %.3f s", notice.source,
+                    notice.node, took)  # fmt: skip
         return won
 
     def publish_silent_failure(self, event: dict[str, Any]) -> int | None:
