@@ -31,7 +31,9 @@ def barrier(store, name, world):
 
 def main(rank, world, port, trials, seed, gone_trial):
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=60))
-    listen = Connection.of(store)  # one for all trials: each trial's listener is stopped before the next
+    # One of each for all trials (each trial's listener is stopped before the next), as a guard makes them
+    # once: a new connection can take seconds (c10d looks up its peer's name).
+    listen, publishing = Connection.of(store), Connection.of(store)
     for trial in range(trials):
         rng = random.Random(seed * 1000 + trial)  # same on every rank: who publishes, when
         publisher = rng.randrange(world)
@@ -46,7 +48,12 @@ def main(rank, world, port, trials, seed, gone_trial):
             continue
         agreement = StepAgreement(listen, prefix, rank, world)
         broadcast = Broadcast(
-            store, prefix, lambda i, e, a=agreement: a.agree(i, e, timeout_s=1.0), rank=rank, connection=listen
+            store,
+            prefix,
+            lambda i, e, a=agreement: a.agree(i, e, timeout_s=1.0),
+            rank=rank,
+            connection=listen,
+            publishing=publishing,
         )
         broadcast.start()
         if rank == publisher:

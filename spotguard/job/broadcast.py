@@ -12,11 +12,12 @@ claim wins, later ones are harmless), so many ranks receiving SIGTERM, or a sign
 metadata notice together, make one event. The winner also appends the node to
 `<prefix>claimed`, which the agreement reads once per round to tell which nodes are leaving.
 
-Publishing goes on a store client of its own, made at the first publish (most ranks never
-publish). The job's store client is shared with torch and the training code, and a c10d client
-serves one request at a time: a thread waiting on it (a process group being made while a peer is
-late, a store barrier) would hold a notice up for as long as it waits. The `left` event of a rank
-that never published goes on the job's client (see `stop`).
+Publishing goes on a store client of its own, made when the guard starts. The job's store client is
+shared with torch and the training code, and a c10d client serves one request at a time: a thread
+waiting on it (a process group being made while a peer is late, a store barrier) would hold a
+notice up for as long as it waits. Nor is it made at the first publish: a new connection can take
+seconds (c10d looks up the peer's name for each one; a resolver that drops the query costs its 5 s
+timeout), and a notice must not wait for that.
 
 A silent failure (`spotguard.health`: a node lost without a notice, a hang) is claimed once per job
 (`<prefix>claim/silent`): the first rank to see one writes one `silent` event, on which every
@@ -53,9 +54,9 @@ SILENT = "silent"  # a failure without a notice (a node lost, a hang): the job e
 
 
 class Broadcast:
-    """Publishes events through `store` and runs this rank's listener, which reads the log on
-    `connection` (its own, see `Connection`) and hands each event to `on_event(index, event)`
-    on the listener thread, in log order.
+    """Publishes events through `store` (on `publishing`, a connection of its own) and runs this rank's
+    listener, which reads the log on `connection` (its own too, see `Connection`) and hands each event
+    to `on_event(index, event)` on the listener thread, in log order. Both are made here unless given.
 
     Slots are removed once every rank has handled them (the agreement does it), and only below
     the slot each listener reads next; so publishing starts its search at this rank's own
@@ -70,11 +71,12 @@ class Broadcast:
         *,
         rank: int,
         connection: Connection | None = None,
+        publishing: Connection | None = None,
         publish_timeout_s: float = PUBLISH_TIMEOUT_S,
     ) -> None:
+        self.store = store  # kept: the store's server may live in this object, and its clones need it
         self.prefix = prefix
-        self._store = store
-        self.publishing = Connection.of(store, lazy=True)
+        self.publishing = publishing or Connection.of(store)
         self.log = EventLog(self.publishing, prefix + "event/")
         self.connection = connection or Connection.of(store)
         self.on_event = on_event
@@ -180,12 +182,9 @@ class Broadcast:
         if self._thread is None or not self._thread.is_alive():
             return
         if not self._left.is_set():
-            # A rank that never published writes it on the job's client: a connection made only for it,
-            # on every rank at the job's end, would be N new connections at once, to a host maybe gone.
-            events = self.log if self.publishing.made else EventLog(Connection(self._store, own=False), self.log.prefix)
             try:
                 left = {"type": LEFT, "rank": self.rank}
-                self._bounded(lambda: events.append(left, self._next, unless=lambda e: e.get("type") == LEFT))
+                self._bounded(lambda: self.log.append(left, self._next, unless=lambda e: e.get("type") == LEFT))
             except Exception as exc:  # noqa: BLE001 - the store is gone: so is the listener's wait
                 log.debug("could not write this rank's left event: %s", exc)
         self._thread.join(timeout=timeout_s)

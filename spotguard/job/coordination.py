@@ -88,7 +88,9 @@ class Coordination:
         listen = Connection.of(store)  # the listener blocks on it; the agreement runs on the listener thread too
         self.broadcast = Broadcast(store, prefix, self._on_event, rank=topology.rank, connection=listen)
         self.agreement = StepAgreement(listen, prefix, topology.rank, topology.world_size, node=topology.node)
-        self._meeting: Connection | None = None
+        # Where leaving ranks and survivors meet at an emergency (the training thread waits on it): made now,
+        # as the publishing one is, since a connection made inside the deadline could take seconds.
+        self._meeting = Connection.of(store)
         # The training thread's hot path, bound once: a lock and a comparison per step, no extra call.
         self.reached: Callable[[int], list[Decision]] = self.agreement.reached
 
@@ -111,8 +113,6 @@ class Coordination:
         departure = None
         world = self.topology.world_size
         if leaving and len(leaving) < world:
-            if self._meeting is None:  # where leaving ranks and survivors meet, on a connection made at first use
-                self._meeting = Connection.of(self.store, lazy=True)
             departure = Departure(leaving, self._meeting, f"{self.prefix}emergency/{emergencies[0].round}/", world)
         return EmergencyPlan(notice, notices, leaving, departure)
 

@@ -66,11 +66,6 @@ class Connection:
         return cls(clone, own=base_store(clone) is not base_store(store))
 
     @property
-    def made(self) -> bool:
-        """Whether the client exists (a lazy one is made at its first use)."""
-        return self._store is not None
-
-    @property
     def store(self) -> dist.Store:
         with self._lock:
             if self._store is None:
