@@ -205,3 +205,32 @@ def test_a_silent_failure_ends_a_round_that_waits_for_the_lost_rank_at_once():
     finally:
         for coordination in ranks:
             coordination.stop()
+
+
+def test_a_publish_that_read_the_next_slot_before_a_round_still_reaches_every_listener():
+    """A publisher starts at its listener's next slot, read before it writes; the listener may take that
+    slot's event and finish its round in between. The slot must still be taken then: were the round to
+    remove it, the late publish would write its event there, behind the listener, and no round would
+    ever run for it."""
+    from spotguard.job.coordination import Coordination
+    from spotguard.job.topology import Topology
+
+    agreed = []
+    coordination = Coordination(
+        dist.HashStore(), "job/", Topology(0, 1, 0, True, "node-0"), timeout_s=10.0,
+        on_agreed=lambda event, decision, notice: agreed.append(event.get("reason")),
+    )  # fmt: skip
+    coordination.start()
+    try:
+        stale = coordination.broadcast._next  # what a publish reads before the round below runs
+        coordination.request_checkpoint("first")
+        deadline = time.monotonic() + 10
+        while agreed != ["first"]:
+            assert time.monotonic() < deadline, agreed
+            time.sleep(0.01)
+        coordination.broadcast.log.append({"type": "checkpoint", "reason": "late"}, stale)  # the publish, now
+        while agreed != ["first", "late"]:
+            assert time.monotonic() < deadline, f"the late publish was never agreed: {agreed}"
+            time.sleep(0.01)
+    finally:
+        coordination.stop()

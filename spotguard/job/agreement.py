@@ -20,7 +20,7 @@ every rank, so every rank reaches it. A dead or frozen rank never arrives, so no
 last: the others all read "abort" at the deadline, never hang.
 
 The rank that decided a round also removes the keys no rank reads any more: that round's
-steps and counter (and its event, `round_keys`), and what earlier rounds left. Every rank
+steps and counter (and any `round_keys`), and what earlier rounds left. Every rank
 tracks the same list (they all see the same outcomes), so whichever rank decides knows it.
 """
 

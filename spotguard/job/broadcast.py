@@ -58,9 +58,9 @@ class Broadcast:
     listener, which reads the log on `connection` (its own too, see `Connection`) and hands each event
     to `on_event(index, event)` on the listener thread, in log order. Both are made here unless given.
 
-    Slots are removed once every rank has handled them (the agreement does it), and only below
-    the slot each listener reads next; so publishing starts its search at this rank's own
-    listener's next slot, never at a removed one.
+    Slots are never removed while the job runs (a removed slot could be taken again by a publish
+    that read the next slot before the removal, behind every reader); publishing starts its search
+    at this rank's own listener's next slot.
     """
 
     def __init__(

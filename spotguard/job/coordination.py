@@ -156,7 +156,9 @@ class Coordination:
                 timeout = min(timeout, max(MIN_AGREEMENT_S, left / 4))
             leaving = self.broadcast.claimed_nodes
             log.warning("node %s is being reclaimed (%s)", notice.node, notice.source)
-        decision = self.agreement.agree(index, event, timeout, leaving, round_keys=[self.broadcast.log.slot(index)])
+        # The event's slot stays (a few hundred bytes a round): removed, it could be taken again by a publish
+        # that read this rank's next slot before this round, and that event would sit behind every reader.
+        decision = self.agreement.agree(index, event, timeout, leaving)
         if notice is not None and decision is None:  # no save, the job trains on: its silence is a loss again
             self.departing.discard(str(notice.node))
         self.on_agreed(event, decision, notice)
