@@ -20,7 +20,7 @@ every rank, so every rank reaches it. A dead or frozen rank never arrives, so no
 last: the others all read "abort" at the deadline, never hang.
 
 The rank that decided a round also removes the keys no rank reads any more: that round's
-steps and counter (and any `round_keys`), and what earlier rounds left. Every rank
+steps and counter, and what earlier rounds left. Every rank
 tracks the same list (they all see the same outcomes), so whichever rank decides knows it.
 """
 
@@ -31,7 +31,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch.distributed as dist
@@ -99,16 +99,14 @@ class StepAgreement:
         event: dict[str, Any],
         timeout_s: float,
         leaving_nodes: Callable[[], set[str]] | None = None,
-        round_keys: Sequence[str] = (),
     ) -> Decision | None:
         """Run one round; returns the decision, or None when the round was aborted.
 
         `leaving_nodes()`, for an interruption, tells which nodes are being reclaimed (the last
-        rank to arrive asks it). `round_keys`: more keys every rank is done with once the round is
-        decided (its event).
+        rank to arrive asks it).
         """
         base = f"{self.prefix}agree/{round_id}/"
-        keys = [base + "steps", base + "arrived", *round_keys]
+        keys = [base + "steps", base + "arrived"]
         with self._lock:  # freezes this rank's step counter for the whole round
             started = time.monotonic()
             proposal, decided = self._round(base, timeout_s, leaving_nodes)
