@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +28,7 @@ from spotguard.snapshots.loading import load_shards
 from spotguard.snapshots.node_dir import NodeDir, name_of
 from spotguard.snapshots.peers import PeerRuns, PeerServer, fetch_info, push
 from spotguard.snapshots.reading import FileRuns, ShardUnusable
-from spotguard.snapshots.recovery import Holding, Plan, choose
+from spotguard.snapshots.recovery import Holding, Plan, choose, why_none
 from spotguard.snapshots.shard_file import SnapshotError
 
 
@@ -127,6 +130,27 @@ def test_the_node_dir_lists_complete_files_and_keeps_only_the_steps_asked(tmp_pa
         node.file("../../etc/passwd")
 
 
+def test_a_step_another_local_rank_sweeps_away_meanwhile_is_no_error(tmp_path, monkeypatch):
+    """The local ranks of a node sweep its directory at the same moments: a step directory removed by
+    another between this rank's listing of the steps and its listing of that step is skipped (an
+    error there failed that rank's snapshot, so every node deleted the snapshot before it)."""
+    node = NodeDir(tmp_path, "run")
+    for step in (3, 6, 9):
+        node.prepare(name_of(step, 0, 2)).write_bytes(b"x")
+    scandir = os.scandir
+
+    def swept_first(path="."):  # the other rank's rmtree lands just before this listing
+        if isinstance(path, str | os.PathLike) and Path(path).name == "step-0000000003":
+            shutil.rmtree(path, ignore_errors=True)
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", swept_first)
+    assert [h.step for h in node.held()] == [9, 6]
+    node.prepare(name_of(3, 0, 2)).write_bytes(b"x")
+    node.keep_only({9}, spares=1)
+    assert [h.step for h in node.held()] == [9]
+
+
 def test_a_freed_snapshot_file_is_written_over_by_the_next_one(tmp_path):
     node = NodeDir(tmp_path, "run")
     big, small = trained(0), {"t": torch.arange(10.0)}
@@ -188,6 +212,11 @@ def test_the_newest_whole_snapshot_is_chosen_at_any_world_size_from_one_attempt(
     assert choose(both, 2, durable=None) == Plan(9, "a", 2, ((0,), (1,)))
     assert choose(both, 2, None, {(9, "a", 2, 1, 1)}) == Plan(9, "a", 4, ((0, 1), (0,), (0,), (0,)))
     assert choose(both, 2, None, {(9, "a", 2, 1, 1), (9, "a", 4, None, None)}) is None
+    # When none is whole, the log says what the newest ones lack.
+    assert why_none(held[:1], 2, durable=None) == (
+        "step 9 (world size 4) lacks shard(s) 1, 3; step 6 (world size 4) lacks shard(s) 1, 2, 3"
+    )
+    assert why_none(held, 2, durable=10) == "the surviving nodes hold none so new"
 
 
 def test_replicas_go_to_a_peer_and_come_back_checked_straight_into_the_state(tmp_path):

@@ -114,9 +114,13 @@ def interrupted_run(
             nodes[i].kill()
     finally:
         stop_all(nodes)
+        for node in nodes:  # for resumed_snapshot's message
+            (tmp_path / f"interrupted-node{node.rank}.log").write_text(node.output())
     for i in lost:  # replacement VMs: nothing in their memory or on their local disk
         shutil.rmtree(nodes[i].snapshot_dir, ignore_errors=True)
         shutil.rmtree(nodes[i].local_dir, ignore_errors=True)
+    held = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.glob("node*-memory/**/*.snap"))
+    (tmp_path / "interrupted-held.log").write_text("\n".join(held))  # for resumed_snapshot's message
     return max(map(int, STEP_LINE.findall(nodes[0].output())))  # every line it printed, once it has ended
 
 
@@ -125,10 +129,14 @@ def relaunch(tmp_path: Path, job: Job = THREE, steps: int = STEPS) -> tuple[dict
     return job.run(tmp_path, steps, ENV)
 
 
-def resumed_snapshot(text: str) -> int:
+def resumed_snapshot(text: str, tmp_path: Path) -> int:
     """The step of the snapshot the relaunch resumed from (it must have resumed from one)."""
     found = RESUMED.search(text)
-    assert found, "the relaunch did not resume from a snapshot:\n" + "\n".join(text.splitlines()[-60:])
+    if not found:
+        before = [f"--- {log.name}:\n" + "\n".join(log.read_text().splitlines()[-40:])
+                  for log in sorted(tmp_path.glob("interrupted-*.log"))]  # fmt: skip
+        raise AssertionError("the relaunch did not resume from a snapshot:\n" + "\n".join(text.splitlines()[-60:])
+                             + "\n" + "\n".join(before))  # fmt: skip
     return int(found[1])
 
 
@@ -153,7 +161,7 @@ def test_a_node_lost_without_notice_resumes_from_the_peers_memory_bit_identical(
     last = interrupted_run(tmp_path, lost=[2])
     durable = max(committed(tmp_path))
     resumed, text = relaunch(tmp_path)
-    snapshot = resumed_snapshot(text)
+    snapshot = resumed_snapshot(text, tmp_path)
     assert snapshot > durable  # newer than the bucket's newest: from the survivors' memory
     assert resumed["start"] == snapshot + 1
     assert last - snapshot <= MOST_LOST  # lost work: at most one interval and the newest snapshot in flight
@@ -189,7 +197,7 @@ def test_a_frozen_node_ends_the_job_in_seconds_and_the_relaunch_resumes_from_the
     shutil.rmtree(nodes[2].local_dir, ignore_errors=True)
     durable = max(committed(tmp_path))
     resumed, text = relaunch(tmp_path)
-    snapshot = resumed_snapshot(text)
+    snapshot = resumed_snapshot(text, tmp_path)
     assert durable < snapshot and last - snapshot <= MOST_LOST
     assert resumed["start"] == snapshot + 1
     assert resumed["digest"] == reference(THREE)
@@ -208,6 +216,10 @@ def test_two_nodes_lost_with_one_replica_resume_from_the_durable_checkpoint(tmp_
     assert later, f"node 0 held no snapshot newer than the durable step {durable}"
     short, text = relaunch(tmp_path, steps=durable + 1)  # resumes, then ends before its first step
     assert short["start"] == durable + 1 and not RESUMED.search(text)
+    lacks = (
+        rf"as new as the durable step {durable} in the nodes' memory: step \d+ \(world size 3\) lacks shard\(s\) 1[;\n]"
+    )
+    assert re.search(lacks, text), "the log does not say why no snapshot was loaded"  # node 0 kept shard 2's copy
     kept = [p for p, attempt in later.items() if p.exists() and shard_file.read_info(p).attempt == attempt]
     assert not kept, f"snapshots of the abandoned steps survived the resume: {kept}"
     resumed, text = relaunch(tmp_path)
@@ -242,7 +254,7 @@ def test_a_corrupted_replica_is_skipped_for_the_newest_whole_snapshot(tmp_path, 
     path.write_bytes(data)
     resumed, text = relaunch(tmp_path)
     assert re.search(r"cannot use shard 2 from rank 0 \(SnapshotError: .*CRC32C", text)
-    assert resumed_snapshot(text) == older
+    assert resumed_snapshot(text, tmp_path) == older
     assert resumed["start"] == older + 1
     assert resumed["digest"] == reference(THREE)
 
@@ -254,7 +266,7 @@ def test_two_ranks_per_node_a_node_lost_resumes_from_the_same_local_ranks_on_its
     last = interrupted_run(tmp_path, lost=[1], job=TWO_BY_TWO)
     durable = max(committed(tmp_path))
     resumed, text = relaunch(tmp_path, TWO_BY_TWO)
-    snapshot = resumed_snapshot(text)
+    snapshot = resumed_snapshot(text, tmp_path)
     assert durable < snapshot and last - snapshot <= MOST_LOST
     assert resumed["start"] == snapshot + 1
     for shard, buddy in ((2, 0), (3, 1)):
@@ -270,7 +282,7 @@ def test_two_replicas_two_adjacent_nodes_lost_resume_from_the_survivors_memory(t
     last = interrupted_run(tmp_path, lost=[1, 2], job=THREE_TWO_REPLICAS)
     durable = max(committed(tmp_path))
     resumed, text = relaunch(tmp_path, THREE_TWO_REPLICAS)
-    snapshot = resumed_snapshot(text)
+    snapshot = resumed_snapshot(text, tmp_path)
     assert durable < snapshot and last - snapshot <= MOST_LOST
     assert resumed["start"] == snapshot + 1
     for shard in (1, 2):

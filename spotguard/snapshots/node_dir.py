@@ -112,38 +112,41 @@ class NodeDir:
     def held(self) -> list[Held]:
         """The complete files here, newest step first."""
         found = []
-        for step_dir in self.path.glob("step-*"):
+        for step_dir in _entries(self.path):
             step = _STEP.fullmatch(step_dir.name)
             if step is None:
                 continue
-            for path in step_dir.glob("shard-*.snap"):
-                shard = _SHARD.fullmatch(path.name)
+            for entry in _entries(step_dir.path):
+                shard = _SHARD.fullmatch(entry.name)
                 if shard is not None:
-                    found.append(Held(int(step[1]), int(shard[1]), int(shard[2]), path))
+                    found.append(Held(int(step[1]), int(shard[1]), int(shard[2]), Path(entry.path)))
         return sorted(found, key=lambda h: (-h.step, h.rank))
 
     def keep_only(self, steps: set[int], spares: int = 0) -> None:
         """Free every step but `steps`: up to `spares` of their files are kept aside for the next
         snapshot to write over (`take_spare`), the rest deleted, with unfinished `.part` files.
 
-        Several local ranks may sweep at once: a file another one moved first is not an error.
+        The node's local ranks sweep at the same moments: a file or a step another one removed first
+        is not an error.
         """
         spare_dir = self.path / "spare"
         spare_dir.mkdir(parents=True, exist_ok=True)
         kept = len(list(spare_dir.iterdir()))
-        for step_dir in list(self.path.glob("step-*")):
+        for step_dir in _entries(self.path):
             step = _STEP.fullmatch(step_dir.name)
-            if step is not None and int(step[1]) in steps:
+            if step is None or int(step[1]) in steps:
                 continue
-            for path in step_dir.glob("*.snap"):
+            for entry in _entries(step_dir.path):
                 if kept >= spares:
                     break
+                if not entry.name.endswith(".snap"):
+                    continue
                 try:
-                    os.replace(path, spare_dir / f"{os.getpid()}-{time.monotonic_ns()}")
+                    os.replace(entry.path, spare_dir / f"{os.getpid()}-{time.monotonic_ns()}")
                     kept += 1
                 except FileNotFoundError:
                     pass
-            shutil.rmtree(step_dir, ignore_errors=True)
+            shutil.rmtree(step_dir.path, ignore_errors=True)
 
     def take_spare(self, dest: Path) -> bool:
         """Move a spare file (its pages already the tmpfs's) to `dest`; False when there is none."""
@@ -162,6 +165,16 @@ class NodeDir:
         free = stat.f_bavail * stat.f_frsize
         available = _mem_available()
         return min(free, available) if available is not None and _on_tmpfs(self.path) else free
+
+
+def _entries(directory: str | os.PathLike[str]) -> list[os.DirEntry[str]]:
+    """What `directory` holds; nothing once it is gone (another local rank's sweep removed it while
+    this one listed its parent: `Path.glob` raises then, before Python 3.12)."""
+    try:
+        with os.scandir(directory) as found:
+            return list(found)
+    except FileNotFoundError:
+        return []
 
 
 def _mem_available() -> int | None:

@@ -98,20 +98,44 @@ def choose(
     `everyone`: (holder rank, what its node lets it vouch for); `world_size`: the job's now (at one
     step, a snapshot taken at it goes first); `unusable`: copies found bad.
     """
-    found: dict[tuple[int, str, int], dict[int, set[int]]] = {}
+    found = _usable(everyone, unusable)
+    for step, attempt, world in _candidates(found, world_size, durable):
+        shards = found[(step, attempt, world)]
+        if all(s in shards for s in range(world)):
+            return Plan(step, attempt, world, tuple(tuple(sorted(shards[s])) for s in range(world)))
+    return None
+
+
+def why_none(everyone: Iterable[tuple[int, list[Holding]]], world_size: int, durable: int | None) -> str:
+    """What the newest snapshots as new as `durable` lack (`choose` found none whole), for the log."""
+    found = _usable(everyone, ())
+    lacking = []
+    for key in list(_candidates(found, world_size, durable))[:3]:
+        missing = ", ".join(str(s) for s in range(key[2]) if s not in found[key])
+        lacking.append(f"step {key[0]} (world size {key[2]}) lacks shard(s) {missing}")
+    return "; ".join(lacking) or "the surviving nodes hold none so new"
+
+
+_Found = dict[tuple[int, str, int], dict[int, set[int]]]  # (step, attempt, world size) -> shard -> holders
+
+
+def _usable(everyone: Iterable[tuple[int, list[Holding]]], unusable: Collection[Unusable]) -> _Found:
+    found: _Found = {}
     for holder, held in everyone:
         for h in held:
             struck = {(h.step, h.attempt, h.world_size, s, r) for s in (h.shard, None) for r in (holder, None)}
             if not struck & set(unusable):
                 found.setdefault((h.step, h.attempt, h.world_size), {}).setdefault(h.shard, set()).add(holder)
-    # Newest first; at one step the present world size, then the rest in a fixed order.
-    for step, attempt, world in sorted(found, key=lambda k: (-k[0], k[2] != world_size, k[2], k[1])):
-        if durable is not None and step < durable:
-            return None
-        shards = found[(step, attempt, world)]
-        if all(s in shards for s in range(world)):
-            return Plan(step, attempt, world, tuple(tuple(sorted(shards[s])) for s in range(world)))
-    return None
+    return found
+
+
+def _candidates(found: _Found, world_size: int, durable: int | None) -> Iterable[tuple[int, str, int]]:
+    """The snapshots as new as `durable`, newest first; at one step the present world size, then the
+    rest in a fixed order."""
+    for key in sorted(found, key=lambda k: (-k[0], k[2] != world_size, k[2], k[1])):
+        if durable is not None and key[0] < durable:
+            return
+        yield key
 
 
 def agree(
@@ -130,6 +154,10 @@ def agree(
         plan = choose(everyone, comm.world_size, durable, unusable) if everyone else None
         plan = comm.broadcast(plan)
         if plan is None:
+            if everyone is not None and not unusable and any(held for _, held in everyone):
+                than = "" if durable is None else f" as new as the durable step {durable}"
+                log.info("no whole snapshot%s in the nodes' memory: %s", than,
+                         why_none(everyone, comm.world_size, durable))  # fmt: skip
             return None
         gathered = comm.gather(load(plan))
         if everyone is not None:
