@@ -48,7 +48,7 @@ class MetadataEmulator:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
         self._thread: threading.Thread | None = None
-        self._changed: asyncio.Condition | None = None
+        self._change: asyncio.Future[None] | None = None  # resolved at the next state change
         self._version = 0  # bumped on every state change, for hanging GETs
 
     # ---- hooks for subclasses -------------------------------------------------
@@ -147,15 +147,15 @@ class MetadataEmulator:
 
     # ---- helpers for subclasses ---------------------------------------------
     async def wait_for_change(self, since_version: int, timeout_s: float) -> None:
-        """Block a hanging GET until the state changes after `since_version`, or timeout."""
-        assert self._changed is not None
-        async with self._changed:
-            try:
-                await asyncio.wait_for(
-                    self._changed.wait_for(lambda: self._version != since_version), timeout=timeout_s
-                )
-            except asyncio.TimeoutError:
-                pass
+        """Block a hanging GET until the state changes after `since_version`, or timeout.
+
+        Every waiter waits on one future, resolved at the next change and never cancelled by them: no
+        lock to re-acquire (on Python 3.11, handlers cancelled as their `asyncio.wait_for` on a Condition
+        timed out left its lock taken, and no change woke a waiter again).
+        """
+        assert self._change is not None
+        if self._version == since_version:
+            await asyncio.wait([self._change], timeout=timeout_s)
 
     @property
     def version(self) -> int:
@@ -163,7 +163,7 @@ class MetadataEmulator:
 
     # ---- internals -------------------------------------------------------------
     async def _start_site(self) -> None:
-        self._changed = asyncio.Condition()
+        self._change = asyncio.get_running_loop().create_future()
         app = web.Application(middlewares=[self._fault_middleware])
         app.router.add_post(CONTROL_PREFIX + "notice", self._control_notice)
         app.router.add_post(CONTROL_PREFIX + "fault", self._control_fault)
@@ -216,13 +216,11 @@ class MetadataEmulator:
         self._bump()
 
     def _bump(self) -> None:
+        """A state change (on the server's loop, or before it runs): every hanging GET looks again."""
         self._version += 1
-        if self._changed is not None:
-            asyncio.ensure_future(self._notify(), loop=self._loop)
-
-    async def _notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
+        if self._change is not None:
+            self._change.set_result(None)
+            self._change = self._change.get_loop().create_future()
 
     @web.middleware
     async def _fault_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:

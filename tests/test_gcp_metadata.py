@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import socket
 import threading
@@ -178,6 +179,37 @@ def test_stopping_the_emulator_does_not_wait_for_a_hanging_poll_whose_client_lef
     started = time.monotonic()
     emulator.stop()
     assert time.monotonic() - started < 3
+
+
+def test_hanging_polls_cancelled_as_their_wait_times_out_leave_the_next_one_woken_by_a_change(
+    emulator: GCPMetadataEmulator,
+) -> None:
+    """Handlers cancelled at the moment their wait for a change times out (aiohttp cancels the handler of
+    a client that left) leave nothing behind. Waiting on a Condition under asyncio.wait_for, on Python
+    3.11 they left its lock taken: no change woke a hanging GET again, each answered only at its timeout."""
+
+    async def cancelled_as_they_time_out(delay_s: float) -> None:
+        version = emulator.version
+        waiters = [asyncio.ensure_future(emulator.wait_for_change(version, 0.05)) for _ in range(20)]
+        await asyncio.sleep(0.05 + delay_s)
+        for waiter in waiters:
+            waiter.cancel()
+        await asyncio.wait(waiters)
+
+    for delay_s in (0.0, 0.0002, 0.0005, 0.001, 0.002):
+        asyncio.run_coroutine_threadsafe(cancelled_as_they_time_out(delay_s), emulator._loop).result(timeout=5)
+    source = PreemptionSource(emulator.url, hang_timeout_s=20)
+    try:
+        assert source.poll() is None
+        thread, result = poll_in_thread(source)
+        wait_for_requests(emulator, 2)
+        raised_at = time.monotonic()
+        emulator.raise_notice()
+        thread.join(timeout=10)
+        assert not thread.is_alive(), "the change did not wake the hanging GET"
+        assert result["notice"].is_interruption and result["returned_at"] - raised_at < 1.0
+    finally:
+        source.close()
 
 
 def test_preemption_seen_on_first_poll(emulator: GCPMetadataEmulator, preempted: PreemptionSource) -> None:
