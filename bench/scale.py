@@ -19,8 +19,9 @@ Every rank must agree on one step, and must then stop at it (interruption) or tr
 
 Requests are counted by a wrapping store in every rank (`tests/counting.py`; a TCPStore `get` is
 two requests on the server: a wait, then the read) and checked against the server process's CPU
-time. Each rank's two connections are made before the trials, in parallel: a TCPStore client looks
-up the name of each new connection's peer, and this host's resolver stalls 5 s now and then. The baseline,
+time. Each rank's connections (its own, and the three its Guard clones at start: listener, publishing,
+meeting place) are made before the trials, in parallel: a TCPStore client looks up the name of each
+new connection's peer, and this host's resolver stalls 5 s now and then. The baseline,
 measured in the same run: the store's fan-out floor, one `set` waking N ranks blocked in a `get`
 on the same processes and connections: no protocol in which every rank learns of the notice
 through the store can be faster.
@@ -61,6 +62,7 @@ from _common import table  # also puts the checkout on sys.path
 from tests.counting import Counts, counting_store, server_requests  # noqa: E402
 
 RANKS_PER_NODE = 8
+GUARD_CLONES = 3  # the connections a Guard clones at start: its listener's, its publishing one, its meeting place's
 HEALTH_KEY = "health/"  # the liveness ring's keys (spotguard.health): counted apart
 IDLE_S = 3.0  # the idle window over which an idle guard's requests are counted
 SERVER = """
@@ -174,8 +176,8 @@ class Worker:
         self.health = Counts()  # the liveness ring's share of `counts`
         base = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(minutes=5))
         with ThreadPoolExecutor(64) as connecting:  # in parallel: a new connection can stall 5 s on this host
-            pairs = connecting.map(lambda _: (base.clone(), base.clone()), ranks)
-            self.connections = dict(zip(ranks, pairs))
+            made = connecting.map(lambda _: tuple(base.clone() for _ in range(1 + GUARD_CLONES)), ranks)
+            self.connections = dict(zip(ranks, made))
         self.doomed_leader = world - RANKS_PER_NODE
         self.emulator = AWSMetadataEmulator() if self.doomed_leader in ranks else None
         if self.emulator is not None:
@@ -198,14 +200,14 @@ class Worker:
         self.current = []
         for rank in self.ranks:
             doomed = rank == self.doomed_leader
-            own, spare = (dist.PrefixStore(prefix, c) for c in self.connections[rank])
+            own, *spares = (dist.PrefixStore(prefix, c) for c in self.connections[rank])
             guard = spotguard.Guard(
                 self.checkpoint_dir,
                 cloud="aws" if doomed else "none",
                 metadata_url=self.emulator.url if doomed else None,
                 poll_interval_s=0.2,
                 store=counting_store(
-                    liveness_tap(own, self.health), self.counts, spares=[liveness_tap(spare, self.health)]
+                    liveness_tap(own, self.health), self.counts, spares=[liveness_tap(s, self.health) for s in spares]
                 ),
                 rank=rank,
                 world_size=self.world,
