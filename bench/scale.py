@@ -20,8 +20,9 @@ Every rank must agree on one step, and must then stop at it (interruption) or tr
 Requests are counted by a wrapping store in every rank (`tests/counting.py`; a TCPStore `get` is
 two requests on the server: a wait, then the read) and checked against the server process's CPU
 time. Each rank's connections (its own, and the three its Guard clones at start: listener, publishing,
-meeting place) are made before the trials, in parallel: a TCPStore client looks up the name of each
-new connection's peer, and this host's resolver stalls 5 s now and then. The baseline,
+meeting place; and the liveness ring's on a node's local rank 0) are made before the trials, in
+parallel: the TCPStore server looks up the name of each new connection's peer, and this host's
+resolver stalls 5 s now and then. The baseline,
 measured in the same run: the store's fan-out floor, one `set` waking N ranks blocked in a `get`
 on the same processes and connections: no protocol in which every rank learns of the notice
 through the store can be faster.
@@ -63,6 +64,12 @@ from tests.counting import Counts, counting_store, server_requests  # noqa: E402
 
 RANKS_PER_NODE = 8
 GUARD_CLONES = 3  # the connections a Guard clones at start: its listener's, its publishing one, its meeting place's
+
+
+def guard_clones(rank: int) -> int:
+    """The connections rank's Guard clones at start; a node's local rank 0, a liveness ring member, one more."""
+    return GUARD_CLONES + (rank % RANKS_PER_NODE == 0)
+
 HEALTH_KEY = "health/"  # the liveness ring's keys (spotguard.health): counted apart
 IDLE_S = 3.0  # the idle window over which an idle guard's requests are counted
 SERVER = """
@@ -176,7 +183,7 @@ class Worker:
         self.health = Counts()  # the liveness ring's share of `counts`
         base = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(minutes=5))
         with ThreadPoolExecutor(64) as connecting:  # in parallel: a new connection can stall 5 s on this host
-            made = connecting.map(lambda _: tuple(base.clone() for _ in range(1 + GUARD_CLONES)), ranks)
+            made = connecting.map(lambda r: tuple(base.clone() for _ in range(1 + guard_clones(r))), ranks)
             self.connections = dict(zip(ranks, made))
         self.doomed_leader = world - RANKS_PER_NODE
         self.emulator = AWSMetadataEmulator() if self.doomed_leader in ranks else None
