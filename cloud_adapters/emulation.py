@@ -218,9 +218,9 @@ class MetadataEmulator:
     def _bump(self) -> None:
         """A state change (on the server's loop, or before it runs): every hanging GET looks again."""
         self._version += 1
-        if self._change is not None:
-            self._change.set_result(None)
-            self._change = self._change.get_loop().create_future()
+        if self._change is not None:  # replaced first: a failure to wake the waiters leaves no resolved one behind
+            woken, self._change = self._change, self._change.get_loop().create_future()
+            woken.set_result(None)
 
     @web.middleware
     async def _fault_middleware(self, request: web.Request, handler: Any) -> web.StreamResponse:

@@ -169,11 +169,11 @@ class NodeDir:
 
 def _entries(directory: str | os.PathLike[str]) -> list[os.DirEntry[str]]:
     """What `directory` holds; nothing once it is gone (another local rank's sweep removed it while
-    this one listed its parent: `Path.glob` raises then, before Python 3.12)."""
+    this one listed its parent: `Path.glob` raises then, before Python 3.12), or when it is a file."""
     try:
         with os.scandir(directory) as found:
             return list(found)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return []
 
 
