@@ -10,9 +10,11 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -35,17 +37,28 @@ PREFIX = "job/"
 
 MEMBER = textwrap.dedent(
     """
-    import sys, time, torch.distributed as dist
+    import ctypes, sys, time, torch, torch.distributed as dist
+    from pathlib import Path
     from spotguard.health.liveness import Liveness
+    from spotguard.snapshots.shard_file import MappedShard
     port, index, count = map(int, sys.argv[1:4])
     store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
     ring = Liveness(store, "job/", index=index, count=count, node=f"node-{index}", timeout_s=%s,
                     on_lost=lambda loss: print("LOST", loss.node, flush=True))
     ring.start()
     print("READY", flush=True)
-    if sys.stdin.readline().strip() == "stop":
-        ring.stop()
-        print("STOPPED", flush=True)
+    for line in sys.stdin:
+        what, *arg = line.split()
+        if what == "stop":
+            ring.stop()
+            print("STOPPED", flush=True)
+        elif what == "hold":  # one C call that keeps the GIL (PyDLL does not release it), for arg seconds
+            ctypes.PyDLL(None).sleep(int(arg[0]))
+            print("DONE", flush=True)
+        elif what == "snapshot":  # this node's own snapshot of a shard of arg MiB, as the tier takes it
+            path = Path(arg[1]) / "shard"
+            MappedShard(path, {"w": torch.empty(int(arg[0]) << 20, dtype=torch.uint8)}).fill().discard()
+            print("DONE", flush=True)
     time.sleep(3600)
     """
     % TIMEOUT_S
@@ -71,7 +84,7 @@ class Ring:
                 proc = subprocess.Popen(
                     [sys.executable, "-c", MEMBER, str(self.port), str(i), str(count)],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                    env={**os.environ, "PYTHONPATH": str(ROOT)},
+                    env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True,
                 )  # fmt: skip
                 assert proc.stdout.readline().strip() == "READY"
                 self.procs[i] = proc
@@ -85,6 +98,10 @@ class Ring:
         )  # fmt: skip
         self.members[i].start()
         return self.members[i]
+
+    def signal(self, i: int, sig: signal.Signals) -> None:
+        """To member `i`'s whole process group (its beacon too): a node frozen or thawed as a whole."""
+        os.killpg(self.procs[i].pid, sig)
 
     def _lost(self, loss: PeerLoss) -> None:
         self.losses.append((time.monotonic(), loss))
@@ -126,7 +143,7 @@ def test_a_frozen_node_is_declared_lost_by_its_watcher_within_the_timeout(ring_o
     ring.watching()
     assert ring.members[0].watched == "node-2" and ring.members[1].watched == "node-0"
     frozen_at = time.monotonic()
-    os.kill(ring.procs[2].pid, signal.SIGSTOP)
+    ring.signal(2, signal.SIGSTOP)
     time.sleep(TIMEOUT_S * 3)
     assert [loss.node for _, loss in ring.losses] == ["node-2"]
     (at, loss), = ring.losses
@@ -156,7 +173,7 @@ def test_a_silent_node_that_announced_its_interruption_is_excused_until_its_emer
     excused = {"node-1"}
     ring = ring_of(2, in_process=[0], excused=excused)
     ring.watching()
-    os.kill(ring.procs[1].pid, signal.SIGSTOP)
+    ring.signal(1, signal.SIGSTOP)
     time.sleep(TIMEOUT_S * 3)
     assert ring.losses == []
     assert "node node-1 is silent after its notice: leaving, not lost" in caplog.text
@@ -170,11 +187,11 @@ def test_watchers_held_up_together_with_the_node_they_watch_blame_nobody(ring_of
     process held by the GIL): the silence each saw was its own, so neither declares the other lost."""
     ring = ring_of(2, in_process=[])
     time.sleep(1.0)  # they watch each other
-    for proc in ring.procs.values():
-        os.kill(proc.pid, signal.SIGSTOP)
+    for i in ring.procs:
+        ring.signal(i, signal.SIGSTOP)
     time.sleep(TIMEOUT_S * 3)
-    for proc in ring.procs.values():
-        os.kill(proc.pid, signal.SIGCONT)
+    for i in ring.procs:
+        ring.signal(i, signal.SIGCONT)
     time.sleep(TIMEOUT_S * 3)
     for proc in ring.procs.values():
         proc.stdin.write("stop\n")
@@ -226,6 +243,91 @@ def test_beats_go_only_to_a_watcher_that_says_the_token(ring_of):
     with socket.create_connection((host, int(port)), timeout=5) as second:
         second.sendall(token.encode() + b"\n")
         assert second.recv(1) == BEAT
+    assert ring.losses == []
+
+
+def _ask(proc: subprocess.Popen, command: str) -> None:
+    proc.stdin.write(command + "\n")
+    proc.stdin.flush()
+
+
+def _beat_gaps(ring: Ring, member: int, while_: Callable[[], None]) -> list[float]:
+    """The gaps between the beats a watcher of `member` hears while `while_()` runs."""
+    import socket
+
+    host, port, token, _ = ring.server.get(f"{PREFIX}health/node/{member}").decode().split(" ", 3)
+    arrivals: list[float] = []
+    with socket.create_connection((host, int(port)), timeout=10) as watcher:
+        watcher.sendall(token.encode() + b"\n")
+        done = threading.Event()
+
+        def hear() -> None:
+            while not done.is_set() and watcher.recv(1) == BEAT:
+                arrivals.append(time.monotonic())
+
+        hearing = threading.Thread(target=hear, daemon=True)
+        hearing.start()
+        time.sleep(1.0)
+        while_()
+        time.sleep(1.0)
+        done.set()
+        hearing.join(timeout=5)
+    return [b - a for a, b in zip(arrivals, arrivals[1:])]
+
+
+def test_a_node_whose_training_process_holds_its_gil_is_not_lost(ring_of):
+    """Node 1's process keeps its GIL for four timeouts in one C call (a backtracking regex, a sort of tens
+    of millions of floats, an extension that never lets go): its beats come from a process of its own, so
+    node 0 hears them all along and declares nothing."""
+    ring = ring_of(2, in_process=[0])
+    ring.watching()
+    held = int(4 * TIMEOUT_S)
+    gaps = _beat_gaps(ring, 1, lambda: (_ask(ring.procs[1], f"hold {held}"), ring.procs[1].stdout.readline()))
+    assert sum(gaps) > held and max(gaps) < TIMEOUT_S, gaps
+    assert ring.losses == []
+
+
+def test_a_node_taking_its_own_snapshot_beats_on(ring_of, tmp_path):
+    """A snapshot maps its file with MAP_POPULATE, which keeps the GIL for about half a second per GiB:
+    node 1 snapshots a shard of 2 GiB into tmpfs, and its beats never pause for more than a beat or two."""
+    ring = ring_of(2, in_process=[0])
+    ring.watching()
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    with tempfile.TemporaryDirectory(dir=shm) as where:
+        gaps = _beat_gaps(ring, 1, lambda: (_ask(ring.procs[1], f"snapshot 2048 {where}"),
+                                            ring.procs[1].stdout.readline()))  # fmt: skip
+    assert max(gaps) < 2.5 * beat_interval(TIMEOUT_S), gaps
+    assert ring.losses == []
+
+
+def test_a_flood_of_connections_that_never_say_the_token_costs_the_training_process_nothing(ring_of):
+    """A local stranger opens 600 connections to node 1's liveness port and says nothing: the training
+    process holds none of them (its descriptors are its saves' and its ledger's), the beacon at most a
+    few (the oldest waiting are dropped), and node 1's watcher hears every beat all the while."""
+    import socket
+
+    ring = ring_of(2, in_process=[0])
+    ring.watching()
+    host, port, _, _ = ring.server.get(f"{PREFIX}health/node/1").decode().split(" ", 3)
+    member = ring.procs[1].pid
+    before = len(os.listdir(f"/proc/{member}/fd"))
+    flood: list[socket.socket] = []
+    try:
+        for _ in range(600):
+            sock = socket.socket()
+            sock.setblocking(False)
+            sock.connect_ex((host, int(port)))
+            flood.append(sock)
+        time.sleep(1.0)
+        held = len(os.listdir(f"/proc/{member}/fd")) - before
+        beacons = [int(p) for p in Path(f"/proc/{member}/task/{member}/children").read_text().split()]
+        in_beacon = len(os.listdir(f"/proc/{beacons[0]}/fd"))
+        time.sleep(2 * TIMEOUT_S)
+    finally:
+        for sock in flood:
+            sock.close()
+    assert held <= 2, held
+    assert in_beacon < 40, in_beacon
     assert ring.losses == []
 
 

@@ -1,19 +1,22 @@
 """Whether every node of the job still lives: a ring of heartbeats between node leaders.
 
-Node k's leader listens on a port of its own and publishes `host port token node` in the job's store;
-node k+1's leader (its watcher) connects, says the token, and from then on node k sends it one byte a
-beat (a daemon thread: a long training step never delays it). A watcher that hears nothing for
-`timeout_s` declares node k lost: frozen, powered off or cut off, all of which leave the connection
-open and silent (no FIN). A closed connection is no loss: the process ended (a restart by torchrun, a
-node leaving after its notice, the end of the job) and the kernel said so; the job's own collectives
-and torchrun's agent deal with that. Every node is watched by one other, so a job with one lost node
-and any survivor hears of it; the store carries 3 requests per node at the start (the address set, the
-watched node's address read) and none after.
+Node k's leader runs a beacon (`beacon.py`, a small process of its own), which listens on a port and
+publishes `host port token node` in the job's store through its parent; node k+1's beacon connects,
+says the token, and from then on node k's beacon sends it one byte a beat. A watcher that hears nothing
+for `timeout_s` tells its parent, which declares node k lost: frozen, powered off or cut off, all of
+which leave the connection open and silent (no FIN). A closed connection is no loss: the process ended
+(a restart by torchrun, a node leaving after its notice, the end of the job) and the kernel said so; the
+job's own collectives and torchrun's agent deal with that. Every node is watched by one other, so a job
+with one lost node and any survivor hears of it; the store carries 3 requests per node at the start
+(the address set, the watched node's address read) and none after.
 
-The beats and the judging run on one thread that never blocks: the watched node's address is awaited,
-and its connection made, on a second thread, so that neither a node that starts late nor an address
-that drops connection attempts delays this node's own beats. A watcher whose own thread was held up
-(the GIL held in C code, a VM paused) does not blame its neighbour for the silence it could not hear.
+The beats come from a process of their own so that nothing the training process does can silence them:
+its GIL held by one long C call, its own snapshot being mapped, a full output pipe. A node whose training
+process is alive but stuck is the hang watch's (`hangs.py`). The watched node's address is awaited on a
+thread of the parent (the store is its), then handed to the beacon, which connects in the background:
+neither a node that starts late nor an address that drops connection attempts delays this node's beats.
+A beacon that was itself held up (a VM paused) does not blame its neighbour for the silence it could
+not hear.
 """
 
 from __future__ import annotations
@@ -22,42 +25,38 @@ import dataclasses
 import logging
 import secrets
 import selectors
-import socket
+import subprocess
+import sys
 import threading
-import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch.distributed as dist
 
 from spotguard.checkpoint.handoff.wire import advertised_host
+from spotguard.health.beacon import BEAT, beat_interval  # noqa: F401 - BEAT: what a watcher hears, re-exported
 from spotguard.job.kvstore import IDLE_WAIT, Connection
 
 log = logging.getLogger(__name__)
 
-BEAT = b"."
-HELLO_TIMEOUT_S = 3.0  # a connection that has not said the token by then is dropped
-CONNECT_RETRY_S = 5.0  # an address that does not answer (dropped SYNs) is tried again this often
+BEACON = Path(__file__).with_name("beacon.py")
+BEACON_START_S = 10.0  # how long the beacon may take to say its port (a fresh interpreter, no imports)
 STOPPED = "-"  # written where the address wait blocks, to wake it when the ring stops first
 
 
 @dataclasses.dataclass(frozen=True)
 class PeerLoss:
-    """A node declared lost by its watcher (crosses from the liveness thread to the guard's)."""
+    """A node declared lost by its watcher (crosses from the beacon's reader thread to the guard's)."""
 
     node: str  # the silent node
     silent_s: float  # how long it had been silent when declared lost
     watcher: str  # the node that noticed
 
 
-def beat_interval(timeout_s: float) -> float:
-    """Beats come often enough that a few lost to scheduling never add up to the timeout."""
-    return min(1.0, timeout_s / 5)
-
-
 class Liveness:
     """One node leader's place in the ring: `index` of `count` nodes, named `node`. `on_lost` is called
-    once, on the liveness thread, when the watched node goes silent, unless `excused(node)` (a node
-    leaving after its notice)."""
+    once, on the thread that reads the beacon, when the watched node goes silent, unless
+    `excused(node)` (a node leaving after its notice). OSError when the beacon cannot start."""
 
     def __init__(
         self,
@@ -75,128 +74,99 @@ class Liveness:
         self.prefix = f"{prefix}health/node/"
         self.index, self.count, self.node = index, count, node
         self.timeout_s = timeout_s
-        self.interval_s = beat_interval(timeout_s)
         self.on_lost = on_lost
         self.excused = excused
         self.watched: str | None = None  # the node this one watches, once its address is known
         self.stopping = threading.Event()
         self._token = secrets.token_hex(16)
         self._host = advertised_host()
-        try:
-            self._listener = socket.create_server((self._host, 0))
-        except OSError:  # an address peers reach this host on that is not its own (a NAT): listen on all
-            self._listener = socket.create_server(("", 0))
+        self._beacon, self._port = _start_beacon(self._host, self._token, timeout_s)
         self._upstream = _Upstream(self)
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        port = self._listener.getsockname()[1]
-        self.store.set(f"{self.prefix}{self.index}", f"{self._host} {port} {self._token} {self.node}")
-        self._upstream.start()
-        self._thread = threading.Thread(target=self._run, name="spotguard-liveness", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Leave the ring: the connections close, which the watcher takes for an end, not a loss."""
-        self.stopping.set()
-        self._upstream.stop()
-        if self._thread is not None:
-            self._thread.join(timeout=2 * self.interval_s + 1)
-        self._listener.close()
-
-    # ---- the liveness thread -------------------------------------------------------------------
-    def _run(self) -> None:
-        sel = selectors.DefaultSelector()
-        self._listener.setblocking(False)
-        sel.register(self._listener, selectors.EVENT_READ, "accept")
-        watchers: list[socket.socket] = []  # connections that said the token: they get the beats
-        hellos: dict[socket.socket, tuple[float, bytearray]] = {}  # yet to say it: by when, what came so far
-        upstream = self._upstream
-        next_beat = last_look = time.monotonic()
-        try:
-            while not self.stopping.is_set():
-                upstream.take_connection(sel)
-                for key, _ in sel.select(timeout=min(self.interval_s, max(0.0, next_beat - time.monotonic()))):
-                    if key.data == "accept":
-                        self._accept(sel, hellos)
-                    elif key.data == "hello":
-                        self._hello(sel, key.fileobj, hellos, watchers)  # type: ignore[arg-type]
-                    else:
-                        upstream.readable(sel)
-                now = time.monotonic()
-                if now - last_look > 2 * self.interval_s + 0.5:  # this thread itself was held up: it heard nothing
-                    upstream.heard = max(upstream.heard, now)
-                last_look = now
-                for conn in [c for c, (until, _) in hellos.items() if until < now]:
-                    _drop(sel, conn, hellos)
-                if now >= next_beat:
-                    next_beat = now + self.interval_s
-                    watchers[:] = [c for c in watchers if _send(c)]
-                if upstream.lost(now):
-                    return
-        except Exception:  # noqa: BLE001 - never take the training down: this node is then simply not watched
-            log.exception("the liveness thread failed; node %s no longer watches its neighbour", self.node)
-        finally:
-            for conn in [*watchers, *hellos]:
-                conn.close()
-            upstream.close()
-            sel.close()
-
-    def _accept(self, sel: selectors.BaseSelector, hellos: dict[socket.socket, tuple[float, bytearray]]) -> None:
-        try:
-            conn, _ = self._listener.accept()
-        except OSError:
-            return
-        conn.setblocking(False)
-        hellos[conn] = (time.monotonic() + HELLO_TIMEOUT_S, bytearray())
-        sel.register(conn, selectors.EVENT_READ, "hello")
-
-    def _hello(
-        self,
-        sel: selectors.BaseSelector,
-        conn: socket.socket,
-        hellos: dict[socket.socket, tuple[float, bytearray]],
-        watchers: list[socket.socket],
-    ) -> None:
-        said = hellos[conn][1]
-        try:
-            chunk = conn.recv(64)
-        except BlockingIOError:
-            return
-        except OSError:
-            chunk = b""
-        said += chunk
-        if chunk and b"\n" not in said and len(said) <= 2 * len(self._token):
-            return  # the rest of the line is still on its way
-        if not chunk or said.strip() != self._token.encode():
-            _drop(sel, conn, hellos)  # not our watcher (a wrong token, a port scan): never beaten to
-            return
-        sel.unregister(conn)
-        del hellos[conn]
-        watchers.append(conn)
-
-
-class _Upstream:
-    """The watched node (index - 1): its address from the store and its connection (on a thread of their
-    own), then its beats (on the liveness thread)."""
-
-    def __init__(self, ring: Liveness) -> None:
-        self.ring = ring
-        self.sock: socket.socket | None = None
-        self.heard = 0.0
-        self.done = ring.count < 2  # nothing to watch, or the watched node ended, or it was declared lost
-        self._key = f"{ring.prefix}{(ring.index - 1) % ring.count}"
-        self._ready: socket.socket | None = None  # connected by the connecting thread, taken by the liveness thread
-        self._thread: threading.Thread | None = None
+        self._reader: threading.Thread | None = None
+        self._lost = False
         self._excused = False  # said once that the silent node is leaving
 
     def start(self) -> None:
-        if not self.done:
-            self._thread = threading.Thread(target=self._connect, name="spotguard-liveness-connect", daemon=True)
+        self.store.set(f"{self.prefix}{self.index}", f"{self._host} {self._port} {self._token} {self.node}")
+        self._upstream.start()
+        self._reader = threading.Thread(target=self._read, name="spotguard-liveness", daemon=True)
+        self._reader.start()
+
+    def stop(self) -> None:
+        """Leave the ring: the beacon ends and its connections close, which the watcher takes for an end."""
+        self.stopping.set()
+        self._upstream.stop()
+        _close(self._beacon.stdin)
+        try:
+            self._beacon.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            self._beacon.kill()
+            self._beacon.wait()
+        if self._reader is not None:
+            self._reader.join(timeout=2)
+        _close(self._beacon.stdout)
+
+    def tell(self, line: str) -> None:
+        """One line to the beacon (OSError when it has ended)."""
+        assert self._beacon.stdin is not None
+        self._beacon.stdin.write((line + "\n").encode())
+        self._beacon.stdin.flush()
+
+    # ---- the thread that reads the beacon ---------------------------------------------------------
+    def _read(self) -> None:
+        assert self._beacon.stdout is not None
+        try:
+            for raw in self._beacon.stdout:
+                kind, node, *rest = raw.decode().split(" ", 2)
+                rest_s = rest[0].strip() if rest else ""
+                if kind == "silent" and self._silent(node, float(rest_s)):
+                    return
+                if kind == "watching":
+                    log.info("node %s watches node %s (lost after %g s of silence)", self.node, node, self.timeout_s)
+                elif kind == "unreachable":
+                    log.warning("cannot connect to node %s to watch it (%s); trying again in the background", node,
+                                rest_s)  # fmt: skip
+                elif kind == "ended" and rest_s == "refused":
+                    log.info("node %s is not listening any more: its process ended (not a loss)", node)
+                elif kind == "ended":
+                    log.info("node %s closed its heartbeat: its process ended (not a loss)", node)
+        except Exception:  # noqa: BLE001 - never take the training down: this node is then simply not watched
+            log.exception("reading the liveness beacon failed; node %s no longer watches its neighbour", self.node)
+        if not self.stopping.is_set():
+            log.warning("the liveness beacon of node %s ended: its neighbour is no longer watched", self.node)
+
+    def _silent(self, node: str, silent_s: float) -> bool:
+        """The beacon's word that `node` is silent past the timeout: whether it is now declared lost."""
+        if self._lost or self.stopping.is_set():
+            return True
+        if self.excused(node):  # asked again at every word: the excuse ends if its emergency is called off
+            if not self._excused:
+                log.info("node %s is silent after its notice: leaving, not lost", node)
+                self._excused = True
+            return False
+        self._lost = True
+        log.error("node %s has not answered for %.1f s (peer_timeout_s=%g): declared lost", node, silent_s,
+                  self.timeout_s)  # fmt: skip
+        self.on_lost(PeerLoss(node=node, silent_s=round(silent_s, 3), watcher=self.node))
+        return True
+
+
+class _Upstream:
+    """The watched node (index - 1): its address from the store, awaited on a thread of its own (the node
+    may start late), then handed to the beacon."""
+
+    def __init__(self, ring: Liveness) -> None:
+        self.ring = ring
+        self._key = f"{ring.prefix}{(ring.index - 1) % ring.count}"
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if self.ring.count > 1:
+            self._thread = threading.Thread(target=self._find, name="spotguard-liveness-address", daemon=True)
             self._thread.start()
 
     def stop(self) -> None:
-        """Wake the connecting thread where it waits for an address that never came, and let it end."""
+        """Wake the thread where it waits for an address that never came, and let it end."""
         if self._thread is None or not self._thread.is_alive():
             return
         if self.ring.watched is None:
@@ -204,116 +174,52 @@ class _Upstream:
                 self.ring.store.set(self._key, STOPPED)
             except Exception as exc:  # noqa: BLE001 - the store is gone: so is the wait
                 log.debug("could not wake the liveness address wait: %s", exc)
-        self._thread.join(timeout=HELLO_TIMEOUT_S + 1)
+        self._thread.join(timeout=2)
 
-    def _connect(self) -> None:
+    def _find(self) -> None:
         try:
-            self._find_and_connect()
-        except Exception:  # noqa: BLE001 - never take the training down; say that this node goes unwatched
-            log.exception("node %s cannot watch its neighbour: its losses go unnoticed", self.ring.node)
-
-    def _find_and_connect(self) -> None:
-        conn = Connection.of(self.ring.store)
-        try:
+            conn = Connection.of(self.ring.store)
             raw = conn.get(self._key, IDLE_WAIT.total_seconds())
+            del conn  # its store client closes: one connection per node, only for the wait
         except Exception as exc:  # noqa: BLE001 - the store is gone: nothing to watch
             log.warning("cannot read the address of the node to watch: %s", exc)
             return
-        del conn  # its store client closes: one connection per node, only for the wait
         if raw is None or raw.decode() == STOPPED or self.ring.stopping.is_set():
             return
         host, port, token, node = raw.decode().split(" ", 3)
         self.ring.watched = node
-        told = False
-        while not self.ring.stopping.is_set():
-            try:
-                sock = socket.create_connection((host, int(port)), timeout=HELLO_TIMEOUT_S)
-                sock.sendall(token.encode() + b"\n")
-            except ConnectionRefusedError:  # its kernel answered: the process has ended
-                log.info("node %s is not listening any more: its process ended (not a loss)", node)
-                return
-            except OSError as exc:  # no answer at all (dropped, filtered): try again, say so once
-                if not told:
-                    log.warning("cannot connect to node %s to watch it (%s); trying again every %g s",
-                                node, exc, CONNECT_RETRY_S)  # fmt: skip
-                    told = True
-                self.ring.stopping.wait(CONNECT_RETRY_S)
-                continue
-            sock.setblocking(False)
-            self._ready = sock
-            log.info("node %s watches node %s (lost after %g s of silence)", self.ring.node, node, self.ring.timeout_s)
-            return
-
-    def take_connection(self, sel: selectors.BaseSelector) -> None:
-        if self.sock is None and self._ready is not None:
-            self.sock, self._ready = self._ready, None
-            self.heard = time.monotonic()
-            sel.register(self.sock, selectors.EVENT_READ, "beats")
-
-    def readable(self, sel: selectors.BaseSelector) -> None:
-        assert self.sock is not None
         try:
-            data = self.sock.recv(4096)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if data:
-            self.heard = time.monotonic()
-            return
-        log.info("node %s closed its heartbeat: its process ended (not a loss)", self.ring.watched)
-        sel.unregister(self.sock)
-        self.sock.close()
-        self.sock = None
-        self.done = True
-
-    def lost(self, now: float) -> bool:
-        """Whether the watched node is declared lost now (and, once, says so)."""
-        if self.done or self.sock is None:
-            return False
-        silent = now - self.heard
-        if silent < self.ring.timeout_s:
-            return False
-        try:  # a beat (or an end) that came while this thread was not scheduled: `readable` takes it
-            self.sock.recv(1, socket.MSG_PEEK)
-            return False
-        except (BlockingIOError, InterruptedError):
-            pass  # nothing there: silent
-        except OSError:
-            return False  # reset: the node's kernel answered, so it is not silent
-        node = self.ring.watched or "?"
-        if self.ring.excused(node):  # asked again at every look: the excuse ends if its emergency is called off
-            if not self._excused:
-                log.info("node %s is silent after its notice: leaving, not lost", node)
-                self._excused = True
-            return False
-        self.done = True
-        log.error("node %s has not answered for %.1f s (peer_timeout_s=%g): declared lost", node, silent,
-                  self.ring.timeout_s)  # fmt: skip
-        self.ring.on_lost(PeerLoss(node=node, silent_s=round(silent, 3), watcher=self.ring.node))
-        return True
-
-    def close(self) -> None:
-        for sock in (self.sock, self._ready):
-            if sock is not None:
-                sock.close()
+            self.ring.tell(f"watch {host} {port} {token} {node}")
+        except OSError as exc:  # the beacon ended (the ring stops): nothing to watch with
+            log.warning("node %s cannot watch node %s: its beacon ended (%s)", self.ring.node, node, exc)
 
 
-def _send(conn: socket.socket) -> bool:
-    """One beat; False once the watcher's end is gone (it is dropped)."""
+def _start_beacon(host: str, token: str, timeout_s: float) -> tuple[subprocess.Popen, int]:
+    """The beacon process, listening: it and its port. Its stderr goes nowhere: a blocked stream of the
+    training process's must never stop its beats."""
+    beacon = subprocess.Popen(
+        [sys.executable, "-I", "-S", str(BEACON), host, repr(timeout_s)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert beacon.stdin is not None and beacon.stdout is not None
     try:
-        conn.send(BEAT)
-        return True
-    except BlockingIOError:
-        return True  # the watcher's buffer is full: it is not reading, which is its own watcher's business
-    except OSError:
-        conn.close()
-        return False
+        beacon.stdin.write((token + "\n").encode())
+        beacon.stdin.flush()
+        with selectors.DefaultSelector() as sel:
+            sel.register(beacon.stdout, selectors.EVENT_READ)
+            said = beacon.stdout.readline() if sel.select(BEACON_START_S) else b""
+        kind, _, port = said.decode().partition(" ")
+        if kind != "port":
+            raise OSError(f"the liveness beacon did not start ({said.decode().strip() or 'no answer'})")
+        return beacon, int(port)
+    except BaseException:
+        beacon.kill()
+        beacon.wait()
+        raise
 
 
-def _drop(
-    sel: selectors.BaseSelector, conn: socket.socket, hellos: dict[socket.socket, tuple[float, bytearray]]
-) -> None:
-    sel.unregister(conn)
-    hellos.pop(conn, None)
-    conn.close()
+def _close(stream: object) -> None:
+    try:
+        stream.close()  # type: ignore[attr-defined]
+    except (OSError, AttributeError):
+        pass
