@@ -30,6 +30,18 @@ def local_path(url: str | Path) -> str | None:
     return file_url_path(text) if urlsplit(text).scheme == "file" else None
 
 
+def canonical_location(url: str | Path) -> str:
+    """The one spelling of the place `url` names, as its store spells it (its `url`), without opening it:
+    a path absolute with its links resolved; a bucket URL without the slashes around its prefix, which
+    the bucket stores drop (`s3://b//run/` is `s3://b/run`). A `//` inside the prefix stays: object
+    names are literal, so `s3://b/a//run` holds other objects than `s3://b/a/run`."""
+    path = local_path(url)
+    if path is not None:
+        return str(Path(path).expanduser().resolve())
+    bucket, prefix = split_bucket_url(str(url))
+    return f"{urlsplit(str(url)).scheme}://{bucket}" + (f"/{prefix}" if prefix else "")
+
+
 def check_location(url: str | Path, *, argument: str = "checkpoint_dir") -> str:
     """`url` as a string when `open_store` can take it; else a one-line ValueError that starts with `argument`.
 

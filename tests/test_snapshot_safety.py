@@ -26,6 +26,7 @@ from spotguard.snapshots import shard_file, tier
 from spotguard.snapshots.node_dir import NodeDir, UnusableDir, name_of, private_root
 from spotguard.snapshots.peers import PeerServer, push
 from tests.ckpt_workers import run_ranks
+from tests.conftest import backend_for
 from tests.test_checkpoint import flip_byte, shard
 from tests.test_snapshots import digest, resumes, run, trained, write
 
@@ -276,12 +277,23 @@ def test_two_jobs_with_the_same_relative_checkpoint_dir_never_share_snapshots(tm
     assert keys == {location_key(str(tmp_path / "a" / "ckpt")), location_key(str(tmp_path / "b" / "ckpt"))}
 
 
-def run_here(memory: Path, stop: int) -> tuple[int, dict]:
-    """`run` with the relative checkpoint_dir "ckpt" (two jobs typing the same string)."""
+def test_a_restart_with_the_bucket_url_spelled_another_way_finds_the_snapshots(
+    tmp_path, storage_servers, monkeypatch
+):
+    bucket = backend_for("s3", storage_servers, monkeypatch, tmp_path).bucket
+    run_here(tmp_path / "memory", 11, f"s3://{bucket}/run", local_dir=str(tmp_path / "staging"))  # snapshots 4, 8
+    start, _ = run_here(tmp_path / "memory", 11, f"s3://{bucket}//run/", local_dir=str(tmp_path / "staging"))
+    assert start == 9  # one location, one key: the snapshot of step 8
+    assert location_key(f"s3://{bucket}//run/") == location_key(f"s3://{bucket}/run")
+
+
+def run_here(memory: Path, stop: int, checkpoint_dir: str = "ckpt", **options) -> tuple[int, dict]:
+    """`run` with the checkpoint_dir as typed: by default the relative "ckpt" (two jobs typing the same string)."""
     import spotguard
 
     state = trained(1, steps=0)
-    with spotguard.Guard("ckpt", cloud="none", snapshot_every=4, snapshot_dir=str(memory), exit_code=None) as guard:
+    options = {"cloud": "none", "snapshot_every": 4, "snapshot_dir": str(memory), "exit_code": None, **options}
+    with spotguard.Guard(checkpoint_dir, **options) as guard:
         start = guard.resume(state)
         for step in range(start, stop):
             guard.step(step, state)

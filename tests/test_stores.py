@@ -26,8 +26,9 @@ from cloud_adapters.storage import (
     ObjectStore,
     StoreError,
 )
-from cloud_adapters.stores import check_location, open_store
-from tests.conftest import Backend, backend_for, start_server
+from cloud_adapters.stores import canonical_location, check_location, open_store
+from spotguard.checkpoint.job import location_key
+from tests.conftest import SCHEMES, Backend, backend_for, start_server
 from tests.servers import ROOT, Fault, FaultProxy
 
 MiB = 1 << 20
@@ -190,6 +191,29 @@ def test_check_location_refuses_a_bad_location_in_one_line_naming_the_argument(u
 )
 def test_check_location_passes_what_open_store_takes(url):
     assert check_location(url) == str(url)
+
+
+@pytest.mark.parametrize(
+    "spellings,canonical",
+    [
+        (["s3://b/run", "s3://b//run", "s3://b/run/", "s3://b///run//"], "s3://b/run"),
+        (["gs://b", "gs://b/", "gs://b//"], "gs://b"),
+        (["az://c/a//run", "az://c//a//run/"], "az://c/a//run"),  # an inner // names other objects: kept
+        (["/abs//ckpt/", "file:///abs/ckpt", "file://localhost//abs/./ckpt", "/abs/x/../ckpt"], "/abs/ckpt"),
+    ],
+)
+def test_every_spelling_of_a_location_has_one_name_and_one_key(spellings, canonical):
+    assert {canonical_location(s) for s in spellings} == {canonical}
+    assert {location_key(s) for s in spellings} == {location_key(canonical)}
+    assert location_key("s3://b/a//run") != location_key("s3://b/a/run")
+
+
+def test_a_location_is_named_as_its_store_names_it(backend):
+    if backend.kind == "local":
+        spelled = f"{backend.tmp}//ckpt/"
+    else:
+        spelled = f"{SCHEMES[backend.kind]}://{backend.bucket}//run//"
+    assert canonical_location(spelled) == open_store(spelled).url
 
 
 class Interrupted(Exception):

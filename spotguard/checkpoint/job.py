@@ -1,37 +1,28 @@
-"""Which job a checkpoint location belongs to: its normalised location, and an identity kept in it.
+"""Which job a checkpoint location belongs to: its location's key, and an identity kept in it.
 
 Two jobs that both say `Guard("ckpt")` in different working directories are two jobs: the location
-is keyed as it resolves (an absolute, real path; a bucket URL without its trailing slashes), never
-as it was typed. And a job started over in the same place (its checkpoint_dir deleted) is a new job:
-the first start writes a random identity into the checkpoint_dir (`spotguard-job.json`, created
-only where absent), and every later start of the job reads the same one back.
+is keyed as its store names it (`canonical_location`: an absolute, real path; a bucket URL without
+the slashes around its prefix), never as it was typed. And a job started over in the same place
+(its checkpoint_dir deleted) is a new job: the first start writes a random identity into the
+checkpoint_dir (`spotguard-job.json`, created only where absent), and every later start of the job
+reads the same one back.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import secrets
 
 from cloud_adapters.storage import AlreadyExists, NotFound, ObjectStore
-from cloud_adapters.stores import local_path
+from cloud_adapters.stores import canonical_location
 
 IDENTITY_NAME = "spotguard-job.json"
 
 
-def normalised_location(checkpoint_dir: str) -> str:
-    """`checkpoint_dir` as it resolves: an absolute real path (a `file://` URL as its path), or the
-    bucket URL with the trailing slashes of its prefix removed."""
-    path = local_path(checkpoint_dir)
-    if path is not None:
-        return os.path.realpath(os.path.abspath(os.path.expanduser(path)))
-    return checkpoint_dir.rstrip("/")
-
-
 def location_key(checkpoint_dir: str) -> str:
-    """A short key of the normalised location: the same for every spelling of one place."""
-    return hashlib.sha256(normalised_location(checkpoint_dir).encode()).hexdigest()[:16]
+    """A short key of the location as its store names it: the same for every spelling of one place."""
+    return hashlib.sha256(canonical_location(checkpoint_dir).encode()).hexdigest()[:16]
 
 
 def job_identity(remote: ObjectStore) -> str:
