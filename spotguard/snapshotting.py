@@ -18,7 +18,7 @@ from typing import Any
 import torch.distributed as dist
 
 from spotguard.checkpoint import Checkpointer, CheckpointError
-from spotguard.checkpoint.job import job_identity, location_key
+from spotguard.checkpoint.job import location_key
 from spotguard.goodput import GoodputRecorder
 from spotguard.options import SnapshotOptions
 from spotguard.snapshots.shard_file import SnapshotLoadError
@@ -65,6 +65,7 @@ class GuardSnapshots:
             ckpt, store, prefix = self._context()
             if self._owner is None:  # once per guard: a retry after a failed tier is one rank's alone
                 self._owner = ckpt.comm.broadcast(self._read_owner(ckpt))
+            ckpt.stamp_job(self._owner[1])  # a lost identity file is re-adopted from the steps (job.py)
             self.tier = SnapshotTier(
                 run=self._owner[0],
                 job=self._owner[1],
@@ -86,7 +87,7 @@ class GuardSnapshots:
             return None
         attempt = secrets.token_hex(8)
         try:
-            return location_key(self._checkpoint_dir), job_identity(ckpt.remote), attempt
+            return location_key(self._checkpoint_dir), ckpt.job_identity(), attempt
         except Exception as exc:  # noqa: BLE001 - no identity, no snapshots: the tier says so
             log.warning("the job identity in %s cannot be read or written (%s: %s)", self._checkpoint_dir,
                         type(exc).__name__, exc)  # fmt: skip

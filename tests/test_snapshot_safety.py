@@ -316,6 +316,48 @@ def test_a_job_started_over_ignores_and_sweeps_the_deleted_runs_snapshots(tmp_pa
     assert json.loads((tmp_path / "ckpt" / IDENTITY_NAME).read_text())["job"] != identity
 
 
+@pytest.mark.parametrize("lost", ["deleted", "corrupted"])
+def test_a_lost_identity_is_re_adopted_from_the_steps_and_the_jobs_snapshots_resume(tmp_path, caplog, lost):
+    _, reference, _ = run(tmp_path / "ref", 16, snapshot_every=5)
+    run(tmp_path, 16, snapshot_every=5, save_every=11)  # durable 0 and 11; the newest snapshot: 15
+    identity_file = tmp_path / "ckpt" / IDENTITY_NAME
+    identity = json.loads(identity_file.read_text())["job"]
+    if lost == "deleted":  # a lifecycle rule expires the oldest object first: this one, written once
+        identity_file.unlink()
+    else:
+        identity_file.write_text('{"job": ')
+    with caplog.at_level(logging.INFO):
+        start, state, _ = run(tmp_path, 16, snapshot_every=5)
+    assert start == 16, caplog.text  # the snapshot of step 15, not the durable step 11
+    assert digest(state) == digest(reference)
+    assert "re-adopted the job identity" in caplog.text and "it belongs to job" not in caplog.text
+    assert json.loads(identity_file.read_text())["job"] == identity  # written back
+    assert {shard_file.read_info(p).job for p in snaps(tmp_path / "memory")} == {identity}
+
+
+def test_a_lost_identity_is_vouched_for_by_the_steps_never_by_the_snapshots(tmp_path):
+    run(tmp_path, 11)  # job A: snapshots 4 and 8 in this node's memory
+    shutil.rmtree(tmp_path / "ckpt")  # started over: job B, on another node, to its durable step 2
+    run(tmp_path, 3, save_every=2, snapshot_dir=str(tmp_path / "other-node"))
+    (tmp_path / "ckpt" / IDENTITY_NAME).unlink()
+    start, _, _ = run(tmp_path, 3)  # B restarted on A's node
+    assert start == 3  # B's durable step 2, never A's snapshot of step 8
+    assert not snaps(tmp_path / "memory")  # A's files were another job's
+
+
+def test_steps_from_before_identities_in_manifests_give_a_lost_identity_a_new_one(tmp_path, caplog):
+    run(tmp_path, 11, save_every=6)  # durable 0 and 6, snapshots 4 and 8
+    for manifest in (tmp_path / "ckpt").glob("step-*/spotguard.json"):  # as an earlier version wrote them
+        body = json.loads(manifest.read_text())
+        del body["job"]
+        manifest.write_text(json.dumps(body))
+    (tmp_path / "ckpt" / IDENTITY_NAME).unlink()
+    with caplog.at_level(logging.WARNING):
+        start, _, _ = run(tmp_path, 11)
+    assert start == 7  # the durable step 6, not the snapshot of step 8: nothing vouches for it
+    assert "none of its 2 committed step(s) carries the job identity: a new one" in caplog.text
+
+
 # ---- 5. an unusable directory -------------------------------------------------------------------------
 
 

@@ -40,6 +40,7 @@ from spotguard.checkpoint.comm import Comm, ranks_per_node
 from spotguard.checkpoint.departure import Departure, senders_to
 from spotguard.checkpoint.durable import Uploader
 from spotguard.checkpoint.handoff import ReceivePool, sharded_nbytes
+from spotguard.checkpoint.job import job_identity
 from spotguard.checkpoint.layout import step_dir_name
 from spotguard.checkpoint.manifest import REASONS
 from spotguard.checkpoint.outcome import SaveEvents, SaveOutcomes, SaveReport
@@ -304,6 +305,16 @@ class Checkpointer:
         Raises what the store raises when it cannot list now."""
         steps = candidate_steps(self.remote, self.local_root, self._key)
         return next((s for s in steps if s not in self._claim.rejected), None)
+
+    def job_identity(self) -> str:
+        """The job identity the checkpoint location keeps (`job.job_identity`, with this checkpoint key):
+        store calls, made by one rank."""
+        return job_identity(self.remote, self._key)
+
+    def stamp_job(self, job: str | None) -> None:
+        """Write `job`, the location's job identity, into the manifest of every step committed from now on
+        (a lost `spotguard-job.json` is re-adopted from them). On every rank: whichever commits stamps."""
+        self._protocol.job = job
 
     def _note_earlier_steps(self) -> None:
         """Rank 0 (which judges other runs' steps): note what is committed as this run starts, so

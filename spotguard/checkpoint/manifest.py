@@ -61,6 +61,9 @@ class Manifest:
     leaving: tuple[int, ...] = ()
     hmac: str | None = None  # HMAC-SHA256 of `unsigned_bytes()` in hex, when saved with a checkpoint key
     run: str | None = None  # the run that committed it (see runs.py); None in manifests from before run ids
+    # The job identity of the location (see job.py), written once the Guard's snapshots have read it;
+    # a lost spotguard-job.json is re-adopted from it. None in manifests from before, or without snapshots.
+    job: str | None = None
     format_version: int = FORMAT_VERSION
 
     @property
@@ -86,6 +89,8 @@ class Manifest:
         }
         if self.run is not None:
             body["run"] = self.run
+        if self.job is not None:
+            body["job"] = self.job
         if self.hmac is not None:
             body["hmac"] = self.hmac
         return (json.dumps(body, indent=1, sort_keys=True) + "\n").encode()
@@ -118,6 +123,7 @@ class Manifest:
                 leaving=tuple(int(r) for r in body.get("leaving") or ()),
                 hmac=_hex_or_none(body.get("hmac")),
                 run=_hex_or_none(body.get("run")),
+                job=_identity_or_none(body.get("job")),
             )
         except ManifestError:
             raise
@@ -139,6 +145,17 @@ def _hex_or_none(value: object) -> str | None:
     if not isinstance(value, str) or not value or any(c not in "0123456789abcdef" for c in value):
         raise ManifestError(f"manifest has a malformed hex value {value!r}")
     return value
+
+
+def is_identity(value: object) -> bool:
+    """Whether `value` can be a job identity (job.py): up to 64 letters and digits."""
+    return isinstance(value, str) and value.isalnum() and len(value) <= 64
+
+
+def _identity_or_none(value: object) -> str | None:
+    if value is not None and not is_identity(value):
+        raise ManifestError(f"manifest has a malformed job identity {value!r}")
+    return value  # type: ignore[return-value]
 
 
 def _timestamp(value: object) -> str:

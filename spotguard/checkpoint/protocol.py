@@ -78,6 +78,7 @@ class SaveProtocol:
         self.stream_uploads = stream_uploads
         self.keep_last = keep_last
         self.on_event = on_event
+        self.job: str | None = None  # the location's job identity, once known: in every manifest committed
 
     def run(
         self,
@@ -248,6 +249,7 @@ class SaveProtocol:
                 saved_by=tuple(comm.members),
                 leaving=leaving,
                 run=self.run_id,
+                job=self.job,
             )
             final, created = commit_dir(
                 stage, sign(manifest, self.key) if self.key is not None else manifest, self.claim
