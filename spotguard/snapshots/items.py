@@ -6,8 +6,9 @@ value as the bytes torch.save makes of it. The file stores them in that order wi
 (`StoredItem`). At a resume, the indexes of a snapshot's shards become DCP `Metadata`
 (`metadata_of`), and DCP's load planner works out, for the state of each rank of the new job,
 which saved chunks it needs and which part of each: the same reshard a durable checkpoint gets,
-at any world size. `CoveringPlanner` adds the check DCP leaves out because its own metadata is
-whole by construction: every element of the state is read from somewhere.
+at any world size. The assembled chunks must tile each tensor (`safe_pickle.untiled`), and
+`CoveringPlanner` adds the check DCP leaves out because its own metadata is whole by construction:
+every element of the state is read from somewhere.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, WriteItemType
 from torch.distributed.tensor import DTensor
 
-from spotguard.checkpoint.safe_pickle import WeightsOnlyLoadPlanner
+from spotguard.checkpoint.safe_pickle import WeightsOnlyLoadPlanner, untiled
 
 BYTES = "bytes"  # the dtype of a non-tensor value's item
 
@@ -121,9 +122,15 @@ class Copy:
     item: StoredItem
 
 
-def metadata_of(indexes: Mapping[int, Iterable[StoredItem]]) -> tuple[Metadata, dict[Any, list[Copy]]]:
+def metadata_of(
+    indexes: Mapping[int, Iterable[StoredItem]], *, whole: bool
+) -> tuple[Metadata, dict[Any, list[Copy]]]:
     """DCP Metadata for the items of the shards `indexes` (old rank -> its file's items), and every
-    copy of each saved chunk by its key (a replicated tensor is one chunk held by every shard)."""
+    copy of each saved chunk by its key (a replicated tensor is one chunk held by every shard).
+
+    Each tensor's chunks must lie inside it and apart; with `whole` (every shard of the snapshot)
+    they must cover it too.
+    """
     copies: dict[Any, list[Copy]] = {}
     described: dict[str, tuple[str, tuple[int, ...]]] = {}
     chunks: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}
@@ -145,7 +152,10 @@ def metadata_of(indexes: Mapping[int, Iterable[StoredItem]]) -> tuple[Metadata, 
         saved = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in sorted(chunks[fqn].items())]
         properties = TensorProperties(dtype=dtype_of(fqn, dtype))
         state_dict_metadata[fqn] = TensorStorageMetadata(properties, torch.Size(size), saved)
-    return Metadata(state_dict_metadata=state_dict_metadata), copies
+    metadata = Metadata(state_dict_metadata=state_dict_metadata)
+    if why := untiled(metadata, whole=whole):
+        raise LayoutError(why)
+    return metadata, copies
 
 
 class CoveringPlanner(WeightsOnlyLoadPlanner):

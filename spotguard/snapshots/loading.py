@@ -150,7 +150,8 @@ def load_shards(
 ) -> dict[int, int]:
     """Load into `live` (a DCP state dict, in place) what it needs of the shards `indexes`, read
     through `open_shard` (DCP's planner on this rank alone); the bytes read from each shard."""
-    metadata, copies = metadata_of({shard: info.items for shard, info in indexes.items()})
+    whole = all(info.world_size == len(indexes) for info in indexes.values())  # every shard's index
+    metadata, copies = metadata_of({shard: info.items for shard, info in indexes.items()}, whole=whole)
     reader = SnapshotReader(metadata, copies, indexes, prefer, open_shard)
     try:
         with warnings.catch_warnings():

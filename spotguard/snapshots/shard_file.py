@@ -31,7 +31,7 @@ from typing import Any, BinaryIO
 import torch
 
 from spotguard.checkpoint.shard_io import crc32c_extend
-from spotguard.snapshots.items import BYTES, StoredItem, laid_out, stored
+from spotguard.snapshots.items import BYTES, LayoutError, StoredItem, laid_out, metadata_of, stored
 
 MAGIC = b"SGSNAP02"
 _TAIL = struct.Struct("!QL8s")  # the trailer's length, its CRC32C, MAGIC
@@ -90,6 +90,10 @@ class ShardInfo:
             if item.offset < end or item.offset + item.nbytes > info.body_bytes or size not in (None, item.nbytes):
                 raise SnapshotError(f"malformed trailer: the index of {item.fqn} does not fit the body")
             end = item.offset + item.nbytes
+        try:  # each tensor's chunks inside it and apart: a copy found wrong is struck off alone
+            metadata_of({info.rank: info.items}, whole=False)
+        except LayoutError as exc:
+            raise SnapshotError(f"malformed trailer: {exc}") from None
         return info
 
 
