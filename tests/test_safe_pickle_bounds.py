@@ -1,9 +1,11 @@
-"""No `.metadata` can keep the unpickler busy for long: values it reuses are charged, and resume skips such a step.
+"""No `.metadata` can keep the unpickler busy for long: values it reuses are charged, keys of one
+hash refused, and resume skips such a step.
 
 A tuple that holds the tuple before it twice, 60 times over, takes a few bytes of pickle (the memo
 or DUP gives each one twice) and expands to 2**60 nodes. Hashing it (a dict key, a set member, what a
-lookup is called with) runs in C and holds the GIL for ever: not even SIGTERM would be handled. So
-every load here runs in a subprocess with a timeout: a regression fails instead of hanging the suite.
+lookup is called with) runs in C and holds the GIL for ever: not even SIGTERM would be handled. Keys
+of one hash make filling a dict or set quadratic: 40,000 ints cost seconds, a few MB of them hours.
+So every load here runs in a subprocess with a timeout: a regression fails instead of hanging the suite.
 """
 
 from __future__ import annotations
@@ -16,7 +18,14 @@ import sys
 
 import pytest
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from spotguard.checkpoint.layout import step_dir_name
 from spotguard.checkpoint.safe_pickle import RefusedPickle, load_metadata
@@ -45,6 +54,35 @@ def pickled(ops: bytes) -> bytes:
     return b"\x80\x04" + ops + b"."
 
 
+P = 2**61 - 1  # an int hashes to itself modulo P: k * P all hash to 0
+
+
+def long1(value: int) -> bytes:
+    encoded = pickle.encode_long(value)
+    return b"\x8a" + bytes([len(encoded)]) + encoded
+
+
+def colliding(n: int) -> bytes:
+    """Opcodes that push n ints of one hash."""
+    return b"".join(long1(k * P) for k in range(1, n + 1))
+
+
+def colliding_pairs(n: int) -> bytes:
+    return b"".join(long1(k * P) + b"N" for k in range(1, n + 1))
+
+
+def colliding_puts(n: int) -> bytes:
+    """Opcodes that memoize the value on the stack under n indices of one hash."""
+    return b"".join(b"p%d\n" % (k * P) for k in range(n))
+
+
+def colliding_indexes(n: int) -> bytes:
+    """Opcodes that push a set of n MetadataIndex objects of one hash, that of ("w", (0,)): their offsets' is."""
+    index = b"h\x00)\x81}(\x8c\x03fqn\x8c\x01w\x8c\x06offset%b\x85ub"  # NEWOBJ, then BUILD with its fields
+    members = b"".join(index % long1(k * P) for k in range(n))
+    return f"c{META}\nMetadataIndex\n".encode() + b"\x94\x8f(" + members + b"\x90"
+
+
 REUSED = "reused from the memo"
 # An instance whose first BUILD sets a lookup as its __setstate__, which a second BUILD would call.
 SETSTATE_LOOKUP = f"c{META}\nChunkStorageMetadata\n".encode() + b")\x81}V__setstate__\n" + LOOKUP + b"sb"
@@ -59,6 +97,13 @@ ATTACKS = {  # name: (pickle, what the refusal says)
     # Nothing reused, but hash() recurses in C with no depth check: a million levels crash the process.
     "a million nested tuples as a dict key": (pickled(b"}" + nested(10**6) + b"Ns"), "would hash a value"),
     "a lookup made __setstate__ by a first BUILD": (pickled(SETSTATE_LOOKUP + nested(10**6) + b"b"), "reused or built"),
+    # Each would take seconds (a MetadataIndex's == runs in Python: 10,000 take 20 s), more of them hours.
+    "ints of one hash as dict keys (SETITEMS)": (pickled(b"}(" + colliding_pairs(40_000) + b"u"), "keys of one hash"),
+    "ints of one hash as dict keys (DICT)": (pickled(b"(" + colliding_pairs(40_000) + b"d"), "keys of one hash"),
+    "ints of one hash as set members": (pickled(b"\x8f(" + colliding(40_000) + b"\x90"), "keys of one hash"),
+    "ints of one hash as frozenset members": (pickled(b"(" + colliding(40_000) + b"\x91"), "keys of one hash"),
+    "MetadataIndex keys of one hash": (pickled(colliding_indexes(10_000)), "keys of one hash"),
+    "memo indices of one hash (PUT)": (pickled(b"N" + colliding_puts(40_000)), "memo index"),
 }
 
 LOAD_EACH = """
@@ -96,6 +141,24 @@ def test_pickles_that_would_hash_for_ever_or_crash_are_refused_at_once(tmp_path)
     for name, (outcome, seconds) in outcomes.items():
         assert ATTACKS[name][1] in outcome, (name, outcome)
         assert seconds < 10, (name, seconds)
+
+
+def sharded(ranks: int, tensors: int) -> Metadata:
+    """The metadata of `tensors` tensors sharded by rows over `ranks` ranks (as FSDP saves them)."""
+    state, storage = {}, {}
+    for t in range(tensors):
+        fqn, chunks = f"model.layers.{t}.mlp.weight", []
+        for rank in range(ranks):
+            chunks.append(ChunkStorageMetadata(torch.Size([4 * rank, 0]), torch.Size([4, 64])))
+            storage[MetadataIndex(fqn, chunks[-1].offsets)] = _StorageInfo(f"__{rank}_0.distcp", 1024 * t, 1024)
+        state[fqn] = TensorStorageMetadata(TensorProperties(torch.float32), torch.Size([4 * ranks, 64]), chunks)
+    return Metadata(state, planner_data={fqn: (fqn,) for fqn in state}, storage_data=storage)
+
+
+def test_metadata_of_many_ranks_still_loads():
+    """The bound on keys is one of each hash, not of their number: real metadata has thousands."""
+    metadata = sharded(ranks=128, tensors=40)
+    assert load_metadata(pickle.dumps(metadata)) == metadata
 
 
 def test_values_reused_within_the_bound_still_load():

@@ -106,7 +106,7 @@ _OPCODE_NAMES = {ord(op.code): op.name for op in pickletools.opcodes}
 # Opcodes that push a value, immutable or new, or move values between stack, memo and marks;
 # GLOBAL and STACK_GLOBAL push what find_class gives.
 _INERT = """
-    PROTO FRAME STOP MARK POP POP_MARK MEMOIZE PUT BINPUT LONG_BINPUT
+    PROTO FRAME STOP MARK POP POP_MARK MEMOIZE BINPUT LONG_BINPUT
     NONE NEWTRUE NEWFALSE INT BININT BININT1 BININT2 LONG LONG1 LONG4 FLOAT BINFLOAT
     STRING BINSTRING SHORT_BINSTRING UNICODE BINUNICODE SHORT_BINUNICODE BINUNICODE8
     BINBYTES SHORT_BINBYTES BINBYTES8 BYTEARRAY8 EMPTY_TUPLE TUPLE TUPLE1 TUPLE2 TUPLE3
@@ -114,8 +114,8 @@ _INERT = """
 """.split()
 # Opcodes that push a new list, dict or set, which later opcodes may fill (DICT: see the table).
 _CONTAINERS = "EMPTY_LIST LIST EMPTY_DICT EMPTY_SET".split()
-# Opcodes that push again a value pushed before.
-_REUSING = "DUP GET BINGET LONG_BINGET".split()
+# Opcodes that push again a value pushed before (GET: see the table).
+_REUSING = "DUP BINGET LONG_BINGET".split()
 
 # The memo lets a pickle put one value in many others, and C code walks a value down every
 # reference anew (hash, ==, repr, a copy): 60 tuples that each hold the one before twice take 120 to
@@ -132,6 +132,13 @@ _REUSING = "DUP GET BINGET LONG_BINGET".split()
 _REUSE_PER_BYTE = 4
 _REUSE_BASE = 1 << 16
 _HASHED_SIZE = 1 << 12
+# Keys of one hash make a dict or set compare each new one with all before it: k of them cost k**2/2
+# comparisons (ints hash to themselves modulo 2**61 - 1, a MetadataIndex to its fqn's and offsets'
+# hash: either can be chosen to collide). Real metadata has distinct hashes, so a dict or set may
+# hold _KEYS_PER_HASH keys of one hash at most. The memo's keys are ints too: the index a PUT or GET
+# names in decimal must be below _MEMO_INDICES, as BINPUT's 4 bytes are, where ints hash apart.
+_KEYS_PER_HASH = 8
+_MEMO_INDICES = 1 << 32
 _LEAVES = {type, bool, float, type(None), torch.dtype, torch.layout, _MEM_FORMAT_ENCODING}  # hold nothing
 # Refused, as DCP never writes them: INST and OBJ (calls of their own kind), PERSID and BINPERSID,
 # EXT1/2/4 (copyreg's registry), NEXT_BUFFER and READONLY_BUFFER (out-of-band data).
@@ -162,7 +169,7 @@ def _reusing(load: _Handler) -> _Handler:
 
 
 def _hashing(load: _Handler, opcode: str, hashed: slice) -> _Handler:
-    """`load`, which builds a dict or frozenset of the items above the mark and hashes those in `hashed`."""
+    """`load`, which builds a new dict or frozenset of the items above the mark and hashes those in `hashed`."""
 
     def build(self: _MetadataUnpickler) -> None:
         self._hashed(self.stack[hashed], opcode)
@@ -209,6 +216,7 @@ class _MetadataUnpickler(pickle._Unpickler):
         self._made: dict[int, Any] = {}
         self._done: set[int] = set()  # of those made, the ones that may not change any more
         self._left = _REUSE_PER_BYTE * len(data) + _REUSE_BASE  # what reuses may still add
+        self._keys: dict[int, dict[int, int]] = {}  # id of a dict or set filled -> its keys by hash
 
     def find_class(self, module: str, name: str) -> Any:
         # Looked up by name, never imported: importing a module can run code too.
@@ -264,11 +272,20 @@ class _MetadataUnpickler(pickle._Unpickler):
                     self._done.add(id(obj))
         return size
 
-    def _hashed(self, values: list[Any], opcode: str) -> None:
+    def _hashed(self, values: list[Any], opcode: str, into: Any = None) -> None:
+        """Check `values` before `opcode` hashes them as keys of the dict or set `into` (None: a new one)."""
+        keys = {} if into is None else self._keys.setdefault(id(into), {})
         for value in values:  # a str caches its hash, and holds nothing
             if type(value) is not str and self._expanded(value, _HASHED_SIZE) > _HASHED_SIZE:
                 raise RefusedPickle(
                     f"refused to unpickle: {opcode} would hash a value that expands to more than {_HASHED_SIZE} nodes"
+                )
+            h = hash(value)  # counted by it (hashes that collide in `keys` differ by 2**61 - 1: a few at most)
+            keys[h] = keys.get(h, 0) + 1
+            if keys[h] > _KEYS_PER_HASH:
+                raise RefusedPickle(
+                    f"refused to unpickle: {opcode} would put more than {_KEYS_PER_HASH} keys of one hash"
+                    " in a dict or set"
                 )
 
     def _may_call(self, obj: Any, opcode: str) -> Any:
@@ -291,7 +308,7 @@ class _MetadataUnpickler(pickle._Unpickler):
         super().load_append()
 
     def load_setitem(self) -> None:
-        self._hashed(self.stack[-2:-1], "SETITEM")
+        self._hashed(self.stack[-2:-1], "SETITEM", self.stack[-3])
         self._may_change(self.stack[-3], "SETITEM")
         super().load_setitem()
 
@@ -301,12 +318,12 @@ class _MetadataUnpickler(pickle._Unpickler):
         super().load_appends()
 
     def load_setitems(self) -> None:
-        self._hashed(self.stack[::2], "SETITEMS")
+        self._hashed(self.stack[::2], "SETITEMS", self.metastack[-1][-1])
         self._may_change(self.metastack[-1][-1], "SETITEMS")
         super().load_setitems()
 
     def load_additems(self) -> None:
-        self._hashed(self.stack, "ADDITEMS")
+        self._hashed(self.stack, "ADDITEMS", self.metastack[-1][-1])
         self._may_change(self.metastack[-1][-1], "ADDITEMS")
         super().load_additems()
 
@@ -320,6 +337,18 @@ class _MetadataUnpickler(pickle._Unpickler):
 
     def load_newobj_ex(self) -> None:
         self._new(self._may_call(self.stack[-3], "NEWOBJ_EX"), super().load_newobj_ex)
+
+    def load_put(self) -> None:
+        self.memo[self._memo_index()] = self.stack[-1]
+
+    def load_get(self) -> None:
+        self.append(self.memo[self._memo_index()])
+
+    def _memo_index(self) -> int:
+        index = int(self.readline()[:-1])
+        if not 0 <= index < _MEMO_INDICES:
+            raise RefusedPickle(f"refused to unpickle: a memo index not below {_MEMO_INDICES} (PUT or GET)")
+        return index
 
     def _new(self, cls: Any, load: Callable[[], None]) -> None:
         load()
@@ -343,6 +372,8 @@ class _MetadataUnpickler(pickle._Unpickler):
             pickle.REDUCE[0]: load_reduce,
             pickle.NEWOBJ[0]: load_newobj,
             pickle.NEWOBJ_EX[0]: load_newobj_ex,
+            pickle.PUT[0]: load_put,
+            pickle.GET[0]: _reusing(load_get),
         }
     )
 
