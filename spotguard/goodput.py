@@ -19,7 +19,7 @@ from spotguard import ledger_records as records
 from spotguard.cadence import Cadence, Choice
 from spotguard.checkpoint import SaveReport
 from spotguard.ending.exit_policy import UNAVAILABLE_EXIT_CODE
-from spotguard.health.monitor import SilentFailure
+from spotguard.health.monitor import PreviousEnd, SilentFailure
 from spotguard.job.topology import Topology
 from spotguard.ledger import Ledger, LedgerContents
 from spotguard.options import SaveOptions
@@ -57,6 +57,21 @@ class GoodputRecorder:
                 version=__version__,
             )
         )
+
+    def open_for_the_end(self, store: ObjectStore | None) -> None:
+        """A ledger for this segment's end alone, on a rank that records it in rank 0's place (rank 0 is stuck)."""
+        if self._ledger is None and store is not None:
+            self._ledger = Ledger(store)
+
+    def previous_end(self) -> PreviousEnd | None:
+        """How the job's previous start ended, if a silent failure ended it (rank 0, once the ledger's
+        history is read; None elsewhere)."""
+        history = self._ledger.history(timeout=2.0) if self._ledger is not None else None
+        if not history:
+            return None
+        previous = [r for r in history if r.segment == history[-1].segment]
+        end = next((r for r in reversed(previous) if isinstance(r, records.SilentEnd)), None)
+        return PreviousEnd(end.cause, end.last_step) if end is not None else None
 
     def reset(self) -> None:
         """A guard started again: a new segment, whose ledger `open` makes; its history is read afresh."""

@@ -197,6 +197,7 @@ class Guard:
             exit_policy=self._exit,
             min_nodes=self._min_nodes,
             last_step=lambda: self._last_step,
+            ledger_store=lambda: self._ckpt.remote if self._ckpt is not None else None,
         )
         coordination = self._coordination = Coordination(
             store,
@@ -263,6 +264,8 @@ class Guard:
         """
         if not self._started:
             return
+        if self._health is not None:
+            self._health.monitor.hold_if_ending()
         self._started = False
         code = self._exit.code(interrupted=self.interrupted, saved=self.emergency_saved, error=error)
         if code is not None:

@@ -3,20 +3,24 @@
 `spotguard.health.Health` watches the nodes' liveness and the loop's progress; this wires it to
 one started guard: the loop's heartbeat is the count of `guard.step()` calls, spotguard's own work
 on the training thread (a save, a snapshot) is kept out of the hang timeout, and a silent failure
-ends the process with `lost_exit_code` after the timeline, the exit file and the ledger say why.
+ends the process with `lost_exit_code` after the exit file, the ledger and the timeline say why; a hang
+at the step the previous start hung at ends it with NO_RESTART_EXIT_CODE and takes the node's agent out
+of the job: the job would only reach the same end again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Callable
 
 import torch.distributed as dist
 
+from cloud_adapters.storage import ObjectStore
 from spotguard.checkpoint.comm import ranks_per_node
 from spotguard.ending import elastic
-from spotguard.ending.exit_policy import ExitPolicy
+from spotguard.ending.exit_policy import NO_RESTART_EXIT_CODE, ExitPolicy
 from spotguard.goodput import GoodputRecorder
 from spotguard.health.monitor import PEER_LOST, Health, SilentFailure
 from spotguard.job.coordination import Coordination
@@ -40,7 +44,9 @@ class GuardHealth:
         exit_policy: ExitPolicy,
         min_nodes: int | None,
         last_step: Callable[[], int | None],
+        ledger_store: Callable[[], ObjectStore | None],
     ) -> None:
+        """`ledger_store()`: where the ledger is, for a rank that records a hang's end in rank 0's place."""
         self.beats = 0  # guard.step() calls: the loop's heartbeat, read by the hang watch
         self._topology = topology
         self._timeline = timeline
@@ -48,6 +54,7 @@ class GuardHealth:
         self._exit = exit_policy
         self._min_nodes = min_nodes
         self._last_step = last_step
+        self._ledger_store = ledger_store
         self.monitor = Health(
             topology,
             peer_timeout_s=options.peer_timeout_s,
@@ -55,6 +62,8 @@ class GuardHealth:
             beats=lambda: self.beats,
             last_step=last_step,
             end=self._end,
+            end_now=self._end_now,
+            previous_end=goodput.previous_end,
         )
 
     def start(self, store: dist.Store, coordination: Coordination) -> None:
@@ -62,6 +71,7 @@ class GuardHealth:
         self.monitor.start(
             store,
             coordination.prefix,
+            connection=coordination.publishing,
             publish=coordination.publish_silent_failure,
             listening=lambda: coordination.listening,
             excused=coordination.departing.__contains__,
@@ -74,27 +84,53 @@ class GuardHealth:
         """spotguard's own work on the training thread: the hang timeout does not count it."""
         return self.monitor.busy()
 
-    def _end(self, failure: SilentFailure) -> None:
+    def _code(self, failure: SilentFailure) -> int:
+        return NO_RESTART_EXIT_CODE if failure.repeated else self._exit.lost_exit_code
+
+    def _end(self, failure: SilentFailure, speaks: bool) -> None:
         """A silent failure's end, on the thread that concluded it (the training thread is stuck): the exit
-        file, the ledger, then the process ends with `lost_exit_code`, whatever `exit_code` says."""
-        code = self._exit.lost_exit_code
+        file and the ledger first (a log write may block on a full pipe), then the process ends with
+        `lost_exit_code`, whatever `exit_code` says, or NO_RESTART_EXIT_CODE for a repeated hang. `speaks`:
+        this rank judged in rank 0's place, so it writes its node's exit file and the job's ledger records."""
+        code = self._code(failure)
+        self._exit.record(code, committed=False, step=None, leaving=False, cause=failure.cause,
+                          culprit=failure.culprit, for_node=speaks)  # fmt: skip
+        if speaks:
+            self._goodput.open_for_the_end(self._ledger_store())
+        self._goodput.silent_failure(failure, code, last_step=self._last_step())
+        self._goodput.close(timeout_s=2.0)
         self._timeline.add(
             "silent-failure",
             cause=failure.cause,
             culprit=failure.culprit or "-",
             noticed_after_s=failure.noticed_after_s,
         )
-        log.error(
-            "%s: ending this process with code %d, so that the job restarts from the newest state the nodes hold",
-            failure.describe(),
-            code,
-        )
-        self._exit.record(code, committed=False, step=None, leaving=False, cause=failure.cause, culprit=failure.culprit)
-        self._goodput.silent_failure(failure, code, last_step=self._last_step())
-        self._goodput.close(timeout_s=2.0)
-        lost = ranks_per_node() if failure.cause == PEER_LOST else 0
-        self._exit.withdrawal = elastic.withdrawal(
-            reclaimed=False, leaving=False, ranks_left=self._topology.world_size - lost, at_least=self._min_nodes
-        )
-        self._exit.leave_agent()  # survivors fewer than min_nodes: their round could not close
+        if failure.repeated:
+            step = self._last_step()
+            log.error(
+                "%s: the job ended the same way at step %s before; ending with code %d, not asking to be restarted. "
+                "If step %s is followed by a long phase, declare it (guard.long_phase(seconds), or guard.heartbeat() "
+                "per batch) or raise hang_timeout_s",
+                failure.describe(), step, code, step,
+            )  # fmt: skip
+            self._exit.withdrawal = "the job would reach the same hang again" if elastic.agent_restarts() else None
+        else:
+            log.error(
+                "%s: ending this process with code %d, so that the job restarts from the newest state the nodes hold",
+                failure.describe(),
+                code,
+            )
+            lost = ranks_per_node() if failure.cause == PEER_LOST else 0
+            self._exit.withdrawal = elastic.withdrawal(
+                reclaimed=False, leaving=False, ranks_left=self._topology.world_size - lost, at_least=self._min_nodes
+            )
+        self._exit.leave_agent()  # survivors fewer than min_nodes, or a repeated hang: no restart
         self._exit.exit_now(code)
+
+    def _end_now(self, failure: SilentFailure) -> None:
+        """The backstop's end, when the end above is held up (a log write on a full pipe, a store that does
+        not answer): the exit file and the exit, nothing that can block."""
+        code = self._code(failure)
+        self._exit.record(code, committed=False, step=None, leaving=False, cause=failure.cause,
+                          culprit=failure.culprit or None, quiet=True)  # fmt: skip
+        os._exit(code)

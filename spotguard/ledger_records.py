@@ -125,6 +125,7 @@ class SilentEnd(Record):
     noticed_after_s: float | None = None  # the silence or the stall when it was declared
     seen_by: str | None = None
     last_step: int | None = None
+    repeated: bool = False  # a hang at the step the previous start hung at (ended with the no-restart code)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,5 +1,6 @@
 """A DDP job under torchrun for the silent-failure tests and bench: training that pauses where asked
-(a long step, an evaluation declared or not), or one rank that hangs in its data loading."""
+(a long step, an evaluation declared or not, on every rank or on one while the others wait for it in
+the next step's allreduce), or one rank that hangs in its data loading."""
 
 from __future__ import annotations
 
@@ -63,6 +64,7 @@ def main() -> None:
     parser.add_argument("--eval-at", type=int, default=-1, help="an evaluation of --eval-s after this step")
     parser.add_argument("--eval-s", type=float, default=0.0)
     parser.add_argument("--declare", action="store_true", help="the evaluation is declared with guard.long_phase")
+    parser.add_argument("--eval-rank", type=int, default=-1, help="only this rank evaluates (the others wait)")
     parser.add_argument("--slow-state-s", type=float, default=0.0, help="each save takes this long on the loop")
     args = parser.parse_args()
 
@@ -89,7 +91,7 @@ def main() -> None:
                 print(json.dumps({"step": step, "pid": os.getpid()}), flush=True)
             if guard.step(step, state):
                 break
-            if step == args.eval_at:
+            if step == args.eval_at and args.eval_rank in (-1, rank):
                 if args.declare:
                     with guard.long_phase(args.eval_s + 5, "evaluation"):
                         time.sleep(args.eval_s)

@@ -440,6 +440,9 @@ def report(rank: int, step: int, in_torch: bool = True) -> stacks.RankReport:
         ([report(0, 9), report(1, 9, in_torch=False), report(2, 9)], 3, (1,)),  # stuck in its data loader
         ([report(0, 9), report(1, 8), report(2, 9)], 3, (1,)),  # behind the others
         ([report(0, 9), report(2, 9)], 3, (1,)),  # never answered: every thread stuck
+        ([report(1, 9), report(2, 9)], 3, (0,)),  # rank 0 frozen: another rank judges, and names it
+        ([report(0, 9), report(1, 9), report(3, 9, in_torch=False)], 4, (3,)),  # rank 2's line late: rank 3 named
+        ([report(0, 9), report(1, 8), report(3, 9)], 4, (1,)),  # the lines that came name rank 1 behind
         ([report(0, 9), report(1, 9)], 2, ()),  # all in torch: nobody to blame
     ],
 )

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 
 from spotguard.checkpoint.comm import ranks_per_node
 
@@ -64,7 +65,8 @@ def withdrawal(*, reclaimed: bool, leaving: bool, ranks_left: int, at_least: int
 
 
 def withdraw_agent(reason: str) -> None:
-    """SIGTERM this worker's torchrun agent so that it does not rejoin (main thread, at exit)."""
+    """SIGTERM this worker's torchrun agent so that it does not rejoin (at exit)."""
     log.warning("leaving the elastic job: %s; stopping this node's torchrun agent (pid %d)", reason, os.getppid())
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the agent passes the signal on to us: we are exiting anyway
+    if threading.current_thread() is threading.main_thread():  # only it may; a silent end's thread exits at once
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the agent passes the signal on to us: we are exiting anyway
     os.kill(os.getppid(), signal.SIGTERM)

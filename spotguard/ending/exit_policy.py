@@ -2,7 +2,8 @@
 
 Leaving the `with` block after an emergency exits with `exit_code` (143) when its checkpoint was
 committed where a new VM finds it, `lost_exit_code` (75) when not; `UNAVAILABLE_EXIT_CODE` (69)
-when committed checkpoints exist but cannot be read at resume. Launchers such as torchrun replace
+when committed checkpoints exist but cannot be read at resume; `NO_RESTART_EXIT_CODE` (78) when the job
+hung at the step its previous start hung at (restarting it would only end it there again). Launchers such as torchrun replace
 the workers' exit codes with their own, so the node leader also writes why the job ended to
 `$SPOTGUARD_EXIT_FILE` for a startup script to read.
 """
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 DEFAULT_EXIT_CODE = 143  # 128 + SIGTERM: what schedulers read as "terminated, restart me"
 DEFAULT_LOST_EXIT_CODE = 75  # EX_TEMPFAIL: interrupted, and no new checkpoint was committed
 UNAVAILABLE_EXIT_CODE = 69  # EX_UNAVAILABLE: committed checkpoints exist but cannot be read now
+NO_RESTART_EXIT_CODE = 78  # EX_CONFIG: the same hang at the same step again; a setting must change, not the VM
 EXIT_FILE_ENV = "SPOTGUARD_EXIT_FILE"
 
 
@@ -55,11 +57,15 @@ class ExitPolicy:
         leaving: bool,
         cause: str = "interruption",
         culprit: str | None = None,
+        for_node: bool = False,
+        quiet: bool = False,
     ) -> None:
-        """Write $SPOTGUARD_EXIT_FILE (node leader): why this node's job is about to exit (`cause`: an
-        interruption notice, or a silent failure: `peer-lost`, `hang`, with the node or ranks to blame)."""
+        """Write $SPOTGUARD_EXIT_FILE (node leader, or `for_node`: a rank that speaks for a node whose
+        leader does not): why this node's job is about to exit (`cause`: an interruption notice, or a silent
+        failure: `peer-lost`, `hang`, with the node or ranks to blame). `quiet`: no log line, even on a
+        failure (the caller's output may be blocked)."""
         path = os.environ.get(EXIT_FILE_ENV)
-        if not path or not self.node_leader:
+        if not path or not (self.node_leader or for_node):
             return
         record = {
             "exit_code": code,
@@ -74,7 +80,8 @@ class ExitPolicy:
         try:
             write_durably(Path(path), (json.dumps(record) + "\n").encode())
         except OSError as exc:
-            log.warning("could not write %s=%s: %s", EXIT_FILE_ENV, path, exc)
+            if not quiet:
+                log.warning("could not write %s=%s: %s", EXIT_FILE_ENV, path, exc)
 
     def leave_agent(self) -> None:
         """Before exiting: stop this node's elastic agent from restarting it, where it must not."""

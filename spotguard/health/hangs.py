@@ -5,7 +5,9 @@ not moved for the hang timeout, the loop is stuck: in a collective that one rank
 user code (a data loader that never returns) on the rank that holds everyone up. The clock starts at the
 first `guard.step()` (a resume, a first step that compiles, are never timed), stops while spotguard
 itself holds the loop (a save, a snapshot), and a phase the training code declares long
-(`guard.long_phase(seconds)`) is allowed its seconds on top.
+(`guard.long_phase(seconds)`) is allowed its seconds on top. Before it declares a hang, the watch asks
+`job_progress()` whether another rank declared a phase or beat since (the ranks that wait for an
+evaluating rank in their next collective are not hung).
 
 `"auto"` learns from the gaps between steps: five times the longest seen, never under 7 minutes (an
 evaluation of 5 minutes between two steps must not end a job) and never over 9.5 minutes (NCCL's own
@@ -51,12 +53,14 @@ class HangWatch:
         beats: Callable[[], int],
         last_step: Callable[[], int | None],
         on_hang: Callable[[HangSeen], None],
+        job_progress: Callable[[], float | None] = lambda: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.fixed = None if timeout == AUTO else float(timeout)
         self.beats = beats
         self.last_step = last_step
         self.on_hang = on_hang
+        self.job_progress = job_progress
         self.clock = clock
         self.longest_gap_s = 0.0  # between two steps, phases declared long and spotguard's own work left out
         self._seen = 0  # beats at the last look
@@ -137,6 +141,11 @@ class HangWatch:
         timeout = self.timeout_s
         if stalled < timeout:
             return None
+        elsewhere = self.job_progress()  # asked only now: one store request per look while stalled
+        if elsewhere is not None and now - elsewhere < timeout:
+            with self._lock:
+                self._allowed_until = max(self._allowed_until, elsewhere)
+            return None
         return HangSeen(last_step=self.last_step(), stalled_s=round(now - self._progress_at, 3), timeout_s=timeout)
 
     def start(self) -> None:
@@ -152,11 +161,11 @@ class HangWatch:
         while not self._stop.wait(min(MAX_CHECK_S, self.timeout_s / 10)):
             seen = self.check()
             if seen is not None:
+                self.on_hang(seen)  # first: a log write can block (a full output pipe), the end must not
                 log.error(
                     "no training step for %.1f s (hang_timeout_s=%s): the loop is stuck (last step %s)",
                     seen.stalled_s,
                     "auto: %.0f s" % seen.timeout_s if self.fixed is None else f"{seen.timeout_s:g}",
                     seen.last_step,
                 )
-                self.on_hang(seen)
                 return

@@ -3,18 +3,31 @@
 A node leader that declares its watched node lost (`liveness`), or a rank whose loop stopped stepping
 (`hangs`), announces a silent failure through the job's event log, once per job (a claim in the store).
 Every rank's listener reads it: for a hang every rank first writes its threads' stacks to its log and its
-line to the report, rank 0 names the ranks that hold the others up, and the node leaders read that
-verdict for their exit file; then every rank ends (`end`, given by the guard: the exit file, the ledger,
-the restart code). When the store does not take the announcement, the rank that saw the failure ends
-alone: its neighbours see its connections close and fail their collectives, or time out in turn.
+line to the report; rank 0 judges (the ranks that hold the others up, and whether the previous start of
+the job hung at the same step) or, when rank 0 does not answer, whichever other rank claims the judging;
+the other ranks read that verdict for their exit file; then every rank ends (`end`, given by the guard:
+the exit file, the ledger, the restart code). When the store does not take the announcement, the rank
+that saw the failure ends alone: its neighbours see its connections close and fail their collectives,
+or time out in turn.
+
+The end never waits on anything the training process may be stuck on: the store is reached on a
+connection made at the start, and from the moment a failure is concluded a backstop ends the process
+within END_WITHIN_S (the exit file, then the exit, no log write) should a log write on a full output
+pipe, the report or the ledger hold the end up.
+
+A phase declared long on one rank (`allow`), and an evaluation's heartbeats (`alive`), are the job's:
+they are written to the store, and a rank about to declare a hang reads them first (one request per
+look, and only then): "rank 0 evaluates, the others wait in the next collective" is no hang.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +44,8 @@ log = logging.getLogger(__name__)
 
 PEER_LOST = "peer-lost"
 HANG = "hang"
-GATHER_S = 5.0  # how long rank 0 waits for every rank's line in a hang's report
+GATHER_S = 5.0  # how long the judge waits for every rank's line in a hang's report
+END_WITHIN_S = 4 * GATHER_S  # from a failure concluded to the exit, whatever blocks (the report takes 2 x GATHER_S)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,17 +56,45 @@ class SilentFailure:
     culprit: str  # the lost node, or the ranks that held the others up ("" when none could be named)
     noticed_after_s: float  # the silence, or the stall, when it was declared
     seen_by: str  # the node (a loss) or the rank (a hang) that saw it first
+    repeated: bool = False  # a hang at the step the previous start of the job hung at: restarting is no cure
 
     def describe(self) -> str:
         if self.cause == PEER_LOST:
             return f"node {self.culprit} lost (silent for {self.noticed_after_s:.1f} s, seen by {self.seen_by})"
         held = f"held up by {self.culprit}" if self.culprit else "no rank could be named"
-        return f"training hung ({self.noticed_after_s:.1f} s without a step; {held})"
+        again = "; the previous start hung at the same step" if self.repeated else ""
+        return f"training hung ({self.noticed_after_s:.1f} s without a step; {held}{again})"
+
+
+@dataclasses.dataclass(frozen=True)
+class PreviousEnd:
+    """How the job's previous start ended, when a silent failure ended it (the ledger's record)."""
+
+    cause: str
+    last_step: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """The judge's word on a hang (crosses ranks through the store, as JSON)."""
+
+    culprit: str
+    repeated: bool
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> Verdict:
+        return cls(**json.loads(raw))
 
 
 class Health:
-    """`end(failure)` ends this process (it does not return). `beats()` and `last_step()` read the loop's
-    heartbeat (guard.step()). `peer_timeout_s` / `hang_timeout_s`: 0 switches that watch off."""
+    """`end(failure, speaks)` ends this process (it does not return; `speaks`: this rank judged a hang in
+    rank 0's place, so it records the end for the job); `end_now(failure)` is the backstop's end: the exit
+    file and the exit, nothing that can block. `beats()` and `last_step()` read the loop's heartbeat
+    (guard.step()); `previous_end()` says how the job's previous start ended, where this rank knows (the
+    ledger's reader, rank 0). `peer_timeout_s` / `hang_timeout_s`: 0 switches that watch off."""
 
     def __init__(
         self,
@@ -62,36 +104,46 @@ class Health:
         hang_timeout_s: float | str,
         beats: Callable[[], int],
         last_step: Callable[[], int | None],
-        end: Callable[[SilentFailure], None],
+        end: Callable[[SilentFailure, bool], None],
+        end_now: Callable[[SilentFailure], None],
+        previous_end: Callable[[], PreviousEnd | None] = lambda: None,
     ) -> None:
         self.topology = topology
         self.peer_timeout_s = peer_timeout_s
         self.end = end
+        self.end_now = end_now
         self.last_step = last_step
+        self.previous_end = previous_end
         self.hangs = (
             None
             if not hang_timeout_s
-            else HangWatch(hang_timeout_s, beats=beats, last_step=last_step, on_hang=self._hang)
+            else HangWatch(
+                hang_timeout_s, beats=beats, last_step=last_step, on_hang=self._hang, job_progress=self._job_progress
+            )
         )
         self.liveness: Liveness | None = None
         self._publish: Callable[[dict[str, Any]], bool] | None = None
         self._listening: Callable[[], bool] = lambda: False
-        self._store: dist.Store | None = None
+        self._conn: Connection | None = None  # made at the start: nothing on the way to an end opens one
         self._prefix = ""
         self._ending = threading.Lock()
+        self._backstop: threading.Thread | None = None
+        self._alive_said = 0.0  # when this rank last told the job that its loop works without stepping
 
     def start(
         self,
         store: dist.Store,
         prefix: str,
         *,
+        connection: Connection,
         publish: Callable[[dict[str, Any]], bool],
         listening: Callable[[], bool],
         excused: Callable[[str], bool],
     ) -> None:
-        """`publish` announces a failure to every rank's listener; `listening()`: whether this rank's still
+        """`connection`: this rank's own store client (not the job's, which a hung loop may be waiting on);
+        `publish` announces a failure to every rank's listener; `listening()`: whether this rank's still
         reads (after a rank left its guard none does, and this rank ends alone)."""
-        self._store, self._prefix, self._publish, self._listening = store, f"{prefix}health/", publish, listening
+        self._conn, self._prefix, self._publish, self._listening = connection, f"{prefix}health/", publish, listening
         per_node, nodes = ranks_per_node(), node_count(self.topology.world_size)
         if nodes is None:
             log.warning("%s does not fit the world size %d: no liveness ring", layout_said(), self.topology.world_size)
@@ -126,21 +178,59 @@ class Health:
             self.hangs.stop()
 
     # ---- the training thread ---------------------------------------------------------------------
+    def hold_if_ending(self) -> None:
+        """A silent end under way owns the process's exit (its code, its records): a training thread that
+        fails meanwhile (a collective whose peer just ended) waits here for it instead of exiting with 1."""
+        if self._backstop is not None:
+            threading.Event().wait()  # the end, or its backstop, ends the process within END_WITHIN_S
+
     def busy(self) -> contextlib.AbstractContextManager[None]:
         return self.hangs.busy() if self.hangs is not None else contextlib.nullcontext()
 
     def allow(self, seconds: float) -> None:
-        if self.hangs is not None:
-            self.hangs.allow(seconds)
+        """A long phase, for every rank's watch: the others may wait for this one in their next collective."""
+        if self.hangs is None:
+            return
+        self.hangs.allow(seconds)
+        self._tell_job("phase", seconds)
 
     def alive(self) -> None:
-        if self.hangs is not None:
-            self.hangs.alive()
+        """The loop works without stepping; the job is told at most every quarter of the timeout."""
+        if self.hangs is None:
+            return
+        self.hangs.alive()
+        now = time.monotonic()
+        if now - self._alive_said >= self.hangs.timeout_s / 4:
+            self._alive_said = now
+            self._tell_job("alive", 0.0)
 
     def phase(self) -> contextlib.AbstractContextManager[None]:
         return self.hangs.phase() if self.hangs is not None else contextlib.nullcontext()
 
+    def _tell_job(self, key: str, seconds: float) -> None:
+        """Until when (wall clock: ranks' monotonic clocks differ) the job's loop may go without a step."""
+        if self._conn is None:
+            return
+        try:
+            self._conn.store.set(self._prefix + key, f"{time.time() + seconds:.3f}")
+        except Exception as exc:  # noqa: BLE001 - this rank's own watch still knows; the others may not
+            log.warning("could not tell the other ranks of a long phase (%s: %s)", type(exc).__name__, exc)
+
     # ---- the watches' threads --------------------------------------------------------------------
+    def _job_progress(self) -> float | None:
+        """The latest moment, on the hang watch's clock, that a phase declared on any rank runs to, or any
+        rank's loop was last seen working; None when none said so (or the store does not answer)."""
+        if self._conn is None or self.hangs is None:
+            return None
+        try:
+            said = [self._conn.get_now(self._prefix + key) for key in ("phase", "alive")]
+        except Exception:  # noqa: BLE001 - the store does not answer: judge on this rank's own signs
+            return None
+        walls = [float(raw) for raw in said if raw is not None]
+        if not walls:
+            return None
+        return self.hangs.clock() - (time.time() - max(walls))
+
     def _peer_lost(self, loss: PeerLoss) -> None:
         self._announce(SilentFailure(PEER_LOST, loss.node, loss.silent_s, loss.watcher))
 
@@ -152,10 +242,12 @@ class Health:
             assert self._publish is not None
             self._publish(dataclasses.asdict(failure))  # False: another rank announced one first, as good
         except Exception as exc:  # noqa: BLE001 - the store does not answer: end this rank at least
+            self._arm_backstop(failure)
             log.error("could not tell the other ranks (%s: %s); ending this rank alone", type(exc).__name__, exc)
             self._conclude(failure, alone=True)
             return
         if not self._listening():  # a rank left its guard: no listener reads the log any more
+            self._arm_backstop(failure)
             log.error("no rank reads the job's events any more (a rank left its guard); ending this rank alone")
             self._conclude(failure, alone=True)
 
@@ -169,41 +261,74 @@ class Health:
     def _conclude(self, failure: SilentFailure, *, alone: bool) -> None:
         if not self._ending.acquire(blocking=False):
             return  # ending already
+        self._arm_backstop(failure)
+        speaks = False
         if failure.cause == HANG:
-            failure = self._report_hang(failure, alone=alone)
-        self.end(failure)
+            failure, speaks = self._report_hang(failure, alone=alone)
+        self.end(failure, speaks)
 
-    def _report_hang(self, failure: SilentFailure, *, alone: bool) -> SilentFailure:
-        """Every rank's stacks in its log, and (through the store) the ranks that held the others up."""
+    def _arm_backstop(self, failure: SilentFailure) -> None:
+        """From now on the process ends within END_WITHIN_S, whatever the end path blocks on."""
+        if self._backstop is None:
+            self._backstop = threading.Thread(
+                target=self._last_resort, args=(failure,), name="spotguard-end-backstop", daemon=True
+            )
+            self._backstop.start()
+
+    def _last_resort(self, failure: SilentFailure) -> None:
+        time.sleep(END_WITHIN_S)
+        self.end_now(failure)
+
+    def _report_hang(self, failure: SilentFailure, *, alone: bool) -> tuple[SilentFailure, bool]:
+        """Every rank's stacks in its log, and (through the store) the judge's verdict; whether this rank
+        judged in rank 0's place."""
         stacks.log_all_stacks(f"rank {self.topology.rank}, the job hung: no step for {failure.noticed_after_s:.1f} s")
         mine = stacks.report(self.topology.rank, self.last_step())
-        if alone or self._store is None:
-            return failure
+        if alone or self._conn is None:
+            return failure, False
         try:
-            return dataclasses.replace(failure, culprit=self._gather(mine))
+            verdict, speaks = self._gather(mine)
         except Exception as exc:  # noqa: BLE001 - the stacks are in the log: end without the verdict
             log.warning("could not gather the hang's report: %s: %s", type(exc).__name__, exc)
-            return failure
+            return failure, False
+        if verdict is None:
+            return failure, False
+        return dataclasses.replace(failure, culprit=verdict.culprit, repeated=verdict.repeated), speaks
 
-    def _gather(self, mine: stacks.RankReport) -> str:
-        assert self._store is not None
-        conn = Connection.of(self._store)  # not the job's client: the hung training thread may be waiting on it
+    def _gather(self, mine: stacks.RankReport) -> tuple[Verdict | None, bool]:
+        """Rank 0 judges once every line is in (or GATHER_S passed); any other rank, once no verdict came
+        GATHER_S later, claims the judging (a frozen rank 0 must not leave the job unjudged)."""
+        assert self._conn is not None
+        conn = self._conn
         store, key, world = conn.store, self._prefix + "hang/", self.topology.world_size
         store.append(key + "reports", mine.to_json() + "\n")
         if store.add(key + "arrived", 1) == world:
             store.set(key + "all", "1")
         if self.topology.rank != 0:
-            if not self.topology.is_node_leader:
-                return ""
-            verdict = conn.get(key + "verdict", 2 * GATHER_S)  # for the exit file
-            return verdict.decode() if verdict is not None else ""
-        conn.get(key + "all", GATHER_S)
-        raw = conn.get_now(key + "reports") or b""
+            raw = conn.get(key + "verdict", 2 * GATHER_S)
+            if raw is not None:
+                return Verdict.from_json(raw), False
+            if store.compare_set(key + "judge", "", str(self.topology.rank)) != str(self.topology.rank).encode():
+                raw = conn.get(key + "verdict", GATHER_S)  # another rank judges
+                return (Verdict.from_json(raw) if raw is not None else None), False
+            log.warning("rank 0 gave no verdict on the hang: rank %d judges in its place", self.topology.rank)
+        else:
+            conn.get(key + "all", GATHER_S)
+            if store.compare_set(key + "judge", "", "0") != b"0":  # too late: another rank judges
+                raw = conn.get(key + "verdict", GATHER_S)
+                return (Verdict.from_json(raw) if raw is not None else None), False
+        verdict = self._judge(conn.get_now(key + "reports") or b"", world)
+        store.set(key + "verdict", verdict.to_json())
+        return verdict, self.topology.rank != 0
+
+    def _judge(self, raw: bytes, world: int) -> Verdict:
         reports = [stacks.RankReport.from_json(line) for line in raw.decode().splitlines() if line]
         ranks, why = stacks.culprits(reports, world)
         lines = [f"  rank {r.rank:>5}  last step {r.last_step}  {'waits in torch' if r.in_torch else 'in'} {r.where}"
                  for r in sorted(reports, key=lambda r: r.rank)]  # fmt: skip
         named = ", ".join(f"rank {r}" for r in ranks)
         log.error("hang report of %d rank(s); %s: %s\n%s", len(reports), named or "no culprit", why, "\n".join(lines))
-        store.set(key + "verdict", named)
-        return named
+        steps = [r.last_step for r in reports if r.last_step is not None]
+        before = self.previous_end()
+        repeated = bool(steps) and before is not None and before.cause == HANG and before.last_step == max(steps)
+        return Verdict(culprit=named, repeated=repeated)

@@ -57,12 +57,11 @@ def report(rank: int, last_step: int | None) -> RankReport:
 
 
 def culprits(reports: list[RankReport], world_size: int) -> tuple[tuple[int, ...], str]:
-    """The ranks that hold the others up, and why those."""
+    """The ranks that hold the others up, and why those: what the lines that came say first, then the ranks
+    whose line never came (a line can be late for reasons of its own, a slow connection; a rank stuck in its
+    own code while every other that answered waits in torch is the culprit either way)."""
     if world_size == 1:
         return (0,), "the only rank"
-    missing = sorted(set(range(world_size)) - {r.rank for r in reports})
-    if missing:
-        return tuple(missing), "did not answer (every thread stuck)"
     steps = [r.last_step if r.last_step is not None else -1 for r in reports]
     behind = [r.rank for r, s in zip(reports, steps) if s < max(steps)]
     if behind:
@@ -70,6 +69,9 @@ def culprits(reports: list[RankReport], world_size: int) -> tuple[tuple[int, ...
     outside = [r.rank for r in reports if not r.in_torch]
     if 0 < len(outside) < len(reports):
         return tuple(sorted(outside)), "outside torch while the others wait in it"
+    missing = sorted(set(range(world_size)) - {r.rank for r in reports})
+    if missing:
+        return tuple(missing), "did not answer (every thread stuck)"
     return (), "every rank at the same step and the same kind of place"
 
 

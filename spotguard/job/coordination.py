@@ -136,6 +136,11 @@ class Coordination:
         return True
 
     @property
+    def publishing(self) -> Connection:
+        """This rank's own store client for short requests from any thread (made when the guard starts)."""
+        return self.broadcast.publishing
+
+    @property
     def listening(self) -> bool:
         return self.broadcast.listening
 
