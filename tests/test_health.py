@@ -118,7 +118,7 @@ class Ring:
         for member in self.members.values():
             member.stop()
         for proc in self.procs.values():
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)  # its beacon too: one that is stopped never reads its parent's end
             proc.wait()
 
 
