@@ -22,9 +22,11 @@ import torch.distributed as dist
 
 from cloud_adapters.storage import LocalStore
 from spotguard.demo.processes import free_port
-from spotguard.health import stacks
+from spotguard.health import monitor, stacks
 from spotguard.health.hangs import AUTO, AUTO_CEILING_S, AUTO_FLOOR_S, HangWatch
 from spotguard.health.liveness import BEAT, Liveness, PeerLoss, beat_interval
+from spotguard.job.kvstore import Connection
+from spotguard.job.topology import explicit
 from spotguard.ledger import Ledger, read_ledger
 from spotguard.ledger_records import Exit, Resume, SilentEnd, Start
 from spotguard.options import HealthOptions
@@ -470,6 +472,51 @@ def test_a_ranks_line_says_where_its_main_thread_is_and_round_trips():
     assert "threading.py" in mine.where and "test_health.py" in mine.where
     assert mine.where.endswith("in stuck_in_the_data_loader")  # its own innermost frame
     assert stacks.RankReport.from_json(mine.to_json()) == mine
+
+
+def test_a_hangs_report_opens_no_connection_and_a_slow_one_blames_nobody():
+    """Two ranks (threads around one TCPStore) report a hang; rank 1's store makes every connection opened
+    after the start take 6 s (a server whose reverse lookup of the peer's name times out). The report goes
+    over the connection each rank made at the start: rank 1's line is in, so it is not named as a rank that
+    did not answer, and no rank opens a connection on the way to its end."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    slow: set[int] = set()
+    clones = Counts()
+
+    class SlowToConnect(dist.Store):
+        def __init__(self, inner: dist.Store, rank: int) -> None:
+            super().__init__()
+            self.inner, self.rank = inner, rank
+
+        def clone(self) -> dist.Store:
+            clones.add(f"rank {self.rank}")
+            if self.rank in slow:
+                time.sleep(6)
+            return self.inner.clone()
+
+    ended: dict[int, monitor.SilentFailure] = {}
+    ranks = []
+    for rank in range(2):
+        store = SlowToConnect(server.clone(), rank)
+        health = monitor.Health(
+            explicit(rank, 2, local=0, node=f"node-{rank}"), peer_timeout_s=0, hang_timeout_s=0, beats=lambda: 10,
+            last_step=lambda: 9, end=lambda failure, speaks, rank=rank: ended.setdefault(rank, failure),
+            end_now=lambda failure: None,
+        )  # fmt: skip
+        health.start(store, PREFIX, connection=Connection.of(store), publish=lambda event: True,
+                     listening=lambda: True, excused=lambda node: False)  # fmt: skip
+        ranks.append(health)
+    started = clones.snapshot()
+    slow.add(1)
+    event = {"cause": monitor.HANG, "culprit": "", "noticed_after_s": 5.0, "seen_by": "rank 1"}
+    threads = [threading.Thread(target=h.on_event, args=(event,), daemon=True) for h in ranks]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert sorted(ended) == [0, 1]
+    assert ended[0].culprit == ended[1].culprit == ""  # both in the same place (one process): nobody to blame
+    assert clones.snapshot() == started
 
 
 def test_every_threads_stack_goes_to_the_log(caplog):
