@@ -58,10 +58,15 @@ class GoodputRecorder:
             )
         )
 
-    def open_for_the_end(self, store: ObjectStore | None) -> None:
-        """A ledger for this segment's end alone, on a rank that records it in rank 0's place (rank 0 is stuck)."""
+    def open_for_the_end(self, store: ObjectStore | None, segment: str) -> None:
+        """A ledger for the end of rank 0's `segment` (a new segment when "": unknown), on a rank that records
+        that end in rank 0's place (rank 0 is stuck)."""
         if self._ledger is None and store is not None:
-            self._ledger = Ledger(store)
+            self._ledger = Ledger(store, tail_of=segment or None)
+
+    def segment(self) -> str:
+        """This rank's ledger segment: rank 0's, once its ledger is open; else ""."""
+        return self._ledger.segment if self._ledger is not None else ""
 
     def previous_end(self) -> PreviousEnd | None:
         """How the job's previous start ended, if a silent failure ended it (rank 0, once the ledger's
@@ -170,7 +175,10 @@ class GoodputRecorder:
 
     def silent_failure(self, failure: SilentFailure, code: int, *, last_step: int | None) -> None:
         """A failure without a notice ends the segment: what it was, then the exit record."""
-        self._record(records.SilentEnd(**dataclasses.asdict(failure), last_step=last_step))
+        if failure.step is not None:  # a hang's step as judged (the furthest any rank reported)
+            last_step = failure.step
+        said = {k: v for k, v in dataclasses.asdict(failure).items() if k != "step"}
+        self._record(records.SilentEnd(**said, last_step=last_step))
         self._record(records.Exit(code=code, why=failure.cause, committed=False, last_step=last_step))
 
     def next_interval(self, run_hours: float, cadence: Cadence | None = None) -> float:

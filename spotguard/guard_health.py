@@ -64,6 +64,7 @@ class GuardHealth:
             end=self._end,
             end_now=self._end_now,
             previous_end=goodput.previous_end,
+            segment=goodput.segment,
         )
 
     def start(self, store: dist.Store, coordination: Coordination) -> None:
@@ -71,7 +72,7 @@ class GuardHealth:
         self.monitor.start(
             store,
             coordination.prefix,
-            connection=coordination.publishing,
+            connections=(coordination.publishing, coordination.listener),
             publish=coordination.publish_silent_failure,
             listening=lambda: coordination.listening,
             excused=coordination.departing.__contains__,
@@ -87,18 +88,21 @@ class GuardHealth:
     def _code(self, failure: SilentFailure) -> int:
         return NO_RESTART_EXIT_CODE if failure.repeated else self._exit.lost_exit_code
 
-    def _end(self, failure: SilentFailure, speaks: bool) -> None:
+    def _end(self, failure: SilentFailure, speaks_for: str | None) -> None:
         """A silent failure's end, on the thread that concluded it (the training thread is stuck): the exit
-        file and the ledger first (a log write may block on a full pipe), then the process ends with
-        `lost_exit_code`, whatever `exit_code` says, or NO_RESTART_EXIT_CODE for a repeated hang. `speaks`:
-        this rank judged in rank 0's place, so it writes its node's exit file and the job's ledger records."""
+        file, the ledger and the agent's withdrawal first (a log write may block on a full pipe), then the
+        process ends with `lost_exit_code`, whatever `exit_code` says, or NO_RESTART_EXIT_CODE for a
+        repeated hang. `speaks_for`: rank 0's ledger segment, when this rank judged in its place: it writes
+        its node's exit file and the end's ledger records."""
         code = self._code(failure)
         self._exit.record(code, committed=False, step=None, leaving=False, cause=failure.cause,
-                          culprit=failure.culprit, for_node=speaks)  # fmt: skip
-        if speaks:
-            self._goodput.open_for_the_end(self._ledger_store())
+                          culprit=failure.culprit, for_node=speaks_for is not None)  # fmt: skip
+        if speaks_for is not None:
+            self._goodput.open_for_the_end(self._ledger_store(), speaks_for)
         self._goodput.silent_failure(failure, code, last_step=self._last_step())
         self._goodput.close(timeout_s=2.0)
+        self._exit.withdrawal = self._withdrawal(failure)
+        self._exit.leave_agent()  # survivors fewer than min_nodes, or a repeated hang: no restart
         self._timeline.add(
             "silent-failure",
             cause=failure.cause,
@@ -113,24 +117,30 @@ class GuardHealth:
                 "per batch) or raise hang_timeout_s",
                 failure.describe(), step, code, step,
             )  # fmt: skip
-            self._exit.withdrawal = "the job would reach the same hang again" if elastic.agent_restarts() else None
         else:
             log.error(
                 "%s: ending this process with code %d, so that the job restarts from the newest state the nodes hold",
                 failure.describe(),
                 code,
             )
-            lost = ranks_per_node() if failure.cause == PEER_LOST else 0
-            self._exit.withdrawal = elastic.withdrawal(
-                reclaimed=False, leaving=False, ranks_left=self._topology.world_size - lost, at_least=self._min_nodes
-            )
-        self._exit.leave_agent()  # survivors fewer than min_nodes, or a repeated hang: no restart
         self._exit.exit_now(code)
+
+    def _withdrawal(self, failure: SilentFailure) -> str | None:
+        if failure.repeated:
+            return "the job would reach the same hang again" if elastic.agent_restarts() else None
+        lost = ranks_per_node() if failure.cause == PEER_LOST else 0
+        return elastic.withdrawal(
+            reclaimed=False, leaving=False, ranks_left=self._topology.world_size - lost, at_least=self._min_nodes
+        )
 
     def _end_now(self, failure: SilentFailure) -> None:
         """The backstop's end, when the end above is held up (a log write on a full pipe, a store that does
         not answer): the exit file and the exit, nothing that can block."""
         code = self._code(failure)
-        self._exit.record(code, committed=False, step=None, leaving=False, cause=failure.cause,
-                          culprit=failure.culprit or None, quiet=True)  # fmt: skip
-        os._exit(code)
+        try:
+            self._exit.record(code, committed=False, step=None, leaving=False, cause=failure.cause,
+                              culprit=failure.culprit, quiet=True)  # fmt: skip
+            self._exit.withdrawal = self._withdrawal(failure)
+            self._exit.leave_agent(quiet=True)
+        finally:
+            os._exit(code)

@@ -40,6 +40,7 @@ LEDGER_NAME = "spotguard-ledger.jsonl"
 LEDGER_PREFIX = "spotguard-ledger/"
 HEARTBEAT_S = 60.0  # how often a `progress` record notes the last step trained (bounds what a hard kill hides)
 OBJECT_LINES = 500  # a bucket ledger object holding this many lines (~60 kB: ~8 h of heartbeats) is left for the next
+TAIL_SEQ = 1 << 40  # where the records of a segment's end written in its writer's place are numbered from
 _STOP = object()
 
 
@@ -60,7 +61,9 @@ def new_segment_id() -> str:
 
 
 class Ledger:
-    """Rank 0's ledger writer for one run segment.
+    """Rank 0's ledger writer for one run segment; or, `tail_of` a segment, the writer of that segment's end
+    in rank 0's place (rank 0 is stuck): no history read, its records numbered after any of rank 0's, in an
+    object of its own (`<segment>.end.jsonl`) on an object store.
 
     `record()` stamps and queues a record and returns at once. The writer thread first reads the
     ledger's earlier segments (`history()`), then writes; `progress()` (the last step trained) is
@@ -74,16 +77,18 @@ class Ledger:
         *,
         heartbeat_s: float = HEARTBEAT_S,
         object_lines: int = OBJECT_LINES,
+        tail_of: str | None = None,
     ) -> None:
         self.store = store
-        self.segment = new_segment_id()
+        self.segment = tail_of or new_segment_id()
+        self._tail = tail_of is not None
         self._progress = progress
         self._heartbeat_s = heartbeat_s
         self._queue: queue.Queue = queue.Queue()
         self._lines: list[str] = []  # the segment's current object (object stores are rewritten whole)
         self._object = 1  # its number within the segment
         self._object_lines = object_lines
-        self._seq = 0
+        self._seq = TAIL_SEQ if self._tail else 0
         self._lock = threading.Lock()
         self._history: list[Record] | None = None
         self._history_ready = threading.Event()
@@ -116,7 +121,7 @@ class Ledger:
 
     def _run(self) -> None:
         try:
-            self._history = read_ledger(self.store).records
+            self._history = [] if self._tail else read_ledger(self.store).records  # an end writes at once
         except Exception as exc:  # noqa: BLE001 - the ledger is never fatal
             log.warning("could not read the goodput ledger in %s: %s", self.store.url, exc)
         self._history_ready.set()
@@ -159,7 +164,7 @@ class Ledger:
                 self.store.append_bytes(LEDGER_NAME, "".join(lines).encode())
             else:
                 self._lines += lines
-                part = "" if self._object == 1 else f".{self._object}"
+                part = ("" if self._object == 1 else f".{self._object}") + (".end" if self._tail else "")
                 self.store.put_bytes(f"{LEDGER_PREFIX}{self.segment}{part}.jsonl", "".join(self._lines).encode())
                 if len(self._lines) >= self._object_lines:  # stored: the next lines start the next object
                     self._object += 1

@@ -89,7 +89,7 @@ def test_a_frozen_rank_0_is_named_and_the_end_recorded_by_another_rank(tmp_path)
     finally:
         localnodes.stop_all([node])
     text = "\n".join(node.lines)
-    assert "rank 0 gave no verdict on the hang: rank 1 judges in its place" in text
+    assert "rank 0 gave no verdict on the hang: rank 1 judged in its place" in text
     assert "hang report of 1 rank(s); rank 0: did not answer (every thread stuck)" in text
     assert (ended["exit_code"], ended["cause"], ended["culprit"]) == (75, "hang", "rank 0")
     assert [(r["cause"], r["culprit"]) for r in silent] == [("hang", "rank 0")]

@@ -303,9 +303,10 @@ def test_a_node_taking_its_own_snapshot_beats_on(ring_of, tmp_path):
 
 
 def test_a_flood_of_connections_that_never_say_the_token_costs_the_training_process_nothing(ring_of):
-    """A local stranger opens 600 connections to node 1's liveness port and says nothing: the training
-    process holds none of them (its descriptors are its saves' and its ledger's), the beacon at most a
-    few (the oldest waiting are dropped), and node 1's watcher hears every beat all the while."""
+    """A local stranger opens 600 connections to node 1's liveness port and says nothing, then closes them
+    all: the training process holds none of them (its descriptors are its saves' and its ledger's), the
+    beacon at most a few (the oldest waiting are dropped), node 1's watcher hears every beat all the
+    while, and the beacon beats on after the closes."""
     import socket
 
     ring = ring_of(2, in_process=[0])
@@ -315,11 +316,13 @@ def test_a_flood_of_connections_that_never_say_the_token_costs_the_training_proc
     before = len(os.listdir(f"/proc/{member}/fd"))
     flood: list[socket.socket] = []
     try:
-        for _ in range(600):
+        for i in range(600):
             sock = socket.socket()
             sock.setblocking(False)
             sock.connect_ex((host, int(port)))
             flood.append(sock)
+            if i % 2 and i >= 20:  # a scanner's close, as the beacon drops the oldest waiting for a new one
+                flood[i - 16].close()
         time.sleep(1.0)
         held = len(os.listdir(f"/proc/{member}/fd")) - before
         beacons = [int(p) for p in Path(f"/proc/{member}/task/{member}/children").read_text().split()]
@@ -327,9 +330,11 @@ def test_a_flood_of_connections_that_never_say_the_token_costs_the_training_proc
         time.sleep(2 * TIMEOUT_S)
     finally:
         for sock in flood:
-            sock.close()
+            sock.close()  # all at once: the closes of dropped and waiting connections come in one batch
     assert held <= 2, held
     assert in_beacon < 40, in_beacon
+    gaps = _beat_gaps(ring, 1, lambda: time.sleep(1.0))  # the beacon outlived the flood, and beats on
+    assert len(gaps) >= 5 and max(gaps) < TIMEOUT_S, gaps
     assert ring.losses == []
 
 
@@ -500,11 +505,11 @@ def test_a_hangs_report_opens_no_connection_and_a_slow_one_blames_nobody():
         store = SlowToConnect(server.clone(), rank)
         health = monitor.Health(
             explicit(rank, 2, local=0, node=f"node-{rank}"), peer_timeout_s=0, hang_timeout_s=0, beats=lambda: 10,
-            last_step=lambda: 9, end=lambda failure, speaks, rank=rank: ended.setdefault(rank, failure),
+            last_step=lambda: 9, end=lambda failure, judged, rank=rank: ended.setdefault(rank, failure),
             end_now=lambda failure: None,
         )  # fmt: skip
-        health.start(store, PREFIX, connection=Connection.of(store), publish=lambda event: True,
-                     listening=lambda: True, excused=lambda node: False)  # fmt: skip
+        health.start(store, PREFIX, connections=(Connection.of(store), Connection.of(store)),
+                     publish=lambda event: True, listening=lambda: True, excused=lambda node: False)  # fmt: skip
         ranks.append(health)
     started = clones.snapshot()
     slow.add(1)
@@ -517,6 +522,40 @@ def test_a_hangs_report_opens_no_connection_and_a_slow_one_blames_nobody():
     assert sorted(ended) == [0, 1]
     assert ended[0].culprit == ended[1].culprit == ""  # both in the same place (one process): nobody to blame
     assert clones.snapshot() == started
+
+
+def test_a_phase_declared_on_one_rank_holds_the_others_until_it_ends_and_no_longer():
+    """Two ranks (threads around one TCPStore), hang_timeout_s=1. Rank 0 declares a phase of 30 s after
+    step 5 and rank 1, waiting for it, stops stepping too: no hang while the phase runs. The phase ends (its
+    `with` block), both step once more, then both stop: the phase, over, holds nobody, so both see the hang
+    within seconds (not after its 30 s: a framework declares an hour around each of its saves)."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    beats, hung = [6, 6], []
+    ranks = []
+    for rank in range(2):
+        store = server.clone()
+        health = monitor.Health(
+            explicit(rank, 2, local=0, node=f"node-{rank}"), peer_timeout_s=0, hang_timeout_s=1,
+            beats=lambda rank=rank: beats[rank], last_step=lambda rank=rank: beats[rank] - 1,
+            end=lambda failure, judged: None, end_now=lambda failure: None,
+        )  # fmt: skip
+        health.start(store, PREFIX, connections=(Connection.of(store), Connection.of(store)),
+                     publish=lambda event: hung.append((event["seen_by"], time.monotonic())) or True,
+                     listening=lambda: True, excused=lambda node: False)  # fmt: skip
+        ranks.append(health)
+    try:
+        ranks[0].allow(30)
+        with ranks[0].phase():
+            time.sleep(4)
+            assert hung == []  # rank 1 waits for rank 0's phase: it is the job's
+        beats[:] = [7, 7]  # both step once more after it
+        stopped = time.monotonic()
+        time.sleep(6)
+        assert sorted(who for who, _ in hung) == ["rank 0", "rank 1"]
+        assert all(at - stopped < 5 for _, at in hung), hung
+    finally:
+        for health in ranks:
+            health.stop()
 
 
 def test_every_threads_stack_goes_to_the_log(caplog):

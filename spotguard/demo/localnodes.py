@@ -200,17 +200,15 @@ def start_nodes(
     args: list[str],
     env: dict[str, str] | None = None,
     nproc_per_node: int | Sequence[int] = 1,
-    max_restarts: int = 0,
 ) -> list[LocalNode]:
     """`nnodes` agents with a static rendezvous hosted by node 0, each running `nproc_per_node` workers
-    (a count per node: node i's ranks follow node i-1's, as torchrun numbers them), restarting them
-    `max_restarts` times after a failure."""
+    (a count per node: node i's ranks follow node i-1's, as torchrun numbers them)."""
     nprocs = [nproc_per_node] * nnodes if isinstance(nproc_per_node, int) else list(nproc_per_node)
     if len(nprocs) != nnodes:
         raise ValueError(f"{len(nprocs)} worker counts for {nnodes} nodes")
     port = free_port()
     static = ["--nnodes", str(nnodes), "--rdzv-backend", "static", "--master-addr", "127.0.0.1",
-              "--master-port", str(port), "--max-restarts", str(max_restarts)]  # fmt: skip
+              "--master-port", str(port), "--max-restarts", "0"]  # fmt: skip
     return [
         LocalNode(i, [*static, "--node-rank", str(i)], script, ckpt, tmp, args, env or {}, nproc)
         for i, nproc in enumerate(nprocs)

@@ -64,9 +64,11 @@ def withdrawal(*, reclaimed: bool, leaving: bool, ranks_left: int, at_least: int
     return None
 
 
-def withdraw_agent(reason: str) -> None:
-    """SIGTERM this worker's torchrun agent so that it does not rejoin (at exit)."""
-    log.warning("leaving the elastic job: %s; stopping this node's torchrun agent (pid %d)", reason, os.getppid())
+def withdraw_agent(reason: str, *, quiet: bool = False) -> None:
+    """SIGTERM this worker's torchrun agent so that it does not rejoin (at exit), then say so unless `quiet`."""
     if threading.current_thread() is threading.main_thread():  # only it may; a silent end's thread exits at once
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the agent passes the signal on to us: we are exiting anyway
-    os.kill(os.getppid(), signal.SIGTERM)
+    agent = os.getppid()
+    os.kill(agent, signal.SIGTERM)
+    if not quiet:
+        log.warning("leaving the elastic job: %s; stopped this node's torchrun agent (pid %d)", reason, agent)

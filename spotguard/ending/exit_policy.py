@@ -83,10 +83,11 @@ class ExitPolicy:
             if not quiet:
                 log.warning("could not write %s=%s: %s", EXIT_FILE_ENV, path, exc)
 
-    def leave_agent(self) -> None:
-        """Before exiting: stop this node's elastic agent from restarting it, where it must not."""
+    def leave_agent(self, *, quiet: bool = False) -> None:
+        """Before exiting: stop this node's elastic agent from restarting it, where it must not (`quiet`: no
+        log line, the caller's output may be blocked)."""
         if self.withdrawal and self.node_leader:
-            elastic.withdraw_agent(self.withdrawal)
+            elastic.withdraw_agent(self.withdrawal, quiet=quiet)
 
     def keep_sigterm_away(self) -> None:
         """Once the watcher gave the signal handlers back: a withdrawn agent passes its SIGTERM on to

@@ -6,8 +6,9 @@ that beats would stop with it, and its watcher would take a busy node for a lost
 listener and the watching of the neighbour live here, a child of the node leader that starts in
 milliseconds (the standard library only, run as a script: no torch, no spotguard import) and writes
 nothing but to its parent. It is in its parent's process group: a frozen node (every process of it
-stopped) or a dead one falls silent as a whole; its parent's end closes its stdin, and it ends too,
-closing its connections, which its watcher takes for an end, not a loss.
+stopped) or a dead one falls silent as a whole; its parent's end closes its stdin (or, where a fork of
+the parent still holds it, makes it an orphan), and it ends too, closing its connections, which its
+watcher takes for an end, not a loss.
 
 Talk with the parent, one line each (`Liveness` is the other end):
   stdin, parent -> beacon:   <token>               (the first line; never on the command line, which `ps` shows)
@@ -17,6 +18,7 @@ Talk with the parent, one line each (`Liveness` is the other end):
                              watching <node> | unreachable <node> <why> | ended <node> <why>
                              silent <node> <seconds>   (every beat interval while the node is silent past
                                                         the timeout; the parent judges: excused or lost)
+                             error <what>          (one connection's trouble; the beats go on)
 A parent too busy to read loses reports, never its beats: stdout is written without blocking.
 """
 
@@ -61,22 +63,21 @@ class Beacon:
         self._said_silent = 0.0
 
     def run(self) -> None:
+        parent = os.getppid()
         self.listener.setblocking(False)
         self.sel.register(self.listener, selectors.EVENT_READ, "accept")
         self.sel.register(sys.stdin.fileno(), selectors.EVENT_READ, "parent")
         self._obey()
         next_beat = last_look = time.monotonic()
         while not self.stopping.is_set():
+            if os.getppid() != parent:  # its parent ended, though a child of the parent's (a fork) keeps stdin open
+                return
             self._take_connection()
             for key, _ in self.sel.select(timeout=min(self.interval_s, max(0.0, next_beat - time.monotonic()))):
-                if key.data == "accept":
-                    self._accept()
-                elif key.data == "parent":
-                    self._command()
-                elif key.data == "hello":
-                    self._hello(key.fileobj)  # type: ignore[arg-type]
-                else:
-                    self._beats()
+                try:
+                    self._ready_to_read(key.data, key.fileobj)  # type: ignore[arg-type]
+                except Exception as exc:  # noqa: BLE001 - one bad connection never ends the beats
+                    report(f"error {type(exc).__name__}: {exc}")
             now = time.monotonic()
             if now - last_look > 2 * self.interval_s + 0.5:  # this process itself was held up: it heard nothing
                 self.heard = max(self.heard, now)
@@ -87,6 +88,16 @@ class Beacon:
                 next_beat = now + self.interval_s
                 self.watchers[:] = [c for c in self.watchers if _send(c)]
             self._judge(now)
+
+    def _ready_to_read(self, what: str, fileobj: socket.socket) -> None:
+        if what == "accept":
+            self._accept()
+        elif what == "parent":
+            self._command()
+        elif what == "hello":
+            self._hello(fileobj)
+        else:
+            self._beats()
 
     # ---- the parent ----------------------------------------------------------------------------
     def _command(self) -> None:
@@ -134,7 +145,8 @@ class Beacon:
             self.sel.register(self.upstream, selectors.EVENT_READ, "beats")
 
     def _beats(self) -> None:
-        assert self.upstream is not None
+        if self.upstream is None:  # closed earlier in the same batch of events
+            return
         try:
             data = self.upstream.recv(4096)
         except BlockingIOError:
@@ -177,6 +189,8 @@ class Beacon:
             self.sel.register(conn, selectors.EVENT_READ, "hello")
 
     def _hello(self, conn: socket.socket) -> None:
+        if conn not in self.waiting:  # dropped earlier in the same batch of events (the cap, a flood)
+            return
         said = self.waiting[conn][1]
         try:
             chunk = conn.recv(64)

@@ -141,10 +141,11 @@ class HangWatch:
         timeout = self.timeout_s
         if stalled < timeout:
             return None
-        elsewhere = self.job_progress()  # asked only now: one store request per look while stalled
+        elsewhere = self.job_progress()  # asked only now: once per look while stalled
         if elsewhere is not None and now - elsewhere < timeout:
             with self._lock:
                 self._allowed_until = max(self._allowed_until, elsewhere)
+                self._excused = True  # another rank's phase is no step's length to learn from
             return None
         return HangSeen(last_step=self.last_step(), stalled_s=round(now - self._progress_at, 3), timeout_s=timeout)
 

@@ -130,6 +130,8 @@ class Liveness:
                     log.info("node %s is not listening any more: its process ended (not a loss)", node)
                 elif kind == "ended":
                     log.info("node %s closed its heartbeat: its process ended (not a loss)", node)
+                elif kind == "error":
+                    log.debug("the liveness beacon of node %s: %s %s", self.node, node, rest_s)
         except Exception:  # noqa: BLE001 - never take the training down: this node is then simply not watched
             log.exception("reading the liveness beacon failed; node %s no longer watches its neighbour", self.node)
         if not self.stopping.is_set():
@@ -190,7 +192,7 @@ class _Upstream:
         self.ring.watched = node
         try:
             self.ring.tell(f"watch {host} {port} {token} {node}")
-        except OSError as exc:  # the beacon ended (the ring stops): nothing to watch with
+        except (OSError, ValueError) as exc:  # the beacon ended, or its pipe was closed (the ring stops)
             log.warning("node %s cannot watch node %s: its beacon ended (%s)", self.ring.node, node, exc)
 
 

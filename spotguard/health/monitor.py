@@ -6,18 +6,18 @@ Every rank's listener reads it: for a hang every rank first writes its threads' 
 line to the report; rank 0 judges (the ranks that hold the others up, and whether the previous start of
 the job hung at the same step) or, when rank 0 does not answer, whichever other rank claims the judging;
 the other ranks read that verdict for their exit file; then every rank ends (`end`, given by the guard:
-the exit file, the ledger, the restart code). When the store does not take the announcement, the rank
+the exit file, the ledger, the restart code). A judge other than rank 0 also records the end in rank 0's
+place; the ranks of rank 0's node claim the judging first, so that a judge writes that node's exit file. When the store does not take the announcement, the rank
 that saw the failure ends alone: its neighbours see its connections close and fail their collectives,
 or time out in turn.
 
-The end never waits on anything the training process may be stuck on: the store is reached on a
-connection made at the start, and from the moment a failure is concluded a backstop ends the process
-within END_WITHIN_S (the exit file, then the exit, no log write) should a log write on a full output
-pipe, the report or the ledger hold the end up.
+The end never waits on anything the training process may be stuck on: the report goes over the
+listener's store connection (made at the start; the report runs on the listener thread), every store
+write of the report comes before its log lines, and from the moment a failure is concluded a backstop
+ends the process within END_WITHIN_S (the exit file, then the exit, no log write) should a log write on
+a full output pipe, the report or the ledger hold the end up.
 
-A phase declared long on one rank (`allow`), and an evaluation's heartbeats (`alive`), are the job's:
-they are written to the store, and a rank about to declare a hang reads them first (one request per
-look, and only then): "rank 0 evaluates, the others wait in the next collective" is no hang.
+A phase declared long on one rank, and an evaluation's heartbeats, are the job's (`job_phase`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.distributed as dist
@@ -36,6 +36,7 @@ import torch.distributed as dist
 from spotguard.checkpoint.comm import layout_said, node_count, ranks_per_node
 from spotguard.health import stacks
 from spotguard.health.hangs import HangSeen, HangWatch
+from spotguard.health.job_phase import JobPhase
 from spotguard.health.liveness import Liveness, PeerLoss
 from spotguard.job.kvstore import Connection
 from spotguard.job.topology import Topology
@@ -45,7 +46,9 @@ log = logging.getLogger(__name__)
 PEER_LOST = "peer-lost"
 HANG = "hang"
 GATHER_S = 5.0  # how long the judge waits for every rank's line in a hang's report
-END_WITHIN_S = 4 * GATHER_S  # from a failure concluded to the exit, whatever blocks (the report takes 2 x GATHER_S)
+# When a rank that is not rank 0 claims the judging, if no verdict came: rank 0's node first (its exit file).
+CLAIM_S = (2 * GATHER_S, 3 * GATHER_S)
+END_WITHIN_S = 6 * GATHER_S  # from a failure concluded to the exit, whatever blocks (the report: 4 x GATHER_S)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +60,7 @@ class SilentFailure:
     noticed_after_s: float  # the silence, or the stall, when it was declared
     seen_by: str  # the node (a loss) or the rank (a hang) that saw it first
     repeated: bool = False  # a hang at the step the previous start of the job hung at: restarting is no cure
+    step: int | None = None  # a hang's step as judged: the furthest any rank reported
 
     def describe(self) -> str:
         if self.cause == PEER_LOST:
@@ -80,6 +84,8 @@ class Verdict:
 
     culprit: str
     repeated: bool
+    step: int | None  # the furthest step any rank reported
+    segment: str  # rank 0's ledger segment, where a judge in its place records the end ("" when unknown)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -90,11 +96,13 @@ class Verdict:
 
 
 class Health:
-    """`end(failure, speaks)` ends this process (it does not return; `speaks`: this rank judged a hang in
-    rank 0's place, so it records the end for the job); `end_now(failure)` is the backstop's end: the exit
-    file and the exit, nothing that can block. `beats()` and `last_step()` read the loop's heartbeat
-    (guard.step()); `previous_end()` says how the job's previous start ended, where this rank knows (the
-    ledger's reader, rank 0). `peer_timeout_s` / `hang_timeout_s`: 0 switches that watch off."""
+    """`end(failure, speaks_for)` ends this process (it does not return; `speaks_for`: rank 0's ledger
+    segment when this rank judged a hang in its place and records the end for the job, else None);
+    `end_now(failure)` is the backstop's end: the exit file and the exit, nothing that can block.
+    `beats()` and `last_step()` read the loop's heartbeat (guard.step()); `previous_end()` says how the
+    job's previous start ended, where this rank knows (the ledger's reader, rank 0); `segment()` is this
+    rank's ledger segment (rank 0's, else ""). `peer_timeout_s` / `hang_timeout_s`: 0 switches that
+    watch off."""
 
     def __init__(
         self,
@@ -104,9 +112,10 @@ class Health:
         hang_timeout_s: float | str,
         beats: Callable[[], int],
         last_step: Callable[[], int | None],
-        end: Callable[[SilentFailure, bool], None],
+        end: Callable[[SilentFailure, str | None], None],
         end_now: Callable[[SilentFailure], None],
         previous_end: Callable[[], PreviousEnd | None] = lambda: None,
+        segment: Callable[[], str] = lambda: "",
     ) -> None:
         self.topology = topology
         self.peer_timeout_s = peer_timeout_s
@@ -114,6 +123,7 @@ class Health:
         self.end_now = end_now
         self.last_step = last_step
         self.previous_end = previous_end
+        self.segment = segment
         self.hangs = (
             None
             if not hang_timeout_s
@@ -122,12 +132,13 @@ class Health:
             )
         )
         self.liveness: Liveness | None = None
+        self.job: JobPhase | None = None
         self._publish: Callable[[dict[str, Any]], bool] | None = None
         self._listening: Callable[[], bool] = lambda: False
-        self._conn: Connection | None = None  # made at the start: nothing on the way to an end opens one
+        self._conn: Connection | None = None  # the listener's, made at the start: the report runs on its thread
         self._prefix = ""
         self._ending = threading.Lock()
-        self._backstop: threading.Thread | None = None
+        self._failure: SilentFailure | None = None  # the failure being ended, as judged so far (the backstop's)
         self._alive_said = 0.0  # when this rank last told the job that its loop works without stepping
 
     def start(
@@ -135,22 +146,28 @@ class Health:
         store: dist.Store,
         prefix: str,
         *,
-        connection: Connection,
+        connections: tuple[Connection, Connection],
         publish: Callable[[dict[str, Any]], bool],
         listening: Callable[[], bool],
         excused: Callable[[str], bool],
     ) -> None:
-        """`connection`: this rank's own store client (not the job's, which a hung loop may be waiting on);
-        `publish` announces a failure to every rank's listener; `listening()`: whether this rank's still
-        reads (after a rank left its guard none does, and this rank ends alone)."""
-        self._conn, self._prefix, self._publish, self._listening = connection, f"{prefix}health/", publish, listening
+        """`connections`: this rank's own store clients, made at the start (never the job's, which a hung loop
+        may be waiting on): one for short requests from any thread, and the listener's, for the hang's report
+        (on_event runs on the listener thread). `publish` announces a failure to every rank's listener;
+        `listening()`: whether this rank's still reads (after a rank left its guard none does, and this rank
+        ends alone)."""
+        short, self._conn = connections
+        self._prefix, self._publish, self._listening = f"{prefix}health/", publish, listening
         per_node, nodes = ranks_per_node(), node_count(self.topology.world_size)
         if nodes is None:
             log.warning("%s does not fit the world size %d: no liveness ring", layout_said(), self.topology.world_size)
         elif self.peer_timeout_s and nodes > 1 and self.topology.rank % per_node == 0:
             self._join_ring(store, prefix, excused, per_node, nodes)
         if self.hangs is not None:
+            self.job = JobPhase(short, self._prefix, self.last_step)
             self.hangs.start()
+        if self.topology.rank == 0 and self.segment():  # where a judge in rank 0's place records the end
+            short.store.set(self._prefix + "segment", self.segment())
 
     def _join_ring(
         self, store: dist.Store, prefix: str, excused: Callable[[str], bool], per_node: int, nodes: int
@@ -176,12 +193,14 @@ class Health:
             self.liveness.stop()
         if self.hangs is not None:
             self.hangs.stop()
+        if self.job is not None:
+            self.job.stop()
 
     # ---- the training thread ---------------------------------------------------------------------
     def hold_if_ending(self) -> None:
         """A silent end under way owns the process's exit (its code, its records): a training thread that
         fails meanwhile (a collective whose peer just ended) waits here for it instead of exiting with 1."""
-        if self._backstop is not None:
+        if self._failure is not None:
             threading.Event().wait()  # the end, or its backstop, ends the process within END_WITHIN_S
 
     def busy(self) -> contextlib.AbstractContextManager[None]:
@@ -189,53 +208,43 @@ class Health:
 
     def allow(self, seconds: float) -> None:
         """A long phase, for every rank's watch: the others may wait for this one in their next collective."""
-        if self.hangs is None:
-            return
-        self.hangs.allow(seconds)
-        self._tell_job("phase", seconds)
+        if self.hangs is not None and self.job is not None:
+            self.hangs.allow(seconds)
+            self.job.declare(seconds)
 
     def alive(self) -> None:
         """The loop works without stepping; the job is told at most every quarter of the timeout."""
-        if self.hangs is None:
+        if self.hangs is None or self.job is None:
             return
         self.hangs.alive()
         now = time.monotonic()
         if now - self._alive_said >= self.hangs.timeout_s / 4:
             self._alive_said = now
-            self._tell_job("alive", 0.0)
+            self.job.alive()
 
-    def phase(self) -> contextlib.AbstractContextManager[None]:
-        return self.hangs.phase() if self.hangs is not None else contextlib.nullcontext()
-
-    def _tell_job(self, key: str, seconds: float) -> None:
-        """Until when (wall clock: ranks' monotonic clocks differ) the job's loop may go without a step."""
-        if self._conn is None:
+    @contextlib.contextmanager
+    def phase(self) -> Iterator[None]:
+        """Around a phase declared with `allow`: its end counts as a step, on this rank and for the job."""
+        if self.hangs is None or self.job is None:
+            yield
             return
         try:
-            self._conn.store.set(self._prefix + key, f"{time.time() + seconds:.3f}")
-        except Exception as exc:  # noqa: BLE001 - this rank's own watch still knows; the others may not
-            log.warning("could not tell the other ranks of a long phase (%s: %s)", type(exc).__name__, exc)
+            with self.hangs.phase():
+                yield
+        finally:
+            self.job.ended()
 
     # ---- the watches' threads --------------------------------------------------------------------
     def _job_progress(self) -> float | None:
-        """The latest moment, on the hang watch's clock, that a phase declared on any rank runs to, or any
-        rank's loop was last seen working; None when none said so (or the store does not answer)."""
-        if self._conn is None or self.hangs is None:
-            return None
-        try:
-            said = [self._conn.get_now(self._prefix + key) for key in ("phase", "alive")]
-        except Exception:  # noqa: BLE001 - the store does not answer: judge on this rank's own signs
-            return None
-        walls = [float(raw) for raw in said if raw is not None]
-        if not walls:
-            return None
-        return self.hangs.clock() - (time.time() - max(walls))
+        """`job_phase`'s latest word, on the hang watch's clock."""
+        wall = self.job.latest() if self.job is not None and self.hangs is not None else None
+        return None if wall is None else self.hangs.clock() - (time.time() - wall)  # type: ignore[union-attr]
 
     def _peer_lost(self, loss: PeerLoss) -> None:
         self._announce(SilentFailure(PEER_LOST, loss.node, loss.silent_s, loss.watcher))
 
     def _hang(self, seen: HangSeen) -> None:
-        self._announce(SilentFailure(HANG, "", seen.stalled_s, f"rank {self.topology.rank}"))
+        self._announce(SilentFailure(HANG, "", seen.stalled_s, f"rank {self.topology.rank}", step=seen.last_step))
 
     def _announce(self, failure: SilentFailure) -> None:
         try:
@@ -262,73 +271,71 @@ class Health:
         if not self._ending.acquire(blocking=False):
             return  # ending already
         self._arm_backstop(failure)
-        speaks = False
+        speaks_for = None
         if failure.cause == HANG:
-            failure, speaks = self._report_hang(failure, alone=alone)
-        self.end(failure, speaks)
+            failure, speaks_for = self._report_hang(failure, alone=alone)
+            self._failure = failure
+        self.end(failure, speaks_for)
 
     def _arm_backstop(self, failure: SilentFailure) -> None:
         """From now on the process ends within END_WITHIN_S, whatever the end path blocks on."""
-        if self._backstop is None:
-            self._backstop = threading.Thread(
-                target=self._last_resort, args=(failure,), name="spotguard-end-backstop", daemon=True
-            )
-            self._backstop.start()
+        if self._failure is None:
+            self._failure = failure
+            threading.Thread(target=self._last_resort, name="spotguard-end-backstop", daemon=True).start()
 
-    def _last_resort(self, failure: SilentFailure) -> None:
+    def _last_resort(self) -> None:
         time.sleep(END_WITHIN_S)
-        self.end_now(failure)
+        assert self._failure is not None
+        self.end_now(self._failure)  # as judged by then: a repeated hang's backstop keeps its code
 
-    def _report_hang(self, failure: SilentFailure, *, alone: bool) -> tuple[SilentFailure, bool]:
-        """Every rank's stacks in its log, and (through the store) the judge's verdict; whether this rank
-        judged in rank 0's place."""
-        stacks.log_all_stacks(f"rank {self.topology.rank}, the job hung: no step for {failure.noticed_after_s:.1f} s")
+    def _report_hang(self, failure: SilentFailure, *, alone: bool) -> tuple[SilentFailure, str | None]:
+        """The judge's verdict (through the store), then every rank's stacks in its log; whether this rank
+        judged in rank 0's place (rank 0's ledger segment), else None."""
         mine = stacks.report(self.topology.rank, self.last_step())
-        if alone or self._conn is None:
-            return failure, False
-        try:
-            verdict, speaks = self._gather(mine)
-        except Exception as exc:  # noqa: BLE001 - the stacks are in the log: end without the verdict
-            log.warning("could not gather the hang's report: %s: %s", type(exc).__name__, exc)
-            return failure, False
+        verdict, speaks_for = None, None
+        if not alone and self._conn is not None:
+            try:
+                verdict, speaks_for = self._gather(mine)
+            except Exception as exc:  # noqa: BLE001 - the stacks go to the log: end without the verdict
+                log.warning("could not gather the hang's report: %s: %s", type(exc).__name__, exc)
+        stacks.log_all_stacks(f"rank {self.topology.rank}, the job hung: no step for {failure.noticed_after_s:.1f} s")
         if verdict is None:
-            return failure, False
-        return dataclasses.replace(failure, culprit=verdict.culprit, repeated=verdict.repeated), speaks
+            return failure, None
+        judged = dataclasses.replace(failure, culprit=verdict.culprit, repeated=verdict.repeated, step=verdict.step)
+        return judged, speaks_for
 
-    def _gather(self, mine: stacks.RankReport) -> tuple[Verdict | None, bool]:
-        """Rank 0 judges once every line is in (or GATHER_S passed); any other rank, once no verdict came
-        GATHER_S later, claims the judging (a frozen rank 0 must not leave the job unjudged)."""
+    def _gather(self, mine: stacks.RankReport) -> tuple[Verdict | None, str | None]:
+        """Rank 0 judges once every line is in (or GATHER_S passed); any other rank, once no verdict came by
+        its CLAIM_S, claims the judging (a frozen rank 0 must not leave the job unjudged)."""
         assert self._conn is not None
         conn = self._conn
-        store, key, world = conn.store, self._prefix + "hang/", self.topology.world_size
+        store, key, world, rank = conn.store, self._prefix + "hang/", self.topology.world_size, self.topology.rank
         store.append(key + "reports", mine.to_json() + "\n")
         if store.add(key + "arrived", 1) == world:
             store.set(key + "all", "1")
-        if self.topology.rank != 0:
-            raw = conn.get(key + "verdict", 2 * GATHER_S)
-            if raw is not None:
-                return Verdict.from_json(raw), False
-            if store.compare_set(key + "judge", "", str(self.topology.rank)) != str(self.topology.rank).encode():
-                raw = conn.get(key + "verdict", GATHER_S)  # another rank judges
-                return (Verdict.from_json(raw) if raw is not None else None), False
-            log.warning("rank 0 gave no verdict on the hang: rank %d judges in its place", self.topology.rank)
-        else:
+        if rank == 0:
             conn.get(key + "all", GATHER_S)
-            if store.compare_set(key + "judge", "", "0") != b"0":  # too late: another rank judges
-                raw = conn.get(key + "verdict", GATHER_S)
-                return (Verdict.from_json(raw) if raw is not None else None), False
-        verdict = self._judge(conn.get_now(key + "reports") or b"", world)
-        store.set(key + "verdict", verdict.to_json())
-        return verdict, self.topology.rank != 0
-
-    def _judge(self, raw: bytes, world: int) -> Verdict:
-        reports = [stacks.RankReport.from_json(line) for line in raw.decode().splitlines() if line]
+        else:
+            raw = conn.get(key + "verdict", CLAIM_S[rank >= ranks_per_node()])
+            if raw is not None:
+                return Verdict.from_json(raw), None
+        if store.compare_set(key + "judge", "", str(rank)) != str(rank).encode():  # another rank judges
+            raw = conn.get(key + "verdict", 2 * GATHER_S)
+            return (Verdict.from_json(raw) if raw is not None else None), None
+        raw = (conn.get_now(key + "reports") or b"").decode()
+        reports = [stacks.RankReport.from_json(line) for line in raw.splitlines() if line]
         ranks, why = stacks.culprits(reports, world)
+        steps = [r.last_step for r in reports if r.last_step is not None]
+        step = max(steps, default=None)
+        before = self.previous_end() if rank == 0 else None
+        repeated = step is not None and before is not None and before.cause == HANG and before.last_step == step
+        segment = "" if rank == 0 else (conn.get_now(self._prefix + "segment") or b"").decode()
+        verdict = Verdict(", ".join(f"rank {r}" for r in ranks), repeated, step, segment)
+        store.set(key + "verdict", verdict.to_json())  # before any log line: the others' ends wait for it
+        if rank != 0:
+            log.warning("rank 0 gave no verdict on the hang: rank %d judged in its place", rank)
         lines = [f"  rank {r.rank:>5}  last step {r.last_step}  {'waits in torch' if r.in_torch else 'in'} {r.where}"
                  for r in sorted(reports, key=lambda r: r.rank)]  # fmt: skip
-        named = ", ".join(f"rank {r}" for r in ranks)
-        log.error("hang report of %d rank(s); %s: %s\n%s", len(reports), named or "no culprit", why, "\n".join(lines))
-        steps = [r.last_step for r in reports if r.last_step is not None]
-        before = self.previous_end()
-        repeated = bool(steps) and before is not None and before.cause == HANG and before.last_step == max(steps)
-        return Verdict(culprit=named, repeated=repeated)
+        log.error("hang report of %d rank(s); %s: %s\n%s", len(reports), verdict.culprit or "no culprit", why,
+                  "\n".join(lines))  # fmt: skip
+        return verdict, (None if rank == 0 else segment)

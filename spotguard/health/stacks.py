@@ -63,7 +63,7 @@ def culprits(reports: list[RankReport], world_size: int) -> tuple[tuple[int, ...
     if world_size == 1:
         return (0,), "the only rank"
     steps = [r.last_step if r.last_step is not None else -1 for r in reports]
-    behind = [r.rank for r, s in zip(reports, steps) if s < max(steps)]
+    behind = [r.rank for r, s in zip(reports, steps) if s < max(steps, default=-1)]
     if behind:
         return tuple(sorted(behind)), "behind the others"
     outside = [r.rank for r in reports if not r.in_torch]

@@ -85,7 +85,8 @@ class Coordination:
         self.notice: Notice | None = None  # the last interruption announced to this rank
         # The nodes whose interruption is being handled: their silence is no loss (until a round without them aborts).
         self.departing: set[str] = set()
-        listen = Connection.of(store)  # the listener blocks on it; the agreement runs on the listener thread too
+        # The listener blocks on it; the agreement and a hang's report run on the listener thread too.
+        self.listener = listen = Connection.of(store)
         self.broadcast = Broadcast(store, prefix, self._on_event, rank=topology.rank, connection=listen)
         self.agreement = StepAgreement(listen, prefix, topology.rank, topology.world_size, node=topology.node)
         # Where leaving ranks and survivors meet at an emergency (the training thread waits on it): made now,
