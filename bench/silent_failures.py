@@ -1,6 +1,6 @@
 """Silent failures: how long a job whose node froze, or whose rank hung, takes to end, with no notice.
 
-    python bench/silent_failures.py [--trials 10] [--hang-timeout 60] [--parts freeze,hang] [--quick] [--json]
+    python bench/silent_failures.py [--trials 10] [--hang-timeout 60] [--parts freeze,hang,gil] [--quick] [--json]
 
 Three torchrun agents as nodes on 127.0.0.1 (spotguard.demo.localnodes: static rendezvous hosted by
 node 0, one worker per node, gloo), each with its own snapshot dir (SPOTGUARD_SNAPSHOT_EVERY=5).
@@ -22,6 +22,13 @@ node 0, one worker per node, gloo), each with its own snapshot dir (SPOTGUARD_SN
           step every rank completed: rank 1 is stuck from then on) to the last worker's exit file
           "at" and the last agent's exit. Every exit file must say cause "hang", culprit "rank 1",
           and node 1's output must hold its stack ("in next_batch"). One trial.
+
+  gil     no failure at all, a false alarm to avoid: tests/silent_worker.py with every setting at its
+          default, node 1's worker keeps its GIL for --gil-s (60) seconds in one C call after step 10
+          (as a backtracking regex or a sort of tens of millions of floats does; nothing of that
+          process runs meanwhile), three times peer_timeout_s. The job must run to its end: every
+          worker exits 0 and no exit file is written. One trial; its wall time against the same run
+          without the hold, in the same process (the hold's cost is the hold itself).
 
 The limit, in the same run: the configured timeout itself (a silence, or a stall, cannot be called
 a failure before it has lasted that long): worst / timeout. The baseline without spotguard is a
@@ -62,6 +69,7 @@ DEFAULT_PEER_TIMEOUT_S = 20.0  # spotguard's default (options.DEFAULT_PEER_TIMEO
 GLOO_TIMEOUT_S = 1800.0  # the baseline: gloo's default collective timeout (a constant, not measured)
 SETTINGS = (("default (20 s)", None, 30.0), ("peer_timeout_s=5", 5.0, 10.0))  # (name, env value, goal s)
 HANG_GOAL_S = 120.0
+GIL_ARGS = ["--steps", "40", "--hold-gil-rank", "1", "--hold-gil-at", "10"]
 POLL_S = 0.02
 
 
@@ -192,6 +200,27 @@ def hang_trial(hang_timeout: float, timeout_s: float) -> dict[str, Any]:
     }
 
 
+def gil_trial(hold_s: int) -> dict[str, Any]:
+    """Node 1's worker holds its GIL for `hold_s` s, then the same run without it: the job ends well both times."""
+    runs = []
+    for seconds in (hold_s, 0):
+        with tempfile.TemporaryDirectory(prefix="spotguard-silent-") as tmp:
+            started = time.monotonic()
+            nodes = localnodes.start_nodes(3, SILENT, str(Path(tmp) / "ckpt"), Path(tmp),
+                                           [*GIL_ARGS, "--hold-gil-s", str(seconds)], ENV)  # fmt: skip
+            try:
+                codes = [node.finish(hold_s + 240) for node in nodes]
+                files = exit_files(nodes)
+            finally:
+                localnodes.stop_all(nodes)
+            runs.append({"codes": codes, "exit_files": files, "took_s": round(time.monotonic() - started, 2),
+                         "tails": [node.tail(15) for node in nodes]})  # fmt: skip
+    problems = [f"hold {s} s: codes {r['codes']}, exit files {r['exit_files']}" for s, r in zip((hold_s, 0), runs)
+                if r["codes"] != [0, 0, 0] or any(r["exit_files"])]  # fmt: skip
+    return {"took_s": runs[0]["took_s"], "baseline_s": runs[1]["took_s"], "ok": not problems, "problems": problems,
+            "tails": runs[0]["tails"] if problems else None}  # fmt: skip
+
+
 def stopped_at(node: localnodes.LocalNode, step: int) -> float:
     """When node's line for `step` arrived (monotonic)."""
     for line, when in zip(list(node.lines), list(node.arrived)):
@@ -210,15 +239,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--trials", type=int, default=10, help="frozen-node trials per setting (default 10)")
     parser.add_argument("--hang-timeout", type=float, default=60.0, help="SPOTGUARD_HANG_TIMEOUT of the hang (60)")
-    parser.add_argument("--parts", default="freeze,hang", help="comma-separated subset of freeze,hang")
+    parser.add_argument("--parts", default="freeze,hang,gil", help="comma-separated subset of freeze,hang,gil")
+    parser.add_argument("--gil-s", type=int, default=60, help="how long node 1 keeps its GIL in the gil part (60)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: 2 frozen-node trials per setting")
     parser.add_argument("--json", action="store_true", help="one JSON document with every trial")
     args = parser.parse_args()
     if args.quick:
         args.trials = 2
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
-    if not parts or parts - {"freeze", "hang"}:
-        parser.error(f"--parts takes a subset of freeze,hang, got {args.parts!r}")
+    if not parts or parts - {"freeze", "hang", "gil"}:
+        parser.error(f"--parts takes a subset of freeze,hang,gil, got {args.parts!r}")
     for name in ("SPOTGUARD_PEER_TIMEOUT", "SPOTGUARD_HANG_TIMEOUT"):
         os.environ.pop(name, None)
 
@@ -244,9 +274,18 @@ def main() -> int:
               file=sys.stderr, flush=True)  # fmt: skip
         for tail in hang["tails"] or []:
             print(tail, file=sys.stderr, flush=True)
+    gil = None
+    if "gil" in parts:
+        gil = gil_trial(args.gil_s)
+        print(f"gil, node 1 held its GIL {args.gil_s} s: run {gil['took_s']} s against {gil['baseline_s']} s without"
+              + ("" if gil["ok"] else f"  FAILED: {'; '.join(gil['problems'])}"), file=sys.stderr, flush=True)
+        for tail in gil["tails"] or []:
+            print(tail, file=sys.stderr, flush=True)
     elapsed = time.monotonic() - started
 
     rows, verdicts = [], []
+    if gil is not None:
+        verdicts.append(gil["ok"])
 
     def judge(failure: str, trials: list[dict[str, Any]], limit: float, goal: float) -> None:
         """Two rows (workers, agents) of one failure; the goal is judged on the worst agent exit."""
@@ -275,7 +314,7 @@ def main() -> int:
         print(json.dumps({
             "trials": args.trials, "hang_timeout_s": args.hang_timeout, "elapsed_s": round(elapsed, 1),
             "cpus": os.cpu_count(), "python": platform.python_version(), "gloo_timeout_s": GLOO_TIMEOUT_S,
-            "freeze": freeze, "hang": hang, "pass": all(verdicts),
+            "freeze": freeze, "hang": hang, "gil": gil, "pass": all(verdicts),
         }, indent=2))  # fmt: skip
     else:
         print(f"silent failures, 3 torchrun nodes on 127.0.0.1 (1 worker each, gloo); {os.cpu_count()} CPUs, "
@@ -284,6 +323,11 @@ def main() -> int:
             ["failure, setting", "last survivor's", "trials", "min s", "median s", "max s", "timeout s (limit)",
              "max / timeout", "gloo 30 min / max", "goal s", "result"], rows,
         ))  # fmt: skip
+        if gil is not None:
+            print(f"node 1's worker kept its GIL {args.gil_s} s in one C call, every setting at its default "
+                  f"(peer_timeout_s {DEFAULT_PEER_TIMEOUT_S:g} s): {'no false alarm, every worker exited 0' if gil['ok'] else 'FAIL'}"
+                  f" (run {gil['took_s']} s, the same run without the hold {gil['baseline_s']} s: "
+                  f"{gil['took_s'] - gil['baseline_s']:.1f} s more)")  # fmt: skip
         for name, trials in freeze.items():
             silences = [r["noticed_after_s"] for r in trials if r["noticed_after_s"] is not None]
             if silences:

@@ -1,10 +1,12 @@
 """A DDP job under torchrun for the silent-failure tests and bench: training that pauses where asked
 (a long step, an evaluation declared or not, on every rank or on one while the others wait for it in
-the next step's allreduce), or one rank that hangs in its data loading."""
+the next step's allreduce, one C call that keeps a rank's GIL), or one rank that hangs in its data
+loading."""
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import logging
 import os
@@ -66,6 +68,9 @@ def main() -> None:
     parser.add_argument("--declare", action="store_true", help="the evaluation is declared with guard.long_phase")
     parser.add_argument("--eval-rank", type=int, default=-1, help="only this rank evaluates (the others wait)")
     parser.add_argument("--slow-state-s", type=float, default=0.0, help="each save takes this long on the loop")
+    parser.add_argument("--hold-gil-rank", type=int, default=-1, help="this rank keeps its GIL in one C call ...")
+    parser.add_argument("--hold-gil-at", type=int, default=-1, help="... after this step ...")
+    parser.add_argument("--hold-gil-s", type=int, default=0, help="... for this many seconds")
     args = parser.parse_args()
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -91,6 +96,8 @@ def main() -> None:
                 print(json.dumps({"step": step, "pid": os.getpid()}), flush=True)
             if guard.step(step, state):
                 break
+            if step == args.hold_gil_at and rank == args.hold_gil_rank:
+                ctypes.PyDLL(None).sleep(args.hold_gil_s)  # PyDLL keeps the GIL: no thread of this process runs
             if step == args.eval_at and args.eval_rank in (-1, rank):
                 if args.declare:
                     with guard.long_phase(args.eval_s + 5, "evaluation"):
