@@ -40,6 +40,7 @@ class GoodputRecorder:
         self._history_read = False
         self._history: tuple[int, float] | None = None  # (interruptions, hours) the ledger's history holds
         self._followers: list[Cadence] = []  # the cadences fed with it (the saves' and the snapshots')
+        self.on_open: Callable[[str], None] = lambda segment: None  # told rank 0's ledger segment once open
         if cadence is not None:
             cadence.on_change = self._on_cadence
 
@@ -48,6 +49,7 @@ class GoodputRecorder:
     ) -> None:
         """Rank 0's ledger, and this segment's first record."""
         self._ledger = Ledger(store, progress=progress)
+        self.on_open(self._ledger.segment)
         self._ledger.record(
             records.Start(
                 world_size=where.world_size,

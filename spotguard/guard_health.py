@@ -22,7 +22,7 @@ from spotguard.checkpoint.comm import ranks_per_node
 from spotguard.ending import elastic
 from spotguard.ending.exit_policy import NO_RESTART_EXIT_CODE, ExitPolicy
 from spotguard.goodput import GoodputRecorder
-from spotguard.health.monitor import PEER_LOST, Health, SilentFailure
+from spotguard.health.monitor import PEER_LOST, Ending, Health, SilentFailure
 from spotguard.job.coordination import Coordination
 from spotguard.job.topology import Topology
 from spotguard.options import HealthOptions
@@ -61,6 +61,7 @@ class GuardHealth:
             hang_timeout_s=options.hang_timeout_s,
             beats=lambda: self.beats,
             last_step=last_step,
+            record=self._record,
             end=self._end,
             end_now=self._end_now,
             previous_end=goodput.previous_end,
@@ -69,6 +70,7 @@ class GuardHealth:
 
     def start(self, store: dist.Store, coordination: Coordination) -> None:
         """Once the coordination listens (`Coordination(on_silent=health.monitor.on_event)`)."""
+        self._goodput.on_open = self.monitor.publish_segment  # a ledger opened later (a stated topology)
         self.monitor.start(
             store,
             coordination.prefix,
@@ -88,29 +90,37 @@ class GuardHealth:
     def _code(self, failure: SilentFailure) -> int:
         return NO_RESTART_EXIT_CODE if failure.repeated else self._exit.lost_exit_code
 
-    def _end(self, failure: SilentFailure, speaks_for: str | None) -> None:
-        """A silent failure's end, on the thread that concluded it (the training thread is stuck): the exit
-        file, the ledger and the agent's withdrawal first (a log write may block on a full pipe), then the
-        process ends with `lost_exit_code`, whatever `exit_code` says, or NO_RESTART_EXIT_CODE for a
-        repeated hang. `speaks_for`: rank 0's ledger segment, when this rank judged in its place: it writes
-        its node's exit file and the end's ledger records."""
+    def _record(self, ending: Ending) -> None:
+        """What a silent end leaves behind, before any log line (a log write may block on a full pipe): the
+        exit file, the ledger's records, the agent's withdrawal. A rank that judged a hang in rank 0's place
+        writes its node's exit file and the end into rank 0's ledger segment."""
+        failure = ending.failure
         code = self._code(failure)
         self._exit.record(code, committed=False, step=None, leaving=False, cause=failure.cause,
-                          culprit=failure.culprit, for_node=speaks_for is not None)  # fmt: skip
-        if speaks_for is not None:
-            self._goodput.open_for_the_end(self._ledger_store(), speaks_for)
-        self._goodput.silent_failure(failure, code, last_step=self._last_step())
+                          culprit=failure.culprit, for_node=ending.speaks_for is not None)  # fmt: skip
+        if ending.speaks_for is not None:
+            self._goodput.open_for_the_end(self._ledger_store(), ending.speaks_for)
+        if ending.ledger:
+            self._goodput.silent_failure(failure, code, last_step=self._last_step())
         self._goodput.close(timeout_s=2.0)
         self._exit.withdrawal = self._withdrawal(failure)
-        self._exit.leave_agent()  # survivors fewer than min_nodes, or a repeated hang: no restart
+        self._exit.leave_agent(quiet=True)  # survivors fewer than min_nodes, or a repeated hang: no restart
+
+    def _end(self, ending: Ending) -> None:
+        """A silent failure's end, once recorded, on the thread that concluded it (the training thread is
+        stuck): the process ends with `lost_exit_code`, whatever `exit_code` says, or NO_RESTART_EXIT_CODE
+        for a repeated hang."""
+        failure, code = ending.failure, self._code(ending.failure)
         self._timeline.add(
             "silent-failure",
             cause=failure.cause,
             culprit=failure.culprit or "-",
             noticed_after_s=failure.noticed_after_s,
         )
+        if self._exit.withdrawal:
+            log.warning("leaving the elastic job: %s; stopped this node's torchrun agent", self._exit.withdrawal)
         if failure.repeated:
-            step = self._last_step()
+            step = failure.step
             log.error(
                 "%s: the job ended the same way at step %s before; ending with code %d, not asking to be restarted. "
                 "If step %s is followed by a long phase, declare it (guard.long_phase(seconds), or guard.heartbeat() "
@@ -133,14 +143,14 @@ class GuardHealth:
             reclaimed=False, leaving=False, ranks_left=self._topology.world_size - lost, at_least=self._min_nodes
         )
 
-    def _end_now(self, failure: SilentFailure) -> None:
+    def _end_now(self, ending: Ending) -> None:
         """The backstop's end, when the end above is held up (a log write on a full pipe, a store that does
-        not answer): the exit file and the exit, nothing that can block."""
-        code = self._code(failure)
+        not answer): the exit file and the exit, nothing that can block for long."""
         try:
-            self._exit.record(code, committed=False, step=None, leaving=False, cause=failure.cause,
-                              culprit=failure.culprit, quiet=True)  # fmt: skip
-            self._exit.withdrawal = self._withdrawal(failure)
+            self._exit.record(self._code(ending.failure), committed=False, step=None, leaving=False,
+                              cause=ending.failure.cause, culprit=ending.failure.culprit,
+                              for_node=ending.speaks_for is not None, quiet=True)  # fmt: skip
+            self._exit.withdrawal = self._withdrawal(ending.failure)
             self._exit.leave_agent(quiet=True)
         finally:
-            os._exit(code)
+            os._exit(self._code(ending.failure))

@@ -125,7 +125,7 @@ class Ledger:
         except Exception as exc:  # noqa: BLE001 - the ledger is never fatal
             log.warning("could not read the goodput ledger in %s: %s", self.store.url, exc)
         self._history_ready.set()
-        if isinstance(self.store, LocalStore):
+        if isinstance(self.store, LocalStore) and not self._tail:
             self._end_torn_line()
         next_beat = time.monotonic() + self._heartbeat_s
         while True:
@@ -161,7 +161,8 @@ class Ledger:
         lines = [json.dumps(record.to_json(), separators=(",", ":")) + "\n" for record in batch]
         try:
             if isinstance(self.store, LocalStore):
-                self.store.append_bytes(LEDGER_NAME, "".join(lines).encode())
+                lead = "\n" if self._tail else ""  # ends a line its stuck writer may have torn (read: blank, skipped)
+                self.store.append_bytes(LEDGER_NAME, (lead + "".join(lines)).encode())
             else:
                 self._lines += lines
                 part = ("" if self._object == 1 else f".{self._object}") + (".end" if self._tail else "")

@@ -23,7 +23,8 @@ ENDED = ("declared lost", "silent-failure", "the job hung")
 
 
 def ledger(tmp: Path) -> list[dict]:
-    return [json.loads(line) for line in (tmp / "ckpt" / "spotguard-ledger.jsonl").read_text().splitlines()]
+    lines = (tmp / "ckpt" / "spotguard-ledger.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]  # a record in rank 0's place starts a line
 
 
 def one_node(tmp: Path, args: list[str], env: dict[str, str], **kwargs) -> localnodes.LocalNode:
@@ -93,6 +94,8 @@ def test_a_frozen_rank_0_is_named_and_the_end_recorded_by_another_rank(tmp_path)
     assert "hang report of 1 rank(s); rank 0: did not answer (every thread stuck)" in text
     assert (ended["exit_code"], ended["cause"], ended["culprit"]) == (75, "hang", "rank 0")
     assert [(r["cause"], r["culprit"]) for r in silent] == [("hang", "rank 0")]
+    segments = {r["segment"] for r in ledger(tmp_path)}
+    assert len(segments) == 1  # recorded into rank 0's segment, after its records
 
 
 FULL_PIPE = textwrap.dedent(

@@ -505,8 +505,8 @@ def test_a_hangs_report_opens_no_connection_and_a_slow_one_blames_nobody():
         store = SlowToConnect(server.clone(), rank)
         health = monitor.Health(
             explicit(rank, 2, local=0, node=f"node-{rank}"), peer_timeout_s=0, hang_timeout_s=0, beats=lambda: 10,
-            last_step=lambda: 9, end=lambda failure, judged, rank=rank: ended.setdefault(rank, failure),
-            end_now=lambda failure: None,
+            last_step=lambda: 9, record=lambda ending: None,
+            end=lambda ending, rank=rank: ended.setdefault(rank, ending.failure), end_now=lambda ending: None,
         )  # fmt: skip
         health.start(store, PREFIX, connections=(Connection.of(store), Connection.of(store)),
                      publish=lambda event: True, listening=lambda: True, excused=lambda node: False)  # fmt: skip
@@ -526,9 +526,10 @@ def test_a_hangs_report_opens_no_connection_and_a_slow_one_blames_nobody():
 
 def test_a_phase_declared_on_one_rank_holds_the_others_until_it_ends_and_no_longer():
     """Two ranks (threads around one TCPStore), hang_timeout_s=1. Rank 0 declares a phase of 30 s after
-    step 5 and rank 1, waiting for it, stops stepping too: no hang while the phase runs. The phase ends (its
-    `with` block), both step once more, then both stop: the phase, over, holds nobody, so both see the hang
-    within seconds (not after its 30 s: a framework declares an hour around each of its saves)."""
+    step 5 and rank 1, waiting for it one step further on, stops stepping too: no hang while the phase
+    runs. The phase ends with its `with` block; another one, declared without `with` as the framework
+    callbacks do, ends when rank 0 steps on; then both stop: no phase holds anybody, so both see the
+    hang within seconds (not after 30 s: a framework declares an hour around each of its saves)."""
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     beats, hung = [6, 6], []
     ranks = []
@@ -537,7 +538,7 @@ def test_a_phase_declared_on_one_rank_holds_the_others_until_it_ends_and_no_long
         health = monitor.Health(
             explicit(rank, 2, local=0, node=f"node-{rank}"), peer_timeout_s=0, hang_timeout_s=1,
             beats=lambda rank=rank: beats[rank], last_step=lambda rank=rank: beats[rank] - 1,
-            end=lambda failure, judged: None, end_now=lambda failure: None,
+            record=lambda ending: None, end=lambda ending: None, end_now=lambda ending: None,
         )  # fmt: skip
         health.start(store, PREFIX, connections=(Connection.of(store), Connection.of(store)),
                      publish=lambda event: hung.append((event["seen_by"], time.monotonic())) or True,
@@ -546,9 +547,13 @@ def test_a_phase_declared_on_one_rank_holds_the_others_until_it_ends_and_no_long
     try:
         ranks[0].allow(30)
         with ranks[0].phase():
+            beats[1] = 7  # rank 1 reported one step more before it waits (an asynchronous backend)
             time.sleep(4)
             assert hung == []  # rank 1 waits for rank 0's phase: it is the job's
-        beats[:] = [7, 7]  # both step once more after it
+        ranks[0].allow(30)  # declared without `with` (as the framework callbacks do): the next step ends it
+        time.sleep(2)
+        assert hung == []
+        beats[0] = 7  # rank 0 steps past its phase; rank 1, already there, waits on
         stopped = time.monotonic()
         time.sleep(6)
         assert sorted(who for who, _ in hung) == ["rank 0", "rank 1"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,6 +31,7 @@ AUTO_FLOOR_S = 420.0
 AUTO_CEILING_S = 570.0
 AUTO_GAP_FACTOR = 5.0
 MAX_CHECK_S = 5.0  # how late a hang may be seen, at most, past its timeout
+JOB_ASK_S = 30.0  # a stalled rank asks the job again at least this often (and every quarter of its timeout)
 FRAMEWORK_PHASE_S = 3600.0  # a framework's own work between two steps (its checkpoint, its end): not timed before
 
 
@@ -54,6 +56,7 @@ class HangWatch:
         last_step: Callable[[], int | None],
         on_hang: Callable[[HangSeen], None],
         job_progress: Callable[[], float | None] = lambda: None,
+        on_phase_over: Callable[[], None] = lambda: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.fixed = None if timeout == AUTO else float(timeout)
@@ -61,6 +64,7 @@ class HangWatch:
         self.last_step = last_step
         self.on_hang = on_hang
         self.job_progress = job_progress
+        self.on_phase_over = on_phase_over  # a step ended the phase this rank declared (on the watch's thread)
         self.clock = clock
         self.longest_gap_s = 0.0  # between two steps, phases declared long and spotguard's own work left out
         self._seen = 0  # beats at the last look
@@ -69,6 +73,9 @@ class HangWatch:
         self._busy = 0
         self._allowed_until = 0.0
         self._allowed_after = 0  # the beats when the phase was declared: the next step after them ends it
+        self._declared = False  # this rank declared a phase that no step has ended yet
+        self._job_said: float | None = None  # until when the job's phases and heartbeats allow, as last asked
+        self._job_asked_at = -math.inf
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -86,7 +93,7 @@ class HangWatch:
         with self._lock:
             self._allowed_until = max(self._allowed_until, self.clock() + seconds)
             self._allowed_after = self.beats()
-            self._excused = True
+            self._excused = self._declared = True
 
     def alive(self) -> None:
         """The loop works without a training step (an evaluation batch): the timer starts again. Before the
@@ -103,7 +110,7 @@ class HangWatch:
             yield
         finally:
             with self._lock:
-                self._allowed_until = 0.0
+                self._allowed_until, self._declared = 0.0, False
                 self._progress_at = self.clock()
 
     @contextlib.contextmanager
@@ -129,22 +136,29 @@ class HangWatch:
                 if self._seen and not self._excused:
                     self.longest_gap_s = max(self.longest_gap_s, now - self._progress_at)
                 self._seen, self._progress_at, self._excused = beats, now, False
+                self._job_asked_at = -math.inf  # what the job said was about the step before
+                over = beats > self._allowed_after and self._declared
                 if beats > self._allowed_after:  # a step after the phase was declared ends it
-                    self._allowed_until = 0.0
-                return None
-            if self._busy:  # spotguard holds the loop: its time is not the loop's
+                    self._allowed_until, self._declared = 0.0, False
+                stalled = None
+            elif self._busy:  # spotguard holds the loop: its time is not the loop's
                 self._progress_at = now
                 return None
-            if not beats:  # not stepping yet: a resume, a first step that compiles
+            elif not beats:  # not stepping yet: a resume, a first step that compiles
                 return None
-            stalled = now - max(self._progress_at, self._allowed_until)
+            else:
+                stalled = now - max(self._progress_at, self._allowed_until)
+        if stalled is None:  # it stepped
+            if over:
+                self.on_phase_over()  # outside the lock: it queues a store write
+            return None
         timeout = self.timeout_s
         if stalled < timeout:
             return None
-        elsewhere = self.job_progress()  # asked only now: once per look while stalled
-        if elsewhere is not None and now - elsewhere < timeout:
+        if now - self._job_asked_at >= min(timeout / 4, JOB_ASK_S):  # asked only while stalled, and not each look
+            self._job_said, self._job_asked_at = self.job_progress(), now
+        if self._job_said is not None and now - self._job_said < timeout:
             with self._lock:
-                self._allowed_until = max(self._allowed_until, elsewhere)
                 self._excused = True  # another rank's phase is no step's length to learn from
             return None
         return HangSeen(last_step=self.last_step(), stalled_s=round(now - self._progress_at, 3), timeout_s=timeout)

@@ -5,9 +5,11 @@ rank 0 declares its phase (`guard.long_phase`) or beats (`guard.heartbeat`), yet
 too. So the declaring rank writes to the store until when the job may go without a step (wall clock:
 the ranks' monotonic clocks differ) and the step it declared after; a rank about to declare a hang reads
 that first. A phase only grows within its step (compare_set: a shorter one declared meanwhile on another
-rank never cuts a longer one), ends when its `with` block does (if it is still this rank's), and means
-nothing to a rank past its step, so a framework's hour-long allowance for its own save never outlives
-that save.
+rank never cuts a longer one) and ends, for the job as on the declaring rank, when its `with` block does
+or the declaring rank steps on, whichever comes first: a framework's hour-long allowance around its own
+save never outlives that save. A rank honours a phase declared at its own last step or the one before
+(a rank that waits for the declaring one may have reported one step more: the phase declared before the
+loop's `guard.step()`, or an asynchronous backend that blocks a step later), and no older one.
 
 Writes and reads run on a thread of their own, in order: the training thread never waits on the store,
 and a read that does not come within READ_WAIT_S (a store that stopped answering) counts as nothing said.
@@ -61,7 +63,7 @@ class JobPhase:
         self._conn = connection
         self._phase, self._alive = prefix + "phase", prefix + "alive"
         self._last_step = last_step
-        self._declared: Said | None = None  # the phase this rank wrote last (its thread only)
+        self._declared: list[str] = []  # the phases this rank declared that have not ended (its thread only)
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="spotguard-job-phase", daemon=True)
         self._thread.start()
@@ -75,7 +77,7 @@ class JobPhase:
         self._jobs.put((self._declare, mine))
 
     def ended(self) -> None:
-        """The phase declared last on this rank is over: the job goes on from now."""
+        """The phases this rank declared are over (as on this rank's own watch): the job goes on from now."""
         self._jobs.put((self._end, Said(time.time(), self._step())))
 
     def alive(self) -> None:
@@ -93,7 +95,7 @@ class JobPhase:
         except concurrent.futures.TimeoutError:
             return None
         step = self._step()
-        current = [s.until for s in said if s is not None and s.step >= step]
+        current = [s.until for s in said if s is not None and s.step >= step - 1]
         return max(current, default=None)
 
     # ---- its own thread --------------------------------------------------------------------------
@@ -113,7 +115,7 @@ class JobPhase:
         return -1 if step is None else step
 
     def _declare(self, mine: Said) -> None:
-        self._declared = mine
+        self._declared.append(mine.encode())
         self._raise(self._phase, mine)
 
     def _raise(self, key: str, mine: Said) -> None:
@@ -129,9 +131,12 @@ class JobPhase:
                 return
 
     def _end(self, now: Said) -> None:
-        if self._declared is not None:  # only if it is still this rank's: a longer one declared since stays
-            self._conn.store.compare_set(self._phase, self._declared.encode(), now.encode())
-            self._declared = None
+        if not self._declared:
+            return
+        current = self._conn.get_now(self._phase)
+        if current is not None and current.decode() in self._declared:  # another rank's longer one stays
+            self._conn.store.compare_set(self._phase, current.decode(), now.encode())
+        self._declared.clear()
 
     def _read(self, answer: concurrent.futures.Future[list[Said | None]]) -> None:
         answer.set_result([Said.decode(self._conn.get_now(key)) for key in (self._phase, self._alive)])

@@ -71,6 +71,15 @@ class SilentFailure:
 
 
 @dataclasses.dataclass(frozen=True)
+class Ending:
+    """How this rank ends a failure (crosses from the thread that concluded it to the guard's end)."""
+
+    failure: SilentFailure  # as judged, for a hang
+    speaks_for: str | None = None  # rank 0's ledger segment, when this rank judged in its place ("": unknown)
+    ledger: bool = True  # False: rank 0 lost the judging to a rank that records the end in its place
+
+
+@dataclasses.dataclass(frozen=True)
 class PreviousEnd:
     """How the job's previous start ended, when a silent failure ended it (the ledger's record)."""
 
@@ -96,9 +105,9 @@ class Verdict:
 
 
 class Health:
-    """`end(failure, speaks_for)` ends this process (it does not return; `speaks_for`: rank 0's ledger
-    segment when this rank judged a hang in its place and records the end for the job, else None);
-    `end_now(failure)` is the backstop's end: the exit file and the exit, nothing that can block.
+    """`record(ending)` writes what a silent end leaves behind (the exit file, the ledger, the agent's
+    withdrawal) and writes nothing to the log; `end(ending)` then says why in the log and ends this
+    process (it does not return); `end_now(ending)` is the backstop's: `record` and the exit, nothing more.
     `beats()` and `last_step()` read the loop's heartbeat (guard.step()); `previous_end()` says how the
     job's previous start ended, where this rank knows (the ledger's reader, rank 0); `segment()` is this
     rank's ledger segment (rank 0's, else ""). `peer_timeout_s` / `hang_timeout_s`: 0 switches that
@@ -112,13 +121,15 @@ class Health:
         hang_timeout_s: float | str,
         beats: Callable[[], int],
         last_step: Callable[[], int | None],
-        end: Callable[[SilentFailure, str | None], None],
-        end_now: Callable[[SilentFailure], None],
+        record: Callable[[Ending], None],
+        end: Callable[[Ending], None],
+        end_now: Callable[[Ending], None],
         previous_end: Callable[[], PreviousEnd | None] = lambda: None,
         segment: Callable[[], str] = lambda: "",
     ) -> None:
         self.topology = topology
         self.peer_timeout_s = peer_timeout_s
+        self.record = record
         self.end = end
         self.end_now = end_now
         self.last_step = last_step
@@ -128,7 +139,8 @@ class Health:
             None
             if not hang_timeout_s
             else HangWatch(
-                hang_timeout_s, beats=beats, last_step=last_step, on_hang=self._hang, job_progress=self._job_progress
+                hang_timeout_s, beats=beats, last_step=last_step, on_hang=self._hang, job_progress=self._job_progress,
+                on_phase_over=self._phase_over,
             )
         )
         self.liveness: Liveness | None = None
@@ -136,9 +148,10 @@ class Health:
         self._publish: Callable[[dict[str, Any]], bool] | None = None
         self._listening: Callable[[], bool] = lambda: False
         self._conn: Connection | None = None  # the listener's, made at the start: the report runs on its thread
+        self._short: Connection | None = None  # for short requests from any thread
         self._prefix = ""
         self._ending = threading.Lock()
-        self._failure: SilentFailure | None = None  # the failure being ended, as judged so far (the backstop's)
+        self._ending_now: Ending | None = None  # the end under way, as judged so far (the backstop's)
         self._alive_said = 0.0  # when this rank last told the job that its loop works without stepping
 
     def start(
@@ -156,7 +169,7 @@ class Health:
         (on_event runs on the listener thread). `publish` announces a failure to every rank's listener;
         `listening()`: whether this rank's still reads (after a rank left its guard none does, and this rank
         ends alone)."""
-        short, self._conn = connections
+        self._short, self._conn = connections
         self._prefix, self._publish, self._listening = f"{prefix}health/", publish, listening
         per_node, nodes = ranks_per_node(), node_count(self.topology.world_size)
         if nodes is None:
@@ -164,10 +177,14 @@ class Health:
         elif self.peer_timeout_s and nodes > 1 and self.topology.rank % per_node == 0:
             self._join_ring(store, prefix, excused, per_node, nodes)
         if self.hangs is not None:
-            self.job = JobPhase(short, self._prefix, self.last_step)
+            self.job = JobPhase(self._short, self._prefix, self.last_step)
             self.hangs.start()
-        if self.topology.rank == 0 and self.segment():  # where a judge in rank 0's place records the end
-            short.store.set(self._prefix + "segment", self.segment())
+        self.publish_segment(self.segment())
+
+    def publish_segment(self, segment: str) -> None:
+        """Rank 0's ledger segment, once open: where a judge in rank 0's place records the end."""
+        if self.topology.rank == 0 and segment and self._short is not None:
+            self._short.store.set(self._prefix + "segment", segment)
 
     def _join_ring(
         self, store: dist.Store, prefix: str, excused: Callable[[str], bool], per_node: int, nodes: int
@@ -200,7 +217,7 @@ class Health:
     def hold_if_ending(self) -> None:
         """A silent end under way owns the process's exit (its code, its records): a training thread that
         fails meanwhile (a collective whose peer just ended) waits here for it instead of exiting with 1."""
-        if self._failure is not None:
+        if self._ending_now is not None:
             threading.Event().wait()  # the end, or its backstop, ends the process within END_WITHIN_S
 
     def busy(self) -> contextlib.AbstractContextManager[None]:
@@ -232,6 +249,11 @@ class Health:
             with self.hangs.phase():
                 yield
         finally:
+            self.job.ended()
+
+    def _phase_over(self) -> None:
+        """The hang watch saw this rank step past the phase it declared: it is over for the job too."""
+        if self.job is not None:
             self.job.ended()
 
     # ---- the watches' threads --------------------------------------------------------------------
@@ -268,45 +290,53 @@ class Health:
         self._conclude(failure, alone=False)
 
     def _conclude(self, failure: SilentFailure, *, alone: bool) -> None:
+        """The records first, as judged (nothing on the way writes to the log), then the words, then the end."""
         if not self._ending.acquire(blocking=False):
             return  # ending already
         self._arm_backstop(failure)
-        speaks_for = None
+        words: list[str] = []
         if failure.cause == HANG:
-            failure, speaks_for = self._report_hang(failure, alone=alone)
-            self._failure = failure
-        self.end(failure, speaks_for)
+            mine = stacks.report(self.topology.rank, self.last_step())
+            ending, words = self._judged(failure, mine, alone=alone)
+            self._ending_now = ending
+        assert self._ending_now is not None
+        self.record(self._ending_now)
+        for line in words:
+            log.error("%s", line)
+        if failure.cause == HANG:
+            stacks.log_all_stacks(f"rank {self.topology.rank}, the job hung: no step for {failure.noticed_after_s:.1f} s")
+        self.end(self._ending_now)
 
     def _arm_backstop(self, failure: SilentFailure) -> None:
         """From now on the process ends within END_WITHIN_S, whatever the end path blocks on."""
-        if self._failure is None:
-            self._failure = failure
+        if self._ending_now is None:
+            self._ending_now = Ending(failure)
             threading.Thread(target=self._last_resort, name="spotguard-end-backstop", daemon=True).start()
 
     def _last_resort(self) -> None:
         time.sleep(END_WITHIN_S)
-        assert self._failure is not None
-        self.end_now(self._failure)  # as judged by then: a repeated hang's backstop keeps its code
+        assert self._ending_now is not None
+        self.end_now(self._ending_now)  # as judged by then: a repeated hang's backstop keeps its code
 
-    def _report_hang(self, failure: SilentFailure, *, alone: bool) -> tuple[SilentFailure, str | None]:
-        """The judge's verdict (through the store), then every rank's stacks in its log; whether this rank
-        judged in rank 0's place (rank 0's ledger segment), else None."""
-        mine = stacks.report(self.topology.rank, self.last_step())
-        verdict, speaks_for = None, None
-        if not alone and self._conn is not None:
-            try:
-                verdict, speaks_for = self._gather(mine)
-            except Exception as exc:  # noqa: BLE001 - the stacks go to the log: end without the verdict
-                log.warning("could not gather the hang's report: %s: %s", type(exc).__name__, exc)
-        stacks.log_all_stacks(f"rank {self.topology.rank}, the job hung: no step for {failure.noticed_after_s:.1f} s")
+    def _judged(self, failure: SilentFailure, mine: stacks.RankReport, *, alone: bool) -> tuple[Ending, list[str]]:
+        """The job's verdict on a hang (through the store), and the lines to log once it is recorded."""
+        if alone or self._conn is None:
+            return Ending(failure), []
+        try:
+            verdict, judge, words = self._gather(mine)
+        except Exception as exc:  # noqa: BLE001 - the stacks go to the log: end without the verdict
+            return Ending(failure), [f"could not gather the hang's report: {type(exc).__name__}: {exc}"]
         if verdict is None:
-            return failure, None
+            return Ending(failure), words
         judged = dataclasses.replace(failure, culprit=verdict.culprit, repeated=verdict.repeated, step=verdict.step)
-        return judged, speaks_for
+        rank = self.topology.rank
+        speaks_for = verdict.segment if judge == rank != 0 else None
+        return Ending(judged, speaks_for=speaks_for, ledger=not (rank == 0 and judge != 0)), words
 
-    def _gather(self, mine: stacks.RankReport) -> tuple[Verdict | None, str | None]:
-        """Rank 0 judges once every line is in (or GATHER_S passed); any other rank, once no verdict came by
-        its CLAIM_S, claims the judging (a frozen rank 0 must not leave the job unjudged)."""
+    def _gather(self, mine: stacks.RankReport) -> tuple[Verdict | None, int | None, list[str]]:
+        """The verdict, the rank that judged (None: unknown), and the report's lines to log. Rank 0 judges
+        once every line is in (or GATHER_S passed); any other rank, once no verdict came by its CLAIM_S,
+        claims the judging (a frozen rank 0 must not leave the job unjudged)."""
         assert self._conn is not None
         conn = self._conn
         store, key, world, rank = conn.store, self._prefix + "hang/", self.topology.world_size, self.topology.rank
@@ -318,24 +348,22 @@ class Health:
         else:
             raw = conn.get(key + "verdict", CLAIM_S[rank >= ranks_per_node()])
             if raw is not None:
-                return Verdict.from_json(raw), None
-        if store.compare_set(key + "judge", "", str(rank)) != str(rank).encode():  # another rank judges
+                return Verdict.from_json(raw), None, []
+        judge = int(store.compare_set(key + "judge", "", str(rank)))
+        if judge != rank:  # another rank judges
             raw = conn.get(key + "verdict", 2 * GATHER_S)
-            return (Verdict.from_json(raw) if raw is not None else None), None
-        raw = (conn.get_now(key + "reports") or b"").decode()
-        reports = [stacks.RankReport.from_json(line) for line in raw.splitlines() if line]
+            return (Verdict.from_json(raw) if raw is not None else None), judge, []
+        raw_reports = (conn.get_now(key + "reports") or b"").decode()
+        reports = [stacks.RankReport.from_json(line) for line in raw_reports.splitlines() if line]
         ranks, why = stacks.culprits(reports, world)
-        steps = [r.last_step for r in reports if r.last_step is not None]
-        step = max(steps, default=None)
+        step = max((r.last_step for r in reports if r.last_step is not None), default=None)
         before = self.previous_end() if rank == 0 else None
         repeated = step is not None and before is not None and before.cause == HANG and before.last_step == step
         segment = "" if rank == 0 else (conn.get_now(self._prefix + "segment") or b"").decode()
         verdict = Verdict(", ".join(f"rank {r}" for r in ranks), repeated, step, segment)
-        store.set(key + "verdict", verdict.to_json())  # before any log line: the others' ends wait for it
-        if rank != 0:
-            log.warning("rank 0 gave no verdict on the hang: rank %d judged in its place", rank)
+        store.set(key + "verdict", verdict.to_json())
         lines = [f"  rank {r.rank:>5}  last step {r.last_step}  {'waits in torch' if r.in_torch else 'in'} {r.where}"
                  for r in sorted(reports, key=lambda r: r.rank)]  # fmt: skip
-        log.error("hang report of %d rank(s); %s: %s\n%s", len(reports), verdict.culprit or "no culprit", why,
-                  "\n".join(lines))  # fmt: skip
-        return verdict, (None if rank == 0 else segment)
+        words = [] if rank == 0 else [f"rank 0 gave no verdict on the hang: rank {rank} judged in its place"]
+        words.append(f"hang report of {len(reports)} rank(s); {verdict.culprit or 'no culprit'}: {why}\n" + "\n".join(lines))
+        return verdict, rank, words
