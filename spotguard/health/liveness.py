@@ -34,7 +34,6 @@ from pathlib import Path
 import torch.distributed as dist
 
 from spotguard.checkpoint.handoff.wire import advertised_host
-from spotguard.health.beacon import BEAT, beat_interval  # noqa: F401 - BEAT: what a watcher hears, re-exported
 from spotguard.job.kvstore import IDLE_WAIT, Connection
 
 log = logging.getLogger(__name__)
