@@ -324,8 +324,9 @@ def main() -> int:
              "max / timeout", "gloo 30 min / max", "goal s", "result"], rows,
         ))  # fmt: skip
         if gil is not None:
+            outcome = "no false alarm, every worker exited 0" if gil["ok"] else "FAIL"
             print(f"node 1's worker kept its GIL {args.gil_s} s in one C call, every setting at its default "
-                  f"(peer_timeout_s {DEFAULT_PEER_TIMEOUT_S:g} s): {'no false alarm, every worker exited 0' if gil['ok'] else 'FAIL'}"
+                  f"(peer_timeout_s {DEFAULT_PEER_TIMEOUT_S:g} s): {outcome}"
                   f" (run {gil['took_s']} s, the same run without the hold {gil['baseline_s']} s: "
                   f"{gil['took_s'] - gil['baseline_s']:.1f} s more)")  # fmt: skip
         for name, trials in freeze.items():

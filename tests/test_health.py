@@ -23,8 +23,8 @@ import torch.distributed as dist
 from cloud_adapters.storage import LocalStore
 from spotguard.demo.processes import free_port
 from spotguard.health import monitor, stacks
-from spotguard.health.hangs import AUTO, AUTO_CEILING_S, AUTO_FLOOR_S, HangWatch
 from spotguard.health.beacon import BEAT, beat_interval
+from spotguard.health.hangs import AUTO, AUTO_CEILING_S, AUTO_FLOOR_S, HangWatch
 from spotguard.health.liveness import Liveness, PeerLoss
 from spotguard.job.kvstore import Connection
 from spotguard.job.topology import explicit

@@ -2,9 +2,10 @@
 
 Leaving the `with` block after an emergency exits with `exit_code` (143) when its checkpoint was
 committed where a new VM finds it, `lost_exit_code` (75) when not; `UNAVAILABLE_EXIT_CODE` (69)
-when committed checkpoints exist but cannot be read at resume; `NO_RESTART_EXIT_CODE` (78) when the job
-hung at the step its previous start hung at (restarting it would only end it there again). Launchers such as torchrun replace
-the workers' exit codes with their own, so the node leader also writes why the job ended to
+when committed checkpoints exist but cannot be read at resume; `NO_RESTART_EXIT_CODE` (78) when the
+job hung at the step its previous start hung at (restarting it would only end it there again).
+Launchers such as torchrun replace the workers' exit codes with their own, so the node leader also
+writes why the job ended to
 `$SPOTGUARD_EXIT_FILE` for a startup script to read.
 """
 

@@ -7,9 +7,9 @@ line to the report; rank 0 judges (the ranks that hold the others up, and whethe
 the job hung at the same step) or, when rank 0 does not answer, whichever other rank claims the judging;
 the other ranks read that verdict for their exit file; then every rank ends (`end`, given by the guard:
 the exit file, the ledger, the restart code). A judge other than rank 0 also records the end in rank 0's
-place; the ranks of rank 0's node claim the judging first, so that a judge writes that node's exit file. When the store does not take the announcement, the rank
-that saw the failure ends alone: its neighbours see its connections close and fail their collectives,
-or time out in turn.
+place; the ranks of rank 0's node claim the judging first, so that a judge writes that node's exit file.
+When the store does not take the announcement, the rank that saw the failure ends alone: its neighbours
+see its connections close and fail their collectives, or time out in turn.
 
 The end never waits on anything the training process may be stuck on: the report goes over the
 listener's store connection (made at the start; the report runs on the listener thread), every store
@@ -139,7 +139,11 @@ class Health:
             None
             if not hang_timeout_s
             else HangWatch(
-                hang_timeout_s, beats=beats, last_step=last_step, on_hang=self._hang, job_progress=self._job_progress,
+                hang_timeout_s,
+                beats=beats,
+                last_step=last_step,
+                on_hang=self._hang,
+                job_progress=self._job_progress,
                 on_phase_over=self._phase_over,
             )
         )
@@ -304,7 +308,8 @@ class Health:
         for line in words:
             log.error("%s", line)
         if failure.cause == HANG:
-            stacks.log_all_stacks(f"rank {self.topology.rank}, the job hung: no step for {failure.noticed_after_s:.1f} s")
+            why = f"rank {self.topology.rank}, the job hung: no step for {failure.noticed_after_s:.1f} s"
+            stacks.log_all_stacks(why)
         self.end(self._ending_now)
 
     def _arm_backstop(self, failure: SilentFailure) -> None:
@@ -365,5 +370,6 @@ class Health:
         lines = [f"  rank {r.rank:>5}  last step {r.last_step}  {'waits in torch' if r.in_torch else 'in'} {r.where}"
                  for r in sorted(reports, key=lambda r: r.rank)]  # fmt: skip
         words = [] if rank == 0 else [f"rank 0 gave no verdict on the hang: rank {rank} judged in its place"]
-        words.append(f"hang report of {len(reports)} rank(s); {verdict.culprit or 'no culprit'}: {why}\n" + "\n".join(lines))
+        named = verdict.culprit or "no culprit"
+        words.append(f"hang report of {len(reports)} rank(s); {named}: {why}\n" + "\n".join(lines))
         return verdict, rank, words
