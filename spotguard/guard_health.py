@@ -94,17 +94,24 @@ class GuardHealth:
         """What a silent end leaves behind, before any log line (a log write may block on a full pipe): the
         exit file, the ledger's records, the agent's withdrawal. A rank that judged a hang in rank 0's place
         writes its node's exit file and the end into rank 0's ledger segment."""
-        failure = ending.failure
-        code = self._code(failure)
-        self._exit.record(code, committed=False, step=None, leaving=False, cause=failure.cause,
-                          culprit=failure.culprit, for_node=ending.speaks_for is not None)  # fmt: skip
+        self._write_exit_file(ending)
         if ending.speaks_for is not None:
             self._goodput.open_for_the_end(self._ledger_store(), ending.speaks_for)
         if ending.ledger:
-            self._goodput.silent_failure(failure, code, last_step=self._last_step())
+            self._goodput.silent_failure(ending.failure, self._code(ending.failure), last_step=self._last_step())
         self._goodput.close(timeout_s=2.0)
-        self._exit.withdrawal = self._withdrawal(failure)
-        self._exit.leave_agent(quiet=True)  # survivors fewer than min_nodes, or a repeated hang: no restart
+        self._leave_agent(ending)
+
+    def _write_exit_file(self, ending: Ending, *, quiet: bool = False) -> None:
+        failure = ending.failure
+        self._exit.record(self._code(failure), committed=False, step=None, leaving=False, cause=failure.cause,
+                          culprit=failure.culprit, for_node=ending.speaks_for is not None, quiet=quiet)  # fmt: skip
+
+    def _leave_agent(self, ending: Ending) -> None:
+        """Survivors fewer than min_nodes, or a repeated hang: this node's agent must not restart it (no log
+        line: the caller's output may be blocked; `_end` says it)."""
+        self._exit.withdrawal = self._withdrawal(ending.failure)
+        self._exit.leave_agent(quiet=True)
 
     def _end(self, ending: Ending) -> None:
         """A silent failure's end, once recorded, on the thread that concluded it (the training thread is
@@ -117,7 +124,7 @@ class GuardHealth:
             culprit=failure.culprit or "-",
             noticed_after_s=failure.noticed_after_s,
         )
-        if self._exit.withdrawal:
+        if self._exit.withdrawal and self._topology.is_node_leader:  # the rank that stopped the agent
             log.warning("leaving the elastic job: %s; stopped this node's torchrun agent", self._exit.withdrawal)
         if failure.repeated:
             step = failure.step
@@ -147,10 +154,7 @@ class GuardHealth:
         """The backstop's end, when the end above is held up (a log write on a full pipe, a store that does
         not answer): the exit file and the exit, nothing that can block for long."""
         try:
-            self._exit.record(self._code(ending.failure), committed=False, step=None, leaving=False,
-                              cause=ending.failure.cause, culprit=ending.failure.culprit,
-                              for_node=ending.speaks_for is not None, quiet=True)  # fmt: skip
-            self._exit.withdrawal = self._withdrawal(ending.failure)
-            self._exit.leave_agent(quiet=True)
+            self._write_exit_file(ending, quiet=True)
+            self._leave_agent(ending)
         finally:
             os._exit(self._code(ending.failure))
