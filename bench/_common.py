@@ -137,7 +137,7 @@ def write_file(path: Path, size: int, block: bytes) -> None:
     """`size` bytes of `block` (incompressible, e.g. os.urandom: disks do not deduplicate) into `path`,
     in BLOCK-sized writes whose writeback starts at once (the disk busy from the first block on), then
     fsync: the disk's write limit, as a save's files would meet it."""
-    from spotguard.checkpoint.shard_io import start_writeback
+    from spotguard.checkpoint.save.shard_io import start_writeback
 
     with open(path, "wb", buffering=0) as f:
         for offset in range(0, size, BLOCK):

@@ -10,7 +10,7 @@
 2. Traces (hours of running, each with --interruptions interruptions, fixed seed): Poisson at 0.05, 0.2,
    1 and 4 per hour, and a bursty one (20 h calm at 0.05/h, then 1 h storm at 4/h, repeated).
 3. Policies, each replayed over every trace: a save every T seconds for T on a grid of 64 intervals from
-   1 s to 6 h, and "auto": spotguard.cadence.Cadence itself, with bounds set to the grid's ends. As in
+   1 s to 6 h, and "auto": spotguard.goodput.cadence.Cadence itself, with bounds set to the grid's ends. As in
    the Guard, each run segment (between interruptions) starts a fresh Cadence: told the interruptions
    and hours of the segments before (what the ledger holds), no prior, the lower bound until its first
    save is measured, asked for the next interval after every save.
@@ -30,8 +30,8 @@ import numpy as np
 import torch
 from _common import table  # also puts the checkout on sys.path
 
-from spotguard.cadence import Cadence  # noqa: E402
 from spotguard.checkpoint import Checkpointer  # noqa: E402
+from spotguard.goodput.cadence import Cadence  # noqa: E402
 
 GRID = np.geomspace(1.0, 6 * 3600.0, 64)
 RATES = (0.05, 0.2, 1.0, 4.0)

@@ -70,6 +70,7 @@ def guard_clones(rank: int) -> int:
     """The connections rank's Guard clones at start; a node's local rank 0, a liveness ring member, one more."""
     return GUARD_CLONES + (rank % RANKS_PER_NODE == 0)
 
+
 HEALTH_KEY = "health/"  # the liveness ring's keys (spotguard.health): counted apart
 IDLE_S = 3.0  # the idle window over which an idle guard's requests are counted
 SERVER = """
@@ -147,7 +148,6 @@ def liveness_tap(inner: Any, counts: Counts) -> Any:
             return self.inner.delete_key(key)
 
     return Tap(inner)
-
 
 
 class Rank:
@@ -289,7 +289,7 @@ class Worker:
 
 
 def worker(pipe: Any, ranks: list[int], world: int, port: int) -> None:
-    # torchrun's LOCAL_WORLD_SIZE, which spotguard reads for the ranks per node (comm.ranks_per_node()):
+    # torchrun's LOCAL_WORLD_SIZE, which spotguard reads for the ranks per node (topology.ranks_per_node()):
     # the liveness ring has one member per node (its local rank 0), 1,024 ranks make 128 members.
     os.environ["LOCAL_WORLD_SIZE"] = str(RANKS_PER_NODE)
     logging.disable(logging.CRITICAL)  # a failed save per rank per round (no process group): expected here
@@ -535,8 +535,10 @@ def print_report(results: list[dict[str, Any]], floors: dict[int, list[float]], 
     ))  # fmt: skip
     worst = max((r["liveness_idle_requests_per_node_per_s"] for r in results if r["ranks"] >= 1024), default=None)
     if worst is not None:
-        print(f"liveness ring at >= 1,024 ranks: at most {worst:.3f} store requests per node per second while idle "
-              f"(goal <= 1); ring members: one per node of {RANKS_PER_NODE} ranks (LOCAL_WORLD_SIZE)")
+        print(
+            f"liveness ring at >= 1,024 ranks: at most {worst:.3f} store requests per node per second while idle "
+            f"(goal <= 1); ring members: one per node of {RANKS_PER_NODE} ranks (LOCAL_WORLD_SIZE)"
+        )
     for kind in ("interruption", "request"):
         by_n = _median_time(results, kind)
         if 128 in by_n and 1024 in by_n:

@@ -277,8 +277,12 @@ def main() -> int:
     gil = None
     if "gil" in parts:
         gil = gil_trial(args.gil_s)
-        print(f"gil, node 1 held its GIL {args.gil_s} s: run {gil['took_s']} s against {gil['baseline_s']} s without"
-              + ("" if gil["ok"] else f"  FAILED: {'; '.join(gil['problems'])}"), file=sys.stderr, flush=True)
+        print(
+            f"gil, node 1 held its GIL {args.gil_s} s: run {gil['took_s']} s against {gil['baseline_s']} s without"
+            + ("" if gil["ok"] else f"  FAILED: {'; '.join(gil['problems'])}"),
+            file=sys.stderr,
+            flush=True,
+        )
         for tail in gil["tails"] or []:
             print(tail, file=sys.stderr, flush=True)
     elapsed = time.monotonic() - started
@@ -332,8 +336,10 @@ def main() -> int:
         for name, trials in freeze.items():
             silences = [r["noticed_after_s"] for r in trials if r["noticed_after_s"] is not None]
             if silences:
-                print(f"{name}: node 2 declared lost after {min(silences):.2f} to {max(silences):.2f} s of silence "
-                      f"(the ledger's noticed_after_s: from its last beat, up to one beat interval before the freeze)")
+                print(
+                    f"{name}: node 2 declared lost after {min(silences):.2f} to {max(silences):.2f} s of silence "
+                    f"(the ledger's noticed_after_s: from its last beat, up to one beat interval before the freeze)"
+                )
         print(f"baseline without spotguard: the survivors wait in their next collective until gloo's timeout, "
               f"{GLOO_TIMEOUT_S:g} s (a constant, not measured); times from the freeze, or from rank 0's line "
               f"for step {HANG_AT - 1} for the hang")  # fmt: skip

@@ -221,7 +221,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _ls(args: argparse.Namespace) -> int:
     from spotguard.checkpoint import list_checkpoints
-    from spotguard.checkpoint.auth import resolve_key
+    from spotguard.checkpoint.format.auth import resolve_key
 
     rows = list_checkpoints(existing_location(args.location), key=resolve_key())
     if args.json:
@@ -243,8 +243,8 @@ def _ls(args: argparse.Namespace) -> int:
 
 def _verify(args: argparse.Namespace) -> int:
     from spotguard.checkpoint import verify_checkpoint
-    from spotguard.checkpoint.auth import resolve_key
-    from spotguard.checkpoint.progress import cli_progress
+    from spotguard.checkpoint.format.auth import resolve_key
+    from spotguard.checkpoint.moves.progress import cli_progress
 
     location, step = split_step(args.location)
     existing_location(location)
@@ -268,12 +268,12 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _report(args: argparse.Namespace) -> int:
     from cloud_adapters.stores import open_store
-    from spotguard.ledger import read_ledger
-    from spotguard.report import format_text, summarize
+    from spotguard.goodput.ledger import read_ledger
+    from spotguard.goodput.report import format_text, summarize
 
     plot = None
     if args.plot:
-        from spotguard.plot import check_plot_path, write_plot
+        from spotguard.goodput.plot import check_plot_path, write_plot
 
         plot = check_plot_path(args.plot)  # before reading: a wrong suffix is said at once
     store = open_store(existing_location(args.location))

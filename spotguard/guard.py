@@ -21,7 +21,6 @@ A node that goes silent, or a loop that stops stepping, ends the process with `l
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping, MutableMapping
@@ -31,14 +30,11 @@ from typing import Any
 import torch.distributed as dist
 
 from cloud_adapters import validation as check
-from cloud_adapters.notice import INTERRUPTION, REBALANCE, Notice
+from cloud_adapters.notice import Notice
 from cloud_adapters.stores import check_location
-from spotguard.cadence import IntervalTimer
 from spotguard.checkpoint import Checkpointer, CheckpointError, CheckpointUnavailable, SaveReport
-from spotguard.checkpoint.auth import resolve_key
 from spotguard.checkpoint.comm import new_gloo_group
-from spotguard.checkpoint.departure import Departure
-from spotguard.checkpoint.progress import seconds
+from spotguard.checkpoint.format.auth import resolve_key
 from spotguard.ending import elastic
 from spotguard.ending.exit_policy import (  # noqa: F401 - re-exported: where these lived before
     DEFAULT_EXIT_CODE,
@@ -47,12 +43,11 @@ from spotguard.ending.exit_policy import (  # noqa: F401 - re-exported: where th
     UNAVAILABLE_EXIT_CODE,
     ExitPolicy,
 )
-from spotguard.goodput import GoodputRecorder
-from spotguard.guard_health import GuardHealth
+from spotguard.goodput.recorder import GoodputRecorder
+from spotguard.goodput.timeline import Timeline
 from spotguard.job import topology
 from spotguard.job.agreement import Decision
-from spotguard.job.broadcast import EMERGENCY
-from spotguard.job.coordination import Coordination, EmergencyPlan
+from spotguard.job.coordination import Coordination
 from spotguard.options import (
     CoordinationOptions,
     ExitOptions,
@@ -65,12 +60,13 @@ from spotguard.options import (
     former_attribute,
 )
 from spotguard.snapshots.tier import SnapshotTier
-from spotguard.snapshotting import SNAPSHOT, GuardSnapshots
-from spotguard.timeline import Timeline
 from spotguard.watcher import Watcher, add_sources
+from spotguard.wiring.end import end
+from spotguard.wiring.health import GuardHealth
+from spotguard.wiring.rounds import EmergencyOutcome, GuardParts, Rounds
+from spotguard.wiring.snapshots import SNAPSHOT, GuardSnapshots
 
 log = logging.getLogger(__name__)
-ROUTINE_SAVES = ("periodic", "interval")  # a save that is also another round's takes that round's reason
 
 
 class Guard:
@@ -126,10 +122,7 @@ class Guard:
             lambda: (self._checkpointer(), self._coordination.store, self._coordination.prefix),
         )
 
-        self.interrupted = False  # step() returned True for an emergency
-        self.emergency_saved = False  # ... and its checkpoint was committed where a new VM finds it
-        self._upload_abandoned = False  # ... and its upload did not finish (the stores are not closed)
-        self.leaving = False  # ... and this node was the one reclaimed
+        self._emergency = EmergencyOutcome()  # what an emergency left for the end
         self.timeline = Timeline()
         self._started = False
         self._ckpt: Checkpointer | None = None
@@ -137,6 +130,7 @@ class Guard:
         self._health: GuardHealth | None = None
         self._last_state: Mapping[str, Any] | None = None  # the state the loop last passed to step()
         self._coordination: Coordination | _NotStarted = _NotStarted()
+        self._rounds: Rounds | None = None
 
     def __getattr__(self, name: str) -> Any:
         """The settings were attributes of the guard before they were grouped in `guard.options`:
@@ -149,6 +143,21 @@ class Guard:
     def notice(self) -> Notice | None:
         """The interruption being handled, once one arrives (`notice.node`: the node being reclaimed)."""
         return self._coordination.notice
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether step() returned True for an emergency."""
+        return self._emergency.interrupted
+
+    @property
+    def emergency_saved(self) -> bool:
+        """Whether the emergency's checkpoint was committed where a new VM finds it."""
+        return self._emergency.saved
+
+    @property
+    def leaving(self) -> bool:
+        """Whether this node was the one the emergency reclaimed."""
+        return self._emergency.leaving
 
     # ---- lifecycle -------------------------------------------------------------
     def start(self) -> Guard:
@@ -164,11 +173,10 @@ class Guard:
             node=self.topology.node,
             node_leader=self.topology.is_node_leader,
         )
-        self._group = self._ckpt = self._watcher = self._timer = self._snapshot_timer = self._health = None
+        self._group = self._ckpt = self._watcher = self._rounds = self._health = None
         self._last_step = None  # a guard entered again times nothing before its first step
         self._coordination = _NotStarted()
         self._goodput.reset()
-        self._started_at = time.monotonic()
         try:
             self._start()
         except BaseException:
@@ -199,28 +207,41 @@ class Guard:
             last_step=lambda: self._last_step,
             ledger_store=lambda: self._ckpt.remote if self._ckpt is not None else None,
         )
+        rounds = self._rounds = Rounds(
+            GuardParts(
+                self.topology,
+                self.options,
+                self.timeline,
+                self._goodput,
+                self._snapshots,
+                self._exit,
+                self._min_nodes,
+                checkpointer=self._checkpointer,
+                checkpointer_made=lambda: self._ckpt,
+                coordination=lambda: self._coordination,
+                watcher=lambda: self._watcher,
+                busy=self._busy,
+                last_state=lambda: self._last_state,
+            ),
+            self._emergency,
+        )
         coordination = self._coordination = Coordination(
             store,
             topology.run_prefix(store, self._group, self.topology, self.checkpoint_dir),
             self.topology,
             timeout_s=self.options.coordination.agreement_timeout_s,
-            on_agreed=self._on_agreed,
+            on_agreed=rounds.on_agreed,
             on_silent=health.monitor.on_event,
         )
         coordination.start()
         health.start(store, coordination)
         notices = self.options.notices
         self._watcher = Watcher(
-            [], self._on_notice, interval_s=notices.poll_interval_s, on_update=self._on_notice_update
+            [], rounds.on_notice, interval_s=notices.poll_interval_s, on_update=rounds.on_notice_update
         )
         add_sources(self._watcher.sources, notices, node_leader=self.topology.is_node_leader)
         self._watcher.start()
-        if self.options.saving.save_interval_s and self.topology.is_coordinator:
-            self._timer = IntervalTimer(self._interval, lambda: self._request("interval"))
-        if self._snapshots.timed and self.topology.is_coordinator:
-            self._snapshot_timer = IntervalTimer(
-                lambda: self._snapshots.interval(self._goodput, self._run_hours()), lambda: self._request(SNAPSHOT)
-            )
+        rounds.start_timers()
 
     def _checkpointer(self) -> Checkpointer:
         """The Checkpointer (and rank 0's ledger), made at the first need: with a stated topology and no
@@ -267,35 +288,22 @@ class Guard:
         if self._health is not None:
             self._health.monitor.hold_if_ending()
         self._started = False
-        code = self._exit.code(interrupted=self.interrupted, saved=self.emergency_saved, error=error)
-        if code is not None:
-            step = self.last_save.step if self.last_save else None
-            self._exit.record(code, committed=self.emergency_saved, step=step, leaving=self.leaving)
-        if code is not None and self._upload_abandoned:  # closing the stores would wait for its SDK threads
-            why = self.last_save.error if self.last_save else None
-            self._exit.leaving_now(code, saved=self.emergency_saved, why=why)
-            self._ended(code, error)
-            self._goodput.close(timeout_s=2.0)
-            self._exit.leave_agent()
-            self._exit.exit_now(code)
-        if code is not None:  # before the teardown: meanwhile the agent could restart this node into the next round
-            self._exit.leave_agent()
-        self._teardown(lambda: self._ended(code, error))
-        if code is not None:
-            self._exit.exit(code, saved=self.emergency_saved)
-
-    def _ended(self, code: int | None, error: BaseException | None) -> None:
-        self._goodput.ended(
-            code, error, interrupted=self.interrupted, committed=self.emergency_saved, last_step=self._last_step
+        end(
+            self._exit,
+            self._emergency,
+            self._goodput,
+            error=error,
+            last_save=self.last_save,
+            last_step=self._last_step,
+            teardown=self._teardown,
         )
 
     def _teardown(self, saves_done: Callable[[], None] = lambda: None) -> None:
         """Stop everything the guard started; `saves_done` runs once the last save has ended."""
         if self._health is not None:
             self._health.stop()  # first: what follows may take longer than a step, and closes connections
-        for timer in (self._timer, self._snapshot_timer):
-            if timer is not None:
-                timer.stop()
+        if self._rounds is not None:
+            self._rounds.stop()
         if self._watcher is not None:
             self._watcher.stop()  # also restores the signal handlers
             self._exit.keep_sigterm_away()
@@ -309,7 +317,7 @@ class Guard:
             saves_done()  # the ledger's exit record comes after the last save's
             self._goodput.close()  # after the last save's record, before the store closes
             self._ckpt.close()
-        self._snapshots.close(wait=not self.interrupted)  # after an emergency, leave without the snapshot
+        self._snapshots.close(wait=not self._emergency.interrupted)  # after an emergency, leave without the snapshot
         if self._group is not None:
             dist.destroy_process_group(self._group)
 
@@ -335,7 +343,10 @@ class Guard:
         started = time.monotonic()
         try:
             step, tier = self._snapshots.resume(
-                state, self._checkpointer(), coordinator=self.topology.is_coordinator, ask_for_save=self._request
+                state,
+                self._checkpointer(),
+                coordinator=self.topology.is_coordinator,
+                ask_for_save=self._rounds.request,  # type: ignore[union-attr]
             )
         except CheckpointUnavailable as exc:
             if self._exit.exit_code is None:
@@ -370,13 +381,13 @@ class Guard:
         self._last_step = step
         self._last_state = state  # for the listener thread to size a coming handoff (Checkpointer.expect_handoff)
         if due:
-            return self._run_due(step, state, due)
+            return self._rounds.run(step, state, due)  # type: ignore[union-attr]
         every = self.options.saving.save_every
         if every and step % every == 0 and not again:
-            self._save(step, state, reason="periodic", wait=False)
+            self._rounds.save(step, state, reason="periodic", wait=False)  # type: ignore[union-attr]
         snapshot_every = self._snapshots.every
         if snapshot_every and step % snapshot_every == 0 and not again:
-            self._snapshot(step, state)
+            self._rounds.snapshot(step, state)  # type: ignore[union-attr]
         return False
 
     def heartbeat(self) -> None:
@@ -406,149 +417,17 @@ class Guard:
         self._require_started("request_checkpoint")
         if reason in (SNAPSHOT, "emergency"):  # the snapshot timer's (it takes no save), and a notice's
             raise ValueError(f"request_checkpoint: reason {reason!r} is reserved; give another")
-        self._request(reason)
-
-    def _request(self, reason: str) -> None:
-        self.timeline.add("save-requested", reason=reason)
-        self._coordination.request_checkpoint(reason)
+        self._rounds.request(reason)  # type: ignore[union-attr]
 
     def save(self, step: int, state: Mapping[str, Any]) -> SaveReport | None:
         """Save now, on demand. With several ranks, every rank must call it at the same step."""
         self._require_started("save")
-        return self._save(_as_step(step), state, reason="manual", wait=True)
+        return self._rounds.save(_as_step(step), state, reason="manual", wait=True)  # type: ignore[union-attr]
 
     # ---- internals ---------------------------------------------------------------
-    def _run_due(self, step: int, state: Mapping[str, Any], due: list[Decision]) -> bool:
-        emergencies = [d for d in due if d.event["type"] == EMERGENCY]
-        if not emergencies:
-            reasons = [d.event.get("reason", "periodic") for d in due]
-            if SNAPSHOT in reasons:
-                self._snapshot(step, state)
-            saves = [r for r in reasons if r != SNAPSHOT]
-            if saves:  # rounds agreed on one step make one save: named for the one that is not routine
-                reason = next((r for r in saves if r not in ROUTINE_SAVES), saves[-1])
-                self._save(step, state, reason=reason, wait=False)
-            return False
-        plan = self._coordination.plan(emergencies)
-        self.leaving = self.topology.rank in plan.leaving or plan.departure is None
-        # this node's own cloud notice, whatever other notices (a joining node's SIGTERM) came with it
-        reclaimed = any(n.node == self.topology.node and n.cloud != "signal" for n in plan.notices)
-        self._exit.withdrawal = elastic.withdrawal(
-            reclaimed=reclaimed,
-            leaving=self.leaving,
-            ranks_left=self.topology.world_size - len(plan.leaving),
-            at_least=self._min_nodes,
-        )
-        self.timeline.add(
-            "save-start",
-            step=step,
-            reason="emergency",
-            **({"as": "leaving" if self.leaving else "survivor"} if plan.departure else {}),
-        )
-        report = self._save(step, state, reason="emergency", wait=True, notice=plan.notice, departure=plan.departure)
-        self._emergency_outcome(step, plan, report)
-        # The next start, at any world size, reads the step from the nodes' memory; not when a cloud takes a
-        # node (the plan is every rank's): its shards would be missing, and it must leave at once.
-        if report is not None and self._snapshots.options.enabled and all(n.cloud == "signal" for n in plan.notices):
-            with self._busy():
-                self._snapshots.keep_emergency(step, state, plan.notice.seconds_left())
-        return True
-
-    def _emergency_outcome(self, step: int, plan: EmergencyPlan, report: SaveReport | None) -> None:
-        safe = plan.is_safe(step, report)
-        if self.topology.is_node_leader and safe:
-            self._watcher.ack(plan.notice)  # Azure may proceed early only once the checkpoint is safe
-        self.interrupted = True
-        self.emergency_saved = safe
-        self._upload_abandoned = report is not None and not report.durable
-        self._goodput.emergency(plan.notice, step, report, plan.leaving)
-
-    def _save(
-        self,
-        step: int,
-        state: Mapping[str, Any],
-        *,
-        reason: str,
-        wait: bool,
-        notice: Notice | None = None,
-        departure: Departure | None = None,
-    ) -> SaveReport | None:
-        try:
-            with self._busy():
-                report = self._checkpointer().save(
-                    step,
-                    state,
-                    reason=reason,
-                    notice=notice,
-                    deadline=notice.deadline if notice else None,
-                    wait=wait,
-                    departure=departure,
-                )
-        except CheckpointError as exc:  # says what failed, where and why: one line is enough
-            log.error("%s checkpoint of step %d failed: %s", reason, step, exc)
-            self.timeline.add("save-failed", step=step, reason=reason)
-            return None
-        except Exception:  # noqa: BLE001 - invariant 3: a failed save never crashes the training loop
-            log.exception("%s checkpoint of step %d failed", reason, step)
-            self.timeline.add("save-failed", step=step, reason=reason)
-            return None
-        return report
-
-    def _snapshot(self, step: int, state: Mapping[str, Any]) -> None:
-        with self._busy():
-            self._snapshots.take(step, state)
-
     def _busy(self) -> contextlib.AbstractContextManager[None]:
         """spotguard's own work on the training thread: the hang timeout does not count it."""
         return self._health.busy() if self._health is not None else contextlib.nullcontext()
-
-    def _on_notice(self, notice: Notice) -> None:
-        """Watcher thread: turn a notice into an event every rank sees."""
-        notice = dataclasses.replace(notice, node=self.topology.node)
-        self.timeline.add(
-            "notice",
-            source=notice.source,
-            action=notice.action,
-            node=notice.node,
-            deadline_in_s=seconds(notice.seconds_left()),
-        )
-        if notice.kind == INTERRUPTION:
-            self._coordination.publish_interruption(notice)
-        elif notice.kind == REBALANCE and self.options.notices.save_on_rebalance:
-            self._request("rebalance")
-
-    def _on_notice_update(self, notice: Notice) -> None:
-        """Watcher thread: a notice already handled came again with an earlier deadline (logged by
-        the watcher). Recorded; a save already agreed keeps the deadline it was agreed with."""
-        self.timeline.add("notice-update", source=notice.source, deadline_in_s=seconds(notice.seconds_left()))
-
-    def _on_agreed(self, event: dict[str, Any], decision: Decision | None, notice: Notice | None) -> None:
-        """Listener thread, after a round: prepare for the save and record the outcome."""
-        if decision is not None and notice is not None and self._ckpt is not None:
-            self._ckpt.abandon_background_uploads()  # the training thread may be waiting on one
-            if self._last_state is not None:
-                self._ckpt.expect_handoff(self._last_state, decision.leaving)
-        if notice is not None and decision is None:
-            self._goodput.notice(notice, agreed_step=None)
-        if event.get("reason") == "rebalance":
-            self._goodput.rebalance(decision.step if decision else None)
-        if decision is not None:
-            self.timeline.add(
-                "agreed",
-                step=decision.step,
-                on=event["type"],
-                ranks=self.topology.world_size,
-                **({"leaving": ",".join(map(str, decision.leaving))} if decision.leaving else {}),
-            )
-
-    def _interval(self) -> float:
-        """The interval timer's interval: fixed, or the cadence's choice now."""
-        if self._goodput.cadence is None:
-            return self.options.saving.save_interval_s  # type: ignore[return-value]
-        return self._goodput.next_interval(self._run_hours())
-
-    def _run_hours(self) -> float:
-        return (time.monotonic() - self._started_at) / 3600
 
     def _require_started(self, what: str) -> None:
         if not self._started:

@@ -23,10 +23,10 @@ from cloud_adapters import validation as check
 from cloud_adapters.endpoints import normalise_base_url
 from cloud_adapters.signals import parse_signal
 from cloud_adapters.sources import CLOUDS
-from spotguard.cadence import DEFAULT_MAX_S, DEFAULT_MIN_S, Cadence
-from spotguard.checkpoint.auth import resolve_key
+from spotguard.checkpoint.format.auth import resolve_key
 from spotguard.ending import elastic
 from spotguard.ending.exit_policy import DEFAULT_EXIT_CODE, DEFAULT_LOST_EXIT_CODE
+from spotguard.goodput.cadence import DEFAULT_MAX_S, DEFAULT_MIN_S, Cadence
 
 CLOUD_CHOICES = CLOUDS + ("none", "auto")
 # Keyword names of earlier versions: still accepted, with a DeprecationWarning.

@@ -102,8 +102,9 @@ def keywords_of(callee: Any) -> set[str] | None:
 def default_of(name: str) -> Any:
     """The value option `name` takes when neither the call nor the environment gives one: the field's
     default once checked, or for the fields resolved later (None in the dataclass), what they resolve to."""
-    from spotguard import cadence, options
+    from spotguard import options
     from spotguard.ending import elastic
+    from spotguard.goodput import cadence
     from spotguard.snapshots import node_dir
 
     field = option_fields()[name]

@@ -28,7 +28,7 @@ import pytest
 
 from cloud_adapters.aws.emulator import AWSMetadataEmulator
 from spotguard.checkpoint import list_checkpoints
-from spotguard.checkpoint.layout import MANIFEST_NAME, step_dir_name
+from spotguard.checkpoint.format.layout import MANIFEST_NAME, step_dir_name
 
 ROOT = Path(__file__).resolve().parents[1]
 PROGRESS = re.compile(r'\{"rank": \d+, "pid": \d+, "step": \d+\}')  # both ranks share one pipe

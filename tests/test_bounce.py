@@ -17,11 +17,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from cloud_adapters.notice import utc_now
-from spotguard.checkpoint import Checkpointer, CheckpointError, bounce, pipelined_write
-from spotguard.checkpoint.bounce import BouncePool
-from spotguard.checkpoint.layout import step_dir_name
-from spotguard.checkpoint.pipelined_write import PipelinedWriter
-from spotguard.checkpoint.shard_io import ChecksummingFileSystem
+from spotguard.checkpoint import Checkpointer, CheckpointError
+from spotguard.checkpoint.format.layout import step_dir_name
+from spotguard.checkpoint.save import bounce, pipelined_write
+from spotguard.checkpoint.save.bounce import BouncePool
+from spotguard.checkpoint.save.pipelined_write import PipelinedWriter
+from spotguard.checkpoint.save.shard_io import ChecksummingFileSystem
 from spotguard.snapshots.reading import ShardUnusable
 from tests.test_checkpoint import flip_byte
 from tests.test_snapshots import digest, load, trained, write

@@ -21,12 +21,12 @@ from spotguard.checkpoint import (
     CheckpointError,
     IfSaved,
     list_checkpoints,
-    shard_io,
     verify_checkpoint,
 )
-from spotguard.checkpoint.layout import step_dir_name
-from spotguard.checkpoint.manifest import FileRecord, checksum_file
-from spotguard.checkpoint.transfer import download
+from spotguard.checkpoint.format.layout import step_dir_name
+from spotguard.checkpoint.format.manifest import FileRecord, checksum_file
+from spotguard.checkpoint.moves.transfer import download
+from spotguard.checkpoint.save import shard_io
 from tests.ckpt_workers import Own, assert_same, make_model, snapshot, train
 
 
@@ -157,7 +157,7 @@ def zip_crcs(step_dir: Path) -> list[int]:
     import io
     import zipfile
 
-    from spotguard.checkpoint.safe_pickle import load_metadata
+    from spotguard.checkpoint.format.safe_pickle import load_metadata
 
     crcs = []
     for info in load_metadata((step_dir / ".metadata").read_bytes()).storage_data.values():
@@ -428,7 +428,7 @@ def test_keep_last_deletes_only_older_committed_steps_and_stale_leftovers(tmp_pa
 def test_cleanup_leaves_step_directories_that_spotguard_did_not_write(tmp_path):
     """An 11-digit `step-00000000009` is no name of ours, and a user's `step-N` holding their own
     files is theirs: both stay; a manifest-less step holding only our files (an interrupted upload) goes."""
-    from spotguard.checkpoint.retention import remove_abandoned
+    from spotguard.checkpoint.save.retention import remove_abandoned
 
     old = time.time() - 3600
     leftovers = {
@@ -531,7 +531,7 @@ def test_a_transfer_dying_of_a_base_exception_fails_the_download_instead_of_hang
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sync_file_range is Linux-only (a no-op elsewhere)")
 def test_writeback_hint_reaches_the_kernel_and_never_raises(tmp_path):
-    from spotguard.checkpoint import shard_io
+    from spotguard.checkpoint.save import shard_io
 
     assert shard_io._sync_file_range is not None
     path = tmp_path / "f"

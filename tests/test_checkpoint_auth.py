@@ -18,10 +18,10 @@ import torch
 
 import spotguard
 from spotguard.checkpoint import Checkpointer, CheckpointError, verify_checkpoint
-from spotguard.checkpoint.auth import KEY_ENV, resolve_key
-from spotguard.checkpoint.layout import step_dir_name
-from spotguard.checkpoint.manifest import Manifest
-from spotguard.checkpoint.verified_load import VerifiedReader
+from spotguard.checkpoint.format.auth import KEY_ENV, resolve_key
+from spotguard.checkpoint.format.layout import step_dir_name
+from spotguard.checkpoint.format.manifest import Manifest
+from spotguard.checkpoint.resume.verified_load import VerifiedReader
 from tests.ckpt_workers import assert_same, run_ranks
 from tests.test_checkpoint import flip_byte, resume_fresh, save_steps, shard
 from tests.test_checkpoint_security import Payload, impersonate, vouch_for

@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from cloud_adapters.storage import LocalStore, Unreachable
-from spotguard.checkpoint import Checkpointer, list_checkpoints, resume, retention
+from spotguard.checkpoint import Checkpointer, list_checkpoints
 from spotguard.checkpoint.errors import CheckpointUnavailable
+from spotguard.checkpoint.resume import newest as resume
+from spotguard.checkpoint.save import retention
 from tests.conftest import Backend, backend_for, start_server
 from tests.servers import Fault, FaultProxy
 
@@ -128,7 +130,7 @@ def test_a_step_without_a_manifest_is_uncommitted_for_verify(tmp_path):
 
 GUARD_RESUMES = """
 import sys, torch, spotguard
-import spotguard.checkpoint.resume as resume
+import spotguard.checkpoint.resume.newest as resume
 resume.RESUME_TIMEOUT_S = 4.0
 with spotguard.Guard(sys.argv[1], cloud="none", local_dir=sys.argv[2]) as guard:
     print("started at", guard.resume({"w": torch.zeros(1 << 20)}), flush=True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from spotguard.checkpoint import Checkpointer, CheckpointError, list_checkpoints
-from spotguard.checkpoint.layout import MANIFEST_NAME
+from spotguard.checkpoint.format.layout import MANIFEST_NAME
 from tests.conftest import backend_for
 
 

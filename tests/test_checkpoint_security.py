@@ -18,10 +18,10 @@ from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, Metadata
 
 from cloud_adapters.storage import LocalStore, StoreError
 from spotguard.checkpoint import Checkpointer, CheckpointError, list_checkpoints, verify_checkpoint
-from spotguard.checkpoint.layout import step_dir_name
-from spotguard.checkpoint.manifest import FileRecord, Manifest, crc32c_hex
-from spotguard.checkpoint.retention import keep_last, remove_leftovers
-from spotguard.checkpoint.safe_pickle import RefusedPickle, load_metadata
+from spotguard.checkpoint.format.layout import step_dir_name
+from spotguard.checkpoint.format.manifest import FileRecord, Manifest, crc32c_hex
+from spotguard.checkpoint.format.safe_pickle import RefusedPickle, load_metadata
+from spotguard.checkpoint.save.retention import keep_last, remove_leftovers
 from tests.ckpt_workers import assert_same, run_ranks, snapshot
 from tests.test_checkpoint import resume_fresh, save_steps
 

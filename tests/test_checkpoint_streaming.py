@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from cloud_adapters.gcp import gcs
-from spotguard.checkpoint import Checkpointer, streaming
+from spotguard.checkpoint import Checkpointer
+from spotguard.checkpoint.moves import streaming
 from tests.conftest import Backend, backend_for
 from tests.servers import Fault, FaultProxy, azurite_connection_string
 from tests.test_stores import PROTOCOLS

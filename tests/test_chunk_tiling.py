@@ -22,8 +22,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from spotguard.checkpoint.layout import step_dir_name
-from spotguard.checkpoint.safe_pickle import untiled
+from spotguard.checkpoint.format.layout import step_dir_name
+from spotguard.checkpoint.format.safe_pickle import untiled
 from spotguard.snapshots import shard_file
 from spotguard.snapshots.items import LayoutError
 from spotguard.snapshots.loading import load_shards
@@ -52,8 +52,12 @@ LAYOUTS = {  # name: (size, chunks, whole, what is wrong)
     "a gap, in one shard's index": ((8, 2), [((0, 0), (3, 2)), ((4, 0), (4, 2))], False, None),
     "a gap": ((8, 2), [((0, 0), (3, 2)), ((4, 0), (4, 2))], True, "its chunks hold 14 elements, the tensor 16"),
     "rows that overlap": ((8, 2), [((0, 0), (4, 2)), ((2, 0), (4, 2))], False, "chunks at [0, 0] and [2, 0] overlap"),
-    "overlap, all counted": ((4, 4), [((0, 0), (2, 3)), ((1, 2), (2, 2)), ((2, 0), (2, 2)), ((3, 2), (1, 2))], True,
-                             "the chunks at [0, 0] and [1, 2] overlap"),  # fmt: skip
+    "overlap, all counted": (
+        (4, 4),
+        [((0, 0), (2, 3)), ((1, 2), (2, 2)), ((2, 0), (2, 2)), ((3, 2), (1, 2))],
+        True,
+        "the chunks at [0, 0] and [1, 2] overlap",
+    ),  # fmt: skip
     "a chunk past the end": ((8, 2), [((0, 0), (4, 2)), ((4, 0), (5, 2))], False, "lies outside its size [8, 2]"),
     "a chunk of fewer dimensions": ((8, 2), [((0, 0), (8,))], False, "lies outside"),
     "a negative offset": ((8, 2), [((-1, 0), (1, 2))], False, "lies outside"),

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from spotguard.checkpoint import Checkpointer
-from spotguard.checkpoint.layout import step_dir_name
+from spotguard.checkpoint.format.layout import step_dir_name
 from spotguard.demo.processes import free_port, rank_env
 from tests.ckpt_workers import ROOT
 from tests.framework_runs import sigterm_then_finish
@@ -160,7 +160,7 @@ def test_lightning_fsdp_on_a_gpu_stops_at_the_agreed_step_and_resumes_bit_identi
 def test_an_emergency_save_of_gpu_state_crosses_through_the_pinned_pool_and_resumes_bit_identical(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from spotguard.checkpoint import bounce
+    from spotguard.checkpoint.save import bounce
 
     model, optim = cuda_state(0)
     step(model, optim)
@@ -209,8 +209,8 @@ def test_a_guard_snapshot_of_gpu_state_comes_back_into_the_gpu(tmp_path, monkeyp
 def test_a_leaving_rank_hands_cuda_shards_over_bit_for_bit():
     import torch.distributed as dist
 
-    from spotguard.checkpoint.departure import Departure
-    from spotguard.checkpoint.handoff.send import send_shards
+    from spotguard.checkpoint.moves.handoff.send import send_shards
+    from spotguard.job.departure import Departure
     from spotguard.job.kvstore import Connection
     from tests.test_handoff import STEP, Survivor, cutoff, shard
 

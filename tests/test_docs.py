@@ -123,7 +123,7 @@ RUNNABLE = ["README.md", "docs/index.md", "docs/reference/configuration.md"]
 def test_python_examples_run(page, storage_servers, monkeypatch, tmp_path):
     import torch
 
-    from spotguard.ledger import read_ledger
+    from spotguard.goodput.ledger import read_ledger
     from tests.conftest import backend_for
     from tests.servers import free_port
 

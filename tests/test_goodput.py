@@ -17,11 +17,11 @@ import pytest
 
 import spotguard
 from cloud_adapters.storage import LocalStore, StoreError
-from spotguard.cadence import Cadence, IntervalTimer, young_daly
 from spotguard.cli import main
-from spotguard.ledger import LEDGER_NAME, LEDGER_PREFIX, Ledger, read_ledger
-from spotguard.ledger_records import Exit, NoticeSeen, Progress, Resume, Save, Start
-from spotguard.report import summarize
+from spotguard.goodput.cadence import Cadence, IntervalTimer, young_daly
+from spotguard.goodput.ledger import LEDGER_NAME, LEDGER_PREFIX, Ledger, read_ledger
+from spotguard.goodput.records import Exit, NoticeSeen, Progress, Resume, Save, Start
+from spotguard.goodput.report import summarize
 from tests.conftest import backend_for
 from tests.test_guard import make_state, train
 
@@ -87,7 +87,7 @@ def test_the_ledger_records_an_interrupted_and_resumed_run_and_report_reads_it_b
 
 def test_the_picture_shows_every_segment(interrupted_then_resumed, tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    from spotguard.plot import timeline_figure
+    from spotguard.goodput.plot import timeline_figure
 
     ckpt, _ = interrupted_then_resumed
     png, page = tmp_path / "t.png", tmp_path / "t.html"
@@ -188,7 +188,7 @@ def test_the_auto_cadence_is_young_daly_within_bounds(caplog):
     assert young_daly(2.0, 3600.0) == pytest.approx(120.0)
     changes = []
     cadence = Cadence(min_s=10, max_s=1000, prior_per_hour=1.0, on_change=changes.append)
-    with caplog.at_level(logging.INFO, logger="spotguard.cadence"):
+    with caplog.at_level(logging.INFO, logger="spotguard.goodput.cadence"):
         assert cadence.interval(0.0) == 10  # nothing measured yet: the lower bound, to measure soon
         cadence.observe_save(2.0)
         # prior 1/h weighing 4 h, nothing seen: rate 1/h, M = 3600 s
@@ -278,7 +278,7 @@ def test_the_ledger_schema_is_shared_by_writer_and_reader_and_versioned(tmp_path
     """Every record type goes through the writer and back unchanged; a line from before versions is
     read, a newer version's record or an unknown event is skipped and counted, a record missing a
     required field counts as torn."""
-    from spotguard.ledger_records import LEDGER_VERSION, RECORDS, CadenceChange, SilentEnd
+    from spotguard.goodput.records import LEDGER_VERSION, RECORDS, CadenceChange, SilentEnd
 
     store = LocalStore(tmp_path)
     written = [

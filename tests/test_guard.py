@@ -23,7 +23,7 @@ from cloud_adapters.gcp.emulator import GCPMetadataEmulator
 from cloud_adapters.storage import LocalStore
 from cloud_adapters.validation import MAX_SECONDS
 from spotguard.checkpoint import list_checkpoints
-from spotguard.ledger import read_ledger
+from spotguard.goodput.ledger import read_ledger
 from tests.ckpt_workers import finish, launch_code
 from tests.servers import FaultProxy
 
@@ -273,7 +273,7 @@ def test_rounds_agreed_on_one_step_make_one_save_named_for_the_one_that_is_not_r
     with spotguard.Guard(tmp_path, cloud="none", exit_code=None) as guard:
         guard.step(0, state)
         guard.request_checkpoint("manual")
-        guard._request("interval")  # what the interval timer asks, after it: both agree on step 1
+        guard._rounds.request("interval")  # what the interval timer asks, after it: both agree on step 1
         deadline = time.monotonic() + 30
         while sum(e.event == "agreed" for e in guard.timeline.entries) < 2:
             assert time.monotonic() < deadline, "the two rounds were not agreed"

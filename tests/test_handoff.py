@@ -23,9 +23,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from cloud_adapters.deadline import Deadline
-from spotguard.checkpoint.departure import Departure, HandoffError
-from spotguard.checkpoint.handoff import Receiver, send_shards
-from spotguard.checkpoint.outcome import SurvivorsOutcome
+from spotguard.checkpoint.moves.handoff import Receiver, send_shards
+from spotguard.job.departure import Departure, HandoffError, SurvivorsOutcome
 from spotguard.job.kvstore import Connection
 from tests.ckpt_workers import ROOT
 from tests.floods import failing_accepts, frame, wait_closed
@@ -139,7 +138,7 @@ def test_a_sender_that_dies_mid_stream_is_a_failed_handoff_not_a_partial_one(dep
 
 def test_a_corrupted_byte_on_the_way_is_refused(departure, monkeypatch):
     """The trailer's CRC32C must match what arrived: a flipped byte means no handoff."""
-    import spotguard.checkpoint.handoff.send as handoff_send
+    import spotguard.checkpoint.moves.handoff.send as handoff_send
 
     survivor = Survivor(departure)
     real_send_json = handoff_send.send_json
@@ -188,7 +187,7 @@ def test_declarations_are_waited_for_a_bounded_time():
 def test_a_leaving_rank_gone_before_its_handoff_began_is_given_up_on_long_before_the_deadline(departure, monkeypatch):
     """Killed between the agreed step and its first byte: no connection ever closes to tell; the
     survivor stops waiting after START_GRACE_S, not at the (minutes away) deadline."""
-    from spotguard.checkpoint.handoff import receive
+    from spotguard.checkpoint.moves.handoff import receive
 
     monkeypatch.setattr(receive, "START_GRACE_S", 1.0)
     started = time.monotonic()
@@ -199,7 +198,7 @@ def test_a_leaving_rank_gone_before_its_handoff_began_is_given_up_on_long_before
 
 def test_a_sender_that_began_is_not_cut_by_the_start_grace(departure, monkeypatch):
     """The grace is for beginning: a handoff under way runs on (bounded by its idle timeout and the deadline)."""
-    from spotguard.checkpoint.handoff import receive, wire
+    from spotguard.checkpoint.moves.handoff import receive, wire
 
     monkeypatch.setattr(receive, "START_GRACE_S", 0.3)
     survivor = Survivor(departure)
@@ -240,7 +239,7 @@ def test_a_shard_that_is_a_strided_view_is_sent_as_its_own_elements(departure):
 
 
 def test_a_receive_pool_hands_out_aligned_tensors_until_it_is_used_up():
-    from spotguard.checkpoint.handoff import ReceivePool
+    from spotguard.checkpoint.moves.handoff import ReceivePool
 
     pool = ReceivePool(1000)
     deadline = time.monotonic() + 30
@@ -256,7 +255,7 @@ def test_a_receive_pool_hands_out_aligned_tensors_until_it_is_used_up():
 
 
 def test_a_receive_pool_nobody_takes_from_gives_its_memory_back():
-    from spotguard.checkpoint.handoff import ReceivePool
+    from spotguard.checkpoint.moves.handoff import ReceivePool
 
     pool = ReceivePool(1 << 20, unused_s=0.2)
     time.sleep(1.0)
@@ -274,7 +273,7 @@ SHARDED_NBYTES = """
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from spotguard.checkpoint.handoff import sharded_nbytes
+from spotguard.checkpoint.moves.handoff import sharded_nbytes
 dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
 mesh = init_device_mesh("cpu", (1,))
 model = torch.nn.Linear(10, 10)
@@ -295,7 +294,7 @@ def two_leaving() -> Departure:
 
 def test_slow_drip_hellos_are_cut_at_the_hello_deadline_and_the_real_senders_get_through(monkeypatch):
     """A byte every 0.5 s on 100 connections: no single read waits long, the whole hello does."""
-    from spotguard.checkpoint.handoff import doorway
+    from spotguard.checkpoint.moves.handoff import doorway
 
     monkeypatch.setattr(doorway, "HELLO_DEADLINE_S", 1.0)
     departure = two_leaving()
@@ -336,7 +335,7 @@ def test_slow_drip_hellos_are_cut_at_the_hello_deadline_and_the_real_senders_get
 def test_connections_past_the_cap_are_closed_at_once_and_the_real_sender_gets_through(departure, monkeypatch):
     """Idle connections past PENDING_HELLOS_MIN: the oldest go at once (the deadline is far away),
     the newest keep their places, and the real sender, later still, takes one."""
-    from spotguard.checkpoint.handoff import doorway
+    from spotguard.checkpoint.moves.handoff import doorway
 
     monkeypatch.setattr(doorway, "HELLO_DEADLINE_S", 60.0)  # only the cap closes anything here
     survivor = Survivor(departure)
@@ -378,7 +377,7 @@ def test_failed_accepts_are_logged_once_each_and_survived(departure, monkeypatch
     failures = failing_accepts(monkeypatch, [errno.EMFILE] * 3 + [errno.ECONNABORTED] * 2 + [errno.ENFILE])
     survivor = Survivor(departure)
     sent = shards()
-    with caplog.at_level(logging.WARNING, logger="spotguard.checkpoint.handoff"):
+    with caplog.at_level(logging.WARNING, logger="spotguard.checkpoint.moves.handoff"):
         send_shards(departure, 1, 0, STEP, sent, cutoff())
         got = survivor.join()
     assert not isinstance(got, BaseException), got

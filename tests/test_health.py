@@ -22,16 +22,16 @@ import torch.distributed as dist
 
 from cloud_adapters.storage import LocalStore
 from spotguard.demo.processes import free_port
+from spotguard.goodput.ledger import Ledger, read_ledger
+from spotguard.goodput.records import Exit, Resume, SilentEnd, Start
+from spotguard.goodput.report import format_text, summarize
 from spotguard.health import monitor, stacks
 from spotguard.health.beacon import BEAT, beat_interval
 from spotguard.health.hangs import AUTO, AUTO_CEILING_S, AUTO_FLOOR_S, HangWatch
 from spotguard.health.liveness import Liveness, PeerLoss
 from spotguard.job.kvstore import Connection
 from spotguard.job.topology import explicit
-from spotguard.ledger import Ledger, read_ledger
-from spotguard.ledger_records import Exit, Resume, SilentEnd, Start
 from spotguard.options import HealthOptions
-from spotguard.report import format_text, summarize
 from tests.counting import Counts, counting_store
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -149,7 +149,7 @@ def test_a_frozen_node_is_declared_lost_by_its_watcher_within_the_timeout(ring_o
     ring.signal(2, signal.SIGSTOP)
     time.sleep(TIMEOUT_S * 3)
     assert [loss.node for _, loss in ring.losses] == ["node-2"]
-    (at, loss), = ring.losses
+    ((at, loss),) = ring.losses
     assert TIMEOUT_S - beat_interval(TIMEOUT_S) <= at - frozen_at <= 2 * TIMEOUT_S + 1
     assert loss.watcher == "node-0" and loss.silent_s >= TIMEOUT_S
 

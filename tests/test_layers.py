@@ -32,7 +32,7 @@ def importers_of(prefix: str) -> set[str]:
 
 
 def test_no_module_imports_itself_through_others():
-    """Import circles among modules. spotguard's package `__init__`s re-export its API (`spotguard.goodput`
+    """Import circles among modules. spotguard's package `__init__`s re-export its API (`spotguard.goodput.recorder`
     reads `spotguard.__version__`), so edges into them are left out; cloud_adapters, the layer below,
     has no circle even through its `__init__`s: a module there that imported its own package would
     run half-initialised."""
@@ -65,37 +65,61 @@ def test_the_guard_and_the_cli_load_no_emulator():
     assert done.stdout.strip() == "[]"
 
 
-def test_the_checkpoint_layer_never_imports_the_guards_modules():
-    """spotguard.checkpoint stands on cloud_adapters and the store helpers (spotguard.job.kvstore, itself a
-    leaf); the guard, its coordination, timeline and ledger build on it, never the other way."""
-    graph = imports()
-    allowed = ("spotguard.checkpoint", "spotguard.job.kvstore")
-    upward = {
-        (module, found)
-        for module, names in graph.items()
-        if module.startswith("spotguard.checkpoint")
-        for found in names
-        if found.startswith("spotguard") and not found.startswith(allowed) and found != "spotguard"  # its version
-    }
-    assert not upward
-    assert not {i for i in graph["spotguard.job.kvstore"] if i.startswith("spotguard")}
+# The layers, lowest first. A module imports its own package and the layers below its own, never a
+# sibling package of its layer nor anything above: the folders draw the flow (docs/DESIGN.md, Layout).
+LAYERS = (
+    ("cloud_adapters",),  # the clouds: knows nothing of torch or spotguard
+    ("spotguard.job",),  # the ranks of one job: the store, topology, broadcast, agreement, where they meet
+    ("spotguard.checkpoint",),  # a save and a resume: format, save path, resume path, moves between tiers
+    ("spotguard.ending", "spotguard.health", "spotguard.snapshots"),  # how a process ends; silent failures; memory
+    ("spotguard.options",),  # the Guard's typed settings
+    ("spotguard.goodput", "spotguard.watcher", "spotguard.data"),
+    ("spotguard.wiring",),  # the Guard's rooms
+    ("spotguard.guard",),  # the facade
+    ("spotguard.integrations", "spotguard.demo", "spotguard.ledger_records"),
+    ("spotguard.cli", "spotguard"),  # the command line; the package's lazy exports
+)
+# Modules that import nothing of spotguard: any layer may use them (the cadence's arithmetic, the timeline).
+LEAVES = ("spotguard.goodput.cadence", "spotguard.goodput.timeline", "spotguard.job.kvstore")
 
 
-def test_the_packages_below_the_guard_never_import_it():
-    """job/ (the store, the agreement) stands under health/ (silent failures), and neither knows the guard,
-    its options, its ledger or the other one above it."""
+def place(module: str) -> tuple[int, str] | None:
+    """(layer, package) of a module or an imported name: the longest prefix in LAYERS."""
+    found = [(len(prefix), layer, prefix) for layer, prefixes in enumerate(LAYERS) for prefix in prefixes
+             if module == prefix or module.startswith(prefix + ".")]  # fmt: skip
+    return max(found)[1:] if found else None
+
+
+def test_every_module_has_a_layer():
+    assert not {m for m in imports() if place(m) is None}
+
+
+def test_the_leaves_import_nothing_of_spotguard():
     graph = imports()
-    guard_and_up = ("spotguard.guard", "spotguard.goodput", "spotguard.options", "spotguard.ending")
-    above = {"spotguard.job": (*guard_and_up, "spotguard.health"), "spotguard.health": guard_and_up}
-    upward = {
-        (module, found)
-        for package, banned in above.items()
-        for module, names in graph.items()
-        if module.startswith(package)
-        for found in names
-        if found.startswith(banned)
-    }
-    assert not upward
+    assert not {(leaf, i) for leaf in LEAVES for i in graph[leaf] if i.startswith("spotguard")}
+
+
+def test_no_module_imports_a_sibling_package_or_a_layer_above_its_own():
+    """e.g. checkpoint/ never imports job/'s coordination... the other way: job/ never imports checkpoint/;
+    health/ and snapshots/ never the goodput side, the options or the guard; nothing below the guard's
+    rooms imports them."""
+    wrong = set()
+    for module, names in imports().items():
+        layer, package = place(module)
+        for name in names:
+            if name in ("spotguard", "spotguard.__version__") or name.startswith(LEAVES):
+                continue  # the version, read from the package's __init__; a leaf
+            where = place(name)
+            if where is not None and where[1] != package and where[0] >= layer:
+                wrong.add((module, name))
+    assert not wrong
+
+
+def test_the_layers_are_those_the_design_page_draws():
+    """The design page's layout names every package of LAYERS (it is where a newcomer reads them)."""
+    design = (ROOT / "docs" / "DESIGN.md").read_text()
+    folders = {prefix.split(".")[-1] for layer in LAYERS[1:] for prefix in layer if prefix != "spotguard"}
+    assert not {f for f in folders if f"{f}/" not in design and f"{f}.py" not in design}
 
 
 def test_spotguard_checkpoint_exports_only_its_public_names():
@@ -108,26 +132,11 @@ def test_spotguard_checkpoint_exports_only_its_public_names():
 def test_names_spotguard_checkpoint_exported_before_still_import_with_a_warning():
     import warnings
 
-    from spotguard.checkpoint.layout import step_dir_name
+    from spotguard.checkpoint.format.layout import step_dir_name
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         from spotguard.checkpoint import step_dir_name as moved
     assert moved is step_dir_name
-    assert any(issubclass(w.category, DeprecationWarning) and "spotguard.checkpoint.layout" in str(w.message)
+    assert any(issubclass(w.category, DeprecationWarning) and "spotguard.checkpoint.format.layout" in str(w.message)
                for w in caught)  # fmt: skip
-
-
-def test_the_snapshot_tier_stands_on_the_checkpoint_layer_only():
-    """spotguard.snapshots uses the checkpoint layer, the store helpers and the cadence (a leaf); the
-    guard builds on it, never the other way."""
-    allowed = ("spotguard.snapshots", "spotguard.checkpoint", "spotguard.job.kvstore", "spotguard.cadence")
-    upward = {
-        (module, found)
-        for module, names in imports().items()
-        if module.startswith("spotguard.snapshots")
-        for found in names
-        if found.startswith("spotguard") and not found.startswith(allowed)
-    }
-    assert not upward
-    assert not {i for i in imports()["spotguard.cadence"] if i.startswith("spotguard")}

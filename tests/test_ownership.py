@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from spotguard.checkpoint.ownership import SurvivorPlanner
+from spotguard.checkpoint.moves.ownership import SurvivorPlanner
 from tests.ckpt_workers import ROOT
 
 MESHES = textwrap.dedent("""
@@ -23,7 +23,7 @@ MESHES = textwrap.dedent("""
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
-    from spotguard.checkpoint.ownership import expects_handoff, hands_over, holders
+    from spotguard.checkpoint.moves.ownership import expects_handoff, hands_over, holders
     dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())
     hsdp = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
     w = DTensor.from_local(torch.ones(2, 3), hsdp, [Replicate(), Shard(0)], run_check=False)

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import torch
 
-from spotguard.checkpoint.departure import HandoffError
-from spotguard.checkpoint.handoff import doorway
+from spotguard.checkpoint.moves.handoff import doorway
+from spotguard.job.departure import HandoffError
 from spotguard.snapshots import shard_file
 from spotguard.snapshots.loading import load_shards
 from spotguard.snapshots.node_dir import NodeDir, name_of
@@ -130,7 +130,7 @@ def test_slow_drip_connections_past_the_cap_do_not_lock_out_replicas_or_fetches(
     try:
         assert round_trip(server, path, {"w": torch.zeros(4096), "step": 0}) < 3.0  # and after they went
     finally:
-        with caplog.at_level(logging.WARNING, logger="spotguard.checkpoint.handoff.doorway"):
+        with caplog.at_level(logging.WARNING, logger="spotguard.checkpoint.moves.handoff.doorway"):
             server.close()
     assert any(r.getMessage().startswith("the snapshot peer server dropped") for r in caplog.records)
 
@@ -238,7 +238,7 @@ def test_a_failed_accept_is_logged_and_survived(tmp_path, snapshot, monkeypatch,
     failures = failing_accepts(monkeypatch, [errno.EMFILE, errno.ECONNABORTED])  # only the server accepts here
     live = {"w": torch.zeros(4096), "step": 0}
     try:
-        with caplog.at_level(logging.WARNING, logger="spotguard.checkpoint.handoff.doorway"):
+        with caplog.at_level(logging.WARNING, logger="spotguard.checkpoint.moves.handoff.doorway"):
             round_trip(server, path, live)
     finally:
         server.close()

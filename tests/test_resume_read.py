@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from spotguard.checkpoint import Checkpointer, CheckpointError, shard_read
-from spotguard.checkpoint.layout import step_dir_name
+from spotguard.checkpoint import Checkpointer, CheckpointError
+from spotguard.checkpoint.format.layout import step_dir_name
+from spotguard.checkpoint.resume import shard_read
 from tests.ckpt_workers import assert_same
 from tests.test_checkpoint import bytes_read, flip_byte, resume_fresh, save_steps, three_files
 
@@ -76,7 +77,7 @@ def test_a_damaged_only_step_stops_resume_instead_of_a_fresh_start_from_half_loa
 
 def test_a_load_of_some_records_still_checks_every_byte_of_the_files_it_reads(tmp_path):
     """A byte flipped in a record the load does not need, in a file it reads, is still caught."""
-    from spotguard.checkpoint.safe_pickle import load_metadata
+    from spotguard.checkpoint.format.safe_pickle import load_metadata
 
     with Checkpointer(str(tmp_path), write_threads=2) as ck:
         ck.save(1, {f"t{i}": torch.arange(1000.0) + i for i in range(6)}, reason="manual")

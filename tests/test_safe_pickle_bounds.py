@@ -27,8 +27,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from spotguard.checkpoint.layout import step_dir_name
-from spotguard.checkpoint.safe_pickle import RefusedPickle, load_metadata
+from spotguard.checkpoint.format.layout import step_dir_name
+from spotguard.checkpoint.format.safe_pickle import RefusedPickle, load_metadata
 from tests.ckpt_workers import ROOT, assert_same, run_ranks
 from tests.test_checkpoint import save_steps
 from tests.test_checkpoint_security import vouch_for
@@ -108,7 +108,7 @@ ATTACKS = {  # name: (pickle, what the refusal says)
 
 LOAD_EACH = """
 import json, sys, time
-from spotguard.checkpoint.safe_pickle import RefusedPickle, load_metadata
+from spotguard.checkpoint.format.safe_pickle import RefusedPickle, load_metadata
 for name, data in json.load(open(sys.argv[1])).items():
     print("loading", name, flush=True)  # the last one named is the one that hung or crashed
     start = time.monotonic()

@@ -33,7 +33,7 @@ import spotguard
 from spotguard.checkpoint import CheckpointError
 from spotguard.options import SNAPSHOT_MAX_S, SNAPSHOT_MIN_S
 from spotguard.snapshots.tier import TIMED_OUT
-from spotguard.snapshotting import SNAPSHOT
+from spotguard.wiring.snapshots import SNAPSHOT
 from tests.ckpt_workers import finish, launch_command
 from tests.test_goodput import report_json
 from tests.test_guard import train
@@ -400,10 +400,10 @@ def test_auto_snapshot_interval_follows_young_daly_from_the_measured_stall_and_t
     hours = sum(s["wall_s"] for s in history["segment_details"]) / 3600
     with spotguard.Guard(str(ckpt), cloud="none", snapshot_interval_s="auto", snapshot_dir=str(tmp_path / "memory"),
                          exit_code=None) as guard:  # fmt: skip
-        next_wait = guard._snapshot_timer._interval  # what rank 0's snapshot timer waits next
+        next_wait = guard._rounds.snapshot_timer._interval  # what rank 0's snapshot timer waits next
         start = guard.resume(state)
         assert next_wait() == SNAPSHOT_MIN_S  # nothing measured yet: the lower bound, to measure one soon
-        guard._request(SNAPSHOT)  # what the timer asks when it fires (request_checkpoint refuses the reason)
+        guard._rounds.request(SNAPSHOT)  # what the timer asks when it fires (request_checkpoint refuses the reason)
         step = start
         while guard.snapshots is None or guard.snapshots.last is None:
             assert step < start + 1000, "no snapshot taken"

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from spotguard.checkpoint.job import IDENTITY_NAME, location_key
+from spotguard.checkpoint.format.identity import IDENTITY_NAME
 from spotguard.checkpoint.state import to_dcp
+from spotguard.job.topology import location_key
 from spotguard.snapshots import shard_file, tier
 from spotguard.snapshots.node_dir import NodeDir, UnusableDir, name_of, private_root
 from spotguard.snapshots.peers import PeerServer, push
@@ -234,7 +235,7 @@ RECEIVE_ON_FULL_TMPFS = """
 import sys
 from pathlib import Path
 import torch
-from spotguard.checkpoint.departure import HandoffError
+from spotguard.job.departure import HandoffError
 from spotguard.checkpoint.state import to_dcp
 from spotguard.snapshots import shard_file
 from spotguard.snapshots.node_dir import NodeDir, name_of, private_root
@@ -277,9 +278,7 @@ def test_two_jobs_with_the_same_relative_checkpoint_dir_never_share_snapshots(tm
     assert keys == {location_key(str(tmp_path / "a" / "ckpt")), location_key(str(tmp_path / "b" / "ckpt"))}
 
 
-def test_a_restart_with_the_bucket_url_spelled_another_way_finds_the_snapshots(
-    tmp_path, storage_servers, monkeypatch
-):
+def test_a_restart_with_the_bucket_url_spelled_another_way_finds_the_snapshots(tmp_path, storage_servers, monkeypatch):
     bucket = backend_for("s3", storage_servers, monkeypatch, tmp_path).bucket
     run_here(tmp_path / "memory", 11, f"s3://{bucket}/run", local_dir=str(tmp_path / "staging"))  # snapshots 4, 8
     start, _ = run_here(tmp_path / "memory", 11, f"s3://{bucket}//run/", local_dir=str(tmp_path / "staging"))

@@ -17,10 +17,10 @@ import torch
 
 import spotguard
 from spotguard.checkpoint import list_checkpoints
-from spotguard.checkpoint.comm import node_count
-from spotguard.checkpoint.departure import HandoffError
 from spotguard.checkpoint.state import load_from_dcp, state_digest, to_dcp
 from spotguard.cli import main
+from spotguard.job.departure import HandoffError
+from spotguard.job.topology import node_count
 from spotguard.options import SnapshotOptions
 from spotguard.snapshots import shard_file
 from spotguard.snapshots.items import LayoutError

@@ -27,7 +27,7 @@ from cloud_adapters.storage import (
     StoreError,
 )
 from cloud_adapters.stores import canonical_location, check_location, open_store
-from spotguard.checkpoint.job import location_key
+from spotguard.job.topology import location_key
 from tests.conftest import SCHEMES, Backend, backend_for, start_server
 from tests.servers import ROOT, Fault, FaultProxy
 

@@ -5,8 +5,10 @@ the manifest, written last. A directory without a manifest does not exist for re
 
 The names below are the package's public surface (also exported by `spotguard`, but for
 `state_digest`, which the examples use to show that a resumed run is bit-identical); the
-modules inside are internal. Nothing here imports the guard's own modules: the checkpoint
-layer stands on `cloud_adapters` and `spotguard.job.kvstore` alone.
+modules inside are internal: `format/` (what a committed step is made of), `save/` (the save path),
+`resume/` (the resume path) and `moves/` (between tiers and ranks). The layer stands on
+`cloud_adapters` and `spotguard.job` (the store, the topology, where leaving ranks meet survivors);
+nothing here imports the guard's side.
 """
 
 import importlib
@@ -31,11 +33,11 @@ __all__ = [
 
 # Exported here by earlier versions; internal now, importable from their modules.
 _MOVED = {
-    "MANIFEST_NAME": "spotguard.checkpoint.layout",
-    "parse_step_dir": "spotguard.checkpoint.layout",
-    "step_dir_name": "spotguard.checkpoint.layout",
-    "Manifest": "spotguard.checkpoint.manifest",
-    "ManifestError": "spotguard.checkpoint.manifest",
+    "MANIFEST_NAME": "spotguard.checkpoint.format.layout",
+    "parse_step_dir": "spotguard.checkpoint.format.layout",
+    "step_dir_name": "spotguard.checkpoint.format.layout",
+    "Manifest": "spotguard.checkpoint.format.manifest",
+    "ManifestError": "spotguard.checkpoint.format.manifest",
     "VerifyResult": "spotguard.checkpoint.catalog",
 }
 

@@ -16,10 +16,10 @@ from pathlib import Path
 
 from cloud_adapters.storage import LocalStore, NotFound, ObjectInfo, ObjectStore, StoreError
 from cloud_adapters.stores import open_store
-from spotguard.checkpoint.auth import signature_problem
-from spotguard.checkpoint.layout import MANIFEST_NAME, manifest_key, parse_step_dir, step_dir_name
-from spotguard.checkpoint.manifest import Manifest, ManifestError, check_file
-from spotguard.checkpoint.progress import TransferProgress
+from spotguard.checkpoint.format.auth import signature_problem
+from spotguard.checkpoint.format.layout import MANIFEST_NAME, manifest_key, parse_step_dir, step_dir_name
+from spotguard.checkpoint.format.manifest import Manifest, ManifestError, check_file
+from spotguard.checkpoint.moves.progress import TransferProgress
 
 log = logging.getLogger(__name__)
 

@@ -33,22 +33,23 @@ from cloud_adapters.deadline import Deadline
 from cloud_adapters.notice import Notice, utc_now
 from cloud_adapters.storage import LocalStore, ObjectStore
 from cloud_adapters.stores import open_store
-from spotguard.checkpoint import departing
-from spotguard.checkpoint.auth import CheckpointKey, resolve_key
-from spotguard.checkpoint.background import BackgroundSaves
-from spotguard.checkpoint.comm import Comm, ranks_per_node
-from spotguard.checkpoint.departure import Departure, senders_to
-from spotguard.checkpoint.durable import Uploader
-from spotguard.checkpoint.handoff import ReceivePool, sharded_nbytes
-from spotguard.checkpoint.job import job_identity
-from spotguard.checkpoint.layout import step_dir_name
-from spotguard.checkpoint.manifest import REASONS
+from spotguard.checkpoint.comm import Comm
+from spotguard.checkpoint.format.auth import CheckpointKey, resolve_key
+from spotguard.checkpoint.format.identity import job_identity
+from spotguard.checkpoint.format.layout import step_dir_name
+from spotguard.checkpoint.format.manifest import REASONS
+from spotguard.checkpoint.format.runs import RunClaim, new_run_id
+from spotguard.checkpoint.moves import departing
+from spotguard.checkpoint.moves.durable import Uploader
+from spotguard.checkpoint.moves.handoff import ReceivePool, sharded_nbytes
 from spotguard.checkpoint.outcome import SaveEvents, SaveOutcomes, SaveReport
-from spotguard.checkpoint.protocol import SaveProtocol
-from spotguard.checkpoint.resume import candidate_steps, load_newest
-from spotguard.checkpoint.runs import RunClaim, new_run_id
-from spotguard.checkpoint.staging import Stager
+from spotguard.checkpoint.resume.newest import candidate_steps, load_newest
+from spotguard.checkpoint.save.background import BackgroundSaves
+from spotguard.checkpoint.save.protocol import SaveProtocol
+from spotguard.checkpoint.save.staging import Stager
 from spotguard.checkpoint.state import to_dcp
+from spotguard.job.departure import Departure, senders_to
+from spotguard.job.topology import ranks_per_node
 
 log = logging.getLogger(__name__)
 

@@ -13,38 +13,12 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
+from spotguard.job.topology import local_rank
+
 # DCP reports failures as CheckpointException, a BaseException: catch both.
 FAILURES = (Exception, CheckpointException)
 LAZY_GLOO_ENV = "TORCH_GLOO_LAZY_INIT"
 _env_lock = threading.Lock()
-
-
-def local_rank(rank: int) -> int:
-    """This process's rank on its node: torchrun's LOCAL_RANK, else `rank` (one process per node)."""
-    return int(os.environ.get("LOCAL_RANK", rank))
-
-
-def ranks_per_node() -> int:
-    """How many ranks each node runs (torchrun's LOCAL_WORLD_SIZE, else 1); a node's ranks are consecutive."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-
-
-def node_count(world_size: int) -> int | None:
-    """How many nodes of `ranks_per_node()` ranks the job has, or None for an uneven layout: that count
-    does not divide the world size or, where torchrun says how many nodes there are (GROUP_WORLD_SIZE),
-    times that many it is not the world size. A node whose own count happens to fit an uneven job
-    (nodes of 1, 2 and 3 ranks: the node of 2) cannot tell."""
-    per_node = ranks_per_node()
-    nodes = os.environ.get("GROUP_WORLD_SIZE", "")
-    if world_size % per_node or (nodes.isdigit() and per_node * int(nodes) != world_size):
-        return None
-    return world_size // per_node
-
-
-def layout_said() -> str:
-    """The counts a layout is judged by, for a log line."""
-    said = f"LOCAL_WORLD_SIZE={ranks_per_node()}"
-    return said + (f", GROUP_WORLD_SIZE={os.environ['GROUP_WORLD_SIZE']}" if "GROUP_WORLD_SIZE" in os.environ else "")
 
 
 def new_gloo_group(ranks: Sequence[int] | None = None, **kwargs: Any) -> dist.ProcessGroup:

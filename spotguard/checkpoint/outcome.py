@@ -1,9 +1,8 @@
-"""What a save reports, and the records of a commit that cross ranks and nodes."""
+"""What a save reports, and the record of a commit that crosses the saving group's ranks."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
@@ -45,25 +44,3 @@ class LocalCommit:
     created: bool = False
     bytes: int = 0
     files: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class SurvivorsOutcome:
-    """The survivors to the leaving ranks, through the job's store as JSON: where the emergency
-    step was committed, or why it was not."""
-
-    error: str | None = None
-    location: str = ""
-    durable: bool = False
-    bytes: int = 0
-    files: int = 0
-    committed_at: str = ""  # ISO 8601, UTC
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> SurvivorsOutcome:
-        value = json.loads(text)
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in value.items() if k in known})

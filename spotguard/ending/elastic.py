@@ -24,7 +24,7 @@ import os
 import signal
 import threading
 
-from spotguard.checkpoint.comm import ranks_per_node
+from spotguard.job.topology import ranks_per_node
 
 log = logging.getLogger(__name__)
 

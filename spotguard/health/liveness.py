@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from spotguard.checkpoint.handoff.wire import advertised_host
+from spotguard.checkpoint.moves.handoff.wire import advertised_host
 from spotguard.job.kvstore import IDLE_WAIT, Connection
 
 log = logging.getLogger(__name__)

@@ -33,13 +33,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from spotguard.checkpoint.comm import layout_said, node_count, ranks_per_node
 from spotguard.health import stacks
 from spotguard.health.hangs import HangSeen, HangWatch
 from spotguard.health.job_phase import JobPhase
 from spotguard.health.liveness import Liveness, PeerLoss
 from spotguard.job.kvstore import Connection
-from spotguard.job.topology import Topology
+from spotguard.job.topology import Topology, layout_said, node_count, ranks_per_node
 
 log = logging.getLogger(__name__)
 

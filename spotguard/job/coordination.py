@@ -17,10 +17,9 @@ from typing import Any
 import torch.distributed as dist
 
 from cloud_adapters.notice import Notice
-from spotguard.checkpoint.departure import Departure
-from spotguard.checkpoint.outcome import SaveReport
 from spotguard.job.agreement import Decision, StepAgreement
 from spotguard.job.broadcast import EMERGENCY, SILENT, Broadcast
+from spotguard.job.departure import Departure
 from spotguard.job.kvstore import Connection
 from spotguard.job.topology import Topology
 
@@ -37,28 +36,6 @@ class EmergencyPlan:
     notices: tuple[Notice, ...]
     leaving: frozenset[int]  # the ranks of the reclaimed nodes
     departure: Departure | None  # None: the whole job stops (no survivors to commit without them)
-
-    def is_safe(self, step: int, report: SaveReport | None) -> bool:
-        """Whether the emergency checkpoint of `step` is safe, said in the log when it is not: durable in
-        checkpoint_dir, or (leaving a job that goes on) committed by the survivors, who hold everything
-        of this node's. A copy only in local_dir goes away with the VM."""
-        if report is None:
-            log.error(
-                "the emergency checkpoint of step %d was NOT committed (see the error above); stopping anyway: "
-                "the work since the last committed checkpoint is lost, and resume will start from that one",
-                step,
-            )
-            return False
-        if report.durable or self.departure is not None:
-            return True
-        log.error(
-            "the emergency checkpoint of step %d is committed only in %s, which goes away with this VM (%s): "
-            "reporting it as not saved",
-            step,
-            report.local_location,
-            report.error,
-        )
-        return False
 
 
 class Coordination:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import socket
 
 import torch.distributed as dist
 
-from spotguard.checkpoint.comm import local_rank
-from spotguard.checkpoint.job import location_key
+from cloud_adapters.stores import canonical_location
 from spotguard.job.kvstore import Connection
 
 # How long a starting guard waits for the rank before it to enter the same guard, when that rank has
@@ -78,9 +78,7 @@ def explicit(rank: int, world_size: int, local: int | None = None, node: str | N
     return Topology(rank, world_size, local, world_size > 1, node or node_name(rank))
 
 
-def run_prefix(
-    store: dist.Store, group: dist.ProcessGroup | None, topology: Topology, checkpoint_dir: str
-) -> str:
+def run_prefix(store: dist.Store, group: dist.ProcessGroup | None, topology: Topology, checkpoint_dir: str) -> str:
     """A store prefix unique to this Guard in this job, the same on every rank.
 
     Under the job's key (torchrun's run id and a key of the normalised `checkpoint_dir`, so that two
@@ -138,3 +136,36 @@ def _split(rank: int, count: int, other: int, what: str) -> RuntimeError:
         f"meet to save: is rank {other} running? Else a rank missed its guard in an earlier attempt on this "
         "store; give each attempt a store of its own, or start the guards after init_process_group()"
     )
+
+
+def local_rank(rank: int) -> int:
+    """This process's rank on its node: torchrun's LOCAL_RANK, else `rank` (one process per node)."""
+    return int(os.environ.get("LOCAL_RANK", rank))
+
+
+def ranks_per_node() -> int:
+    """How many ranks each node runs (torchrun's LOCAL_WORLD_SIZE, else 1); a node's ranks are consecutive."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def node_count(world_size: int) -> int | None:
+    """How many nodes of `ranks_per_node()` ranks the job has, or None for an uneven layout: that count
+    does not divide the world size or, where torchrun says how many nodes there are (GROUP_WORLD_SIZE),
+    times that many it is not the world size. A node whose own count happens to fit an uneven job
+    (nodes of 1, 2 and 3 ranks: the node of 2) cannot tell."""
+    per_node = ranks_per_node()
+    nodes = os.environ.get("GROUP_WORLD_SIZE", "")
+    if world_size % per_node or (nodes.isdigit() and per_node * int(nodes) != world_size):
+        return None
+    return world_size // per_node
+
+
+def layout_said() -> str:
+    """The counts a layout is judged by, for a log line."""
+    said = f"LOCAL_WORLD_SIZE={ranks_per_node()}"
+    return said + (f", GROUP_WORLD_SIZE={os.environ['GROUP_WORLD_SIZE']}" if "GROUP_WORLD_SIZE" in os.environ else "")
+
+
+def location_key(checkpoint_dir: str) -> str:
+    """A short key of the location as its store names it: the same for every spelling of one place."""
+    return hashlib.sha256(canonical_location(checkpoint_dir).encode()).hexdigest()[:16]

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlan, WriteItemType
 from torch.distributed.tensor import DTensor
 
-from spotguard.checkpoint.safe_pickle import WeightsOnlyLoadPlanner, untiled
+from spotguard.checkpoint.format.safe_pickle import WeightsOnlyLoadPlanner, untiled
 
 BYTES = "bytes"  # the dtype of a non-tensor value's item
 
@@ -122,9 +122,7 @@ class Copy:
     item: StoredItem
 
 
-def metadata_of(
-    indexes: Mapping[int, Iterable[StoredItem]], *, whole: bool
-) -> tuple[Metadata, dict[Any, list[Copy]]]:
+def metadata_of(indexes: Mapping[int, Iterable[StoredItem]], *, whole: bool) -> tuple[Metadata, dict[Any, list[Copy]]]:
     """DCP Metadata for the items of the shards `indexes` (old rank -> its file's items), and every
     copy of each saved chunk by its key (a replicated tensor is one chunk held by every shard).
 

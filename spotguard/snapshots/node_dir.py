@@ -8,7 +8,7 @@ restart of the workers finds what the node held. In it each user has a root of t
 (`private_root`): made 0700 and checked (a directory, not a link, owned by this user, writable by
 no one else, in a base where no one else can move it away), so another local user can neither
 read a job's weights nor plant a file or a link that the job would write through. `run` keys the
-job's checkpoint location (`spotguard.checkpoint.job.location_key`), so jobs sharing a node never
+job's checkpoint location (`spotguard.job.topology.location_key`), so jobs sharing a node never
 see each other's files. A file under its final name is complete (see `shard_file`); what a crash
 left behind as `.part` is swept away with old steps.
 """

@@ -1,6 +1,6 @@
 """Snapshot files between nodes: every rank serves its node's directory; replicas go in, shards come out.
 
-The wire is the handoff's (`spotguard.checkpoint.handoff.wire`): a length-prefixed JSON frame,
+The wire is the handoff's (`spotguard.checkpoint.moves.handoff.wire`): a length-prefixed JSON frame,
 then raw bytes. A request names its op (`put`: take a replica in; `info`: send a file's trailer;
 `get`: send runs of a file's body) and carries the server's token, which only the job's store
 hands out (`host port token` under the rank's key), so only the job's own ranks are served. Bytes
@@ -23,9 +23,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from cloud_adapters.deadline import Deadline
-from spotguard.checkpoint.departure import HandoffError
-from spotguard.checkpoint.handoff.doorway import Doorway
-from spotguard.checkpoint.handoff.wire import (
+from spotguard.checkpoint.moves.handoff.doorway import Doorway
+from spotguard.checkpoint.moves.handoff.wire import (
     CHUNK,
     IDLE_TIMEOUT_S,
     advertised_host,
@@ -33,6 +32,7 @@ from spotguard.checkpoint.handoff.wire import (
     recv_json,
     send_json,
 )
+from spotguard.job.departure import HandoffError
 from spotguard.snapshots import shard_file
 from spotguard.snapshots.node_dir import NodeDir
 from spotguard.snapshots.shard_file import ShardInfo, SnapshotError

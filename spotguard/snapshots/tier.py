@@ -29,11 +29,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-from spotguard.cadence import Cadence
-from spotguard.checkpoint.comm import FAILURES, Comm, describe, layout_said, node_count, ranks_per_node
-from spotguard.checkpoint.staging import Stager, on_device
+from spotguard.checkpoint.comm import FAILURES, Comm, describe
+from spotguard.checkpoint.save.staging import Stager, on_device
 from spotguard.checkpoint.state import load_from_dcp, optional_keys, tensors_of, to_dcp
+from spotguard.goodput.cadence import Cadence
 from spotguard.job.kvstore import Connection
+from spotguard.job.topology import layout_said, node_count, ranks_per_node
 from spotguard.snapshots import recovery, shard_file
 from spotguard.snapshots.loading import PlanLoader
 from spotguard.snapshots.node_dir import BASE_ENV, DEFAULT_BASE, NodeDir, name_of, private_root
@@ -66,7 +67,7 @@ class SnapshotDone:
 class SnapshotTier:
     """Snapshots of one rank's state; made by the Guard when `SnapshotOptions` ask for them.
 
-    `run` keys the checkpoint location and `job` is the identity it holds (`spotguard.checkpoint.job`;
+    `run` keys the checkpoint location and `job` is the identity it holds (`spotguard.checkpoint.format.identity`;
     rank 0's, the same on every rank), written into every snapshot with `attempt` (this start of the
     job, rank 0's, new at every start) and the world size: files of another job are never loaded,
     and a snapshot is whole only with every shard of one attempt at one world size. None (it could

@@ -1,0 +1,254 @@
+"""The guard's rounds: what asks the job for a step (a notice, the interval and snapshot timers, a
+request) and what every rank does at the step the job agreed on (a save, a snapshot, the emergency).
+
+The agreement itself is `spotguard.job`'s; this is the guard's side of it: the watcher's notices turned
+into the job's events, the listener's word that a round ended, the saves that never reach the training
+loop when they fail, and the emergency's outcome (`EmergencyOutcome`), which the guard's end reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from cloud_adapters.notice import INTERRUPTION, REBALANCE, Notice
+from spotguard.checkpoint import Checkpointer, CheckpointError, SaveReport
+from spotguard.checkpoint.moves.progress import seconds
+from spotguard.ending import elastic
+from spotguard.ending.exit_policy import ExitPolicy
+from spotguard.goodput.cadence import IntervalTimer
+from spotguard.goodput.recorder import GoodputRecorder
+from spotguard.goodput.timeline import Timeline
+from spotguard.job.agreement import Decision
+from spotguard.job.broadcast import EMERGENCY
+from spotguard.job.coordination import Coordination, EmergencyPlan
+from spotguard.job.departure import Departure
+from spotguard.job.topology import Topology
+from spotguard.options import GuardOptions
+from spotguard.watcher import Watcher
+from spotguard.wiring.snapshots import SNAPSHOT, GuardSnapshots
+
+log = logging.getLogger("spotguard.guard")
+ROUTINE_SAVES = ("periodic", "interval")  # a save that is also another round's takes that round's reason
+
+
+@dataclasses.dataclass
+class EmergencyOutcome:
+    """What the emergency left for the guard's end (written by the training thread at the agreed step)."""
+
+    interrupted: bool = False  # step() returned True for an emergency
+    saved: bool = False  # ... and its checkpoint was committed where a new VM finds it
+    upload_abandoned: bool = False  # ... and its upload did not finish (the stores are not closed)
+    leaving: bool = False  # ... and this node was the one reclaimed
+
+
+@dataclasses.dataclass(frozen=True)
+class GuardParts:
+    """What the rounds use of one started guard."""
+
+    topology: Topology
+    options: GuardOptions
+    timeline: Timeline
+    goodput: GoodputRecorder
+    snapshots: GuardSnapshots
+    exit_policy: ExitPolicy
+    min_nodes: int | None
+    checkpointer: Callable[[], Checkpointer]  # made at its first need
+    coordination: Callable[[], Coordination]
+    watcher: Callable[[], Watcher]
+    busy: Callable[[], contextlib.AbstractContextManager[None]]  # spotguard's own work on the training thread
+    last_state: Callable[[], Mapping[str, Any] | None]  # the state the loop last passed to step()
+    checkpointer_made: Callable[[], Checkpointer | None]
+
+
+class Rounds:
+    """One started guard's rounds; `outcome` is the guard's, kept across its starts."""
+
+    def __init__(self, parts: GuardParts, outcome: EmergencyOutcome) -> None:
+        self._parts = parts
+        self.outcome = outcome
+        self._started_at = time.monotonic()
+        self.interval_timer: IntervalTimer | None = None
+        self.snapshot_timer: IntervalTimer | None = None
+
+    # ---- what asks for a step ---------------------------------------------------------------
+    def start_timers(self) -> None:
+        """Rank 0 asks for the interval saves and timed snapshots (the others follow its request)."""
+        p = self._parts
+        if not p.topology.is_coordinator:
+            return
+        if p.options.saving.save_interval_s:
+            self.interval_timer = IntervalTimer(self.interval, lambda: self.request("interval"))
+        if p.snapshots.timed:
+            self.snapshot_timer = IntervalTimer(
+                lambda: p.snapshots.interval(p.goodput, self.run_hours()), lambda: self.request(SNAPSHOT)
+            )
+
+    def stop(self) -> None:
+        for timer in (self.interval_timer, self.snapshot_timer):
+            if timer is not None:
+                timer.stop()
+
+    def request(self, reason: str) -> None:
+        """Any thread: ask every rank to act at the next step they all agree on."""
+        self._parts.timeline.add("save-requested", reason=reason)
+        self._parts.coordination().request_checkpoint(reason)
+
+    def interval(self) -> float:
+        """The interval timer's interval: fixed, or the cadence's choice now."""
+        p = self._parts
+        if p.goodput.cadence is None:
+            return p.options.saving.save_interval_s  # type: ignore[return-value]
+        return p.goodput.next_interval(self.run_hours())
+
+    def run_hours(self) -> float:
+        return (time.monotonic() - self._started_at) / 3600
+
+    def on_notice(self, notice: Notice) -> None:
+        """Watcher thread: turn a notice into an event every rank sees."""
+        p = self._parts
+        notice = dataclasses.replace(notice, node=p.topology.node)
+        p.timeline.add(
+            "notice",
+            source=notice.source,
+            action=notice.action,
+            node=notice.node,
+            deadline_in_s=seconds(notice.seconds_left()),
+        )
+        if notice.kind == INTERRUPTION:
+            p.coordination().publish_interruption(notice)
+        elif notice.kind == REBALANCE and p.options.notices.save_on_rebalance:
+            self.request("rebalance")
+
+    def on_notice_update(self, notice: Notice) -> None:
+        """Watcher thread: a notice already handled came again with an earlier deadline (logged by
+        the watcher). Recorded; a save already agreed keeps the deadline it was agreed with."""
+        self._parts.timeline.add("notice-update", source=notice.source, deadline_in_s=seconds(notice.seconds_left()))
+
+    def on_agreed(self, event: dict[str, Any], decision: Decision | None, notice: Notice | None) -> None:
+        """Listener thread, after a round: prepare for the save and record the outcome."""
+        p = self._parts
+        ckpt, last_state = p.checkpointer_made(), p.last_state()
+        if decision is not None and notice is not None and ckpt is not None:
+            ckpt.abandon_background_uploads()  # the training thread may be waiting on one
+            if last_state is not None:
+                ckpt.expect_handoff(last_state, decision.leaving)
+        if notice is not None and decision is None:
+            p.goodput.notice(notice, agreed_step=None)
+        if event.get("reason") == "rebalance":
+            p.goodput.rebalance(decision.step if decision else None)
+        if decision is not None:
+            p.timeline.add(
+                "agreed",
+                step=decision.step,
+                on=event["type"],
+                ranks=p.topology.world_size,
+                **({"leaving": ",".join(map(str, decision.leaving))} if decision.leaving else {}),
+            )
+
+    # ---- at the agreed step (the training thread) ----------------------------------------------
+    def run(self, step: int, state: Mapping[str, Any], due: list[Decision]) -> bool:
+        """Act on the rounds due at `step`; True when one was an emergency (its save is done)."""
+        emergencies = [d for d in due if d.event["type"] == EMERGENCY]
+        if not emergencies:
+            reasons = [d.event.get("reason", "periodic") for d in due]
+            if SNAPSHOT in reasons:
+                self.snapshot(step, state)
+            saves = [r for r in reasons if r != SNAPSHOT]
+            if saves:  # rounds agreed on one step make one save: named for the one that is not routine
+                reason = next((r for r in saves if r not in ROUTINE_SAVES), saves[-1])
+                self.save(step, state, reason=reason, wait=False)
+            return False
+        self._emergency(step, state, self._parts.coordination().plan(emergencies))
+        return True
+
+    def _emergency(self, step: int, state: Mapping[str, Any], plan: EmergencyPlan) -> None:
+        p = self._parts
+        leaving = self.outcome.leaving = p.topology.rank in plan.leaving or plan.departure is None
+        # this node's own cloud notice, whatever other notices (a joining node's SIGTERM) came with it
+        reclaimed = any(n.node == p.topology.node and n.cloud != "signal" for n in plan.notices)
+        p.exit_policy.withdrawal = elastic.withdrawal(
+            reclaimed=reclaimed,
+            leaving=leaving,
+            ranks_left=p.topology.world_size - len(plan.leaving),
+            at_least=p.min_nodes,
+        )
+        p.timeline.add(
+            "save-start",
+            step=step,
+            reason="emergency",
+            **({"as": "leaving" if leaving else "survivor"} if plan.departure else {}),
+        )
+        report = self.save(step, state, reason="emergency", wait=True, notice=plan.notice, departure=plan.departure)
+        safe = is_safe(plan, step, report)
+        if p.topology.is_node_leader and safe:
+            p.watcher().ack(plan.notice)  # Azure may proceed early only once the checkpoint is safe
+        self.outcome.interrupted = True
+        self.outcome.saved = safe
+        self.outcome.upload_abandoned = report is not None and not report.durable
+        p.goodput.emergency(plan.notice, step, report, plan.leaving)
+        # The next start, at any world size, reads the step from the nodes' memory; not when a cloud takes a
+        # node (the plan is every rank's): its shards would be missing, and it must leave at once.
+        if report is not None and p.snapshots.options.enabled and all(n.cloud == "signal" for n in plan.notices):
+            with p.busy():
+                p.snapshots.keep_emergency(step, state, plan.notice.seconds_left())
+
+    def save(
+        self,
+        step: int,
+        state: Mapping[str, Any],
+        *,
+        reason: str,
+        wait: bool,
+        notice: Notice | None = None,
+        departure: Departure | None = None,
+    ) -> SaveReport | None:
+        """A save that never raises into the training loop (invariant 3): None when it failed, said in the log."""
+        try:
+            with self._parts.busy():
+                return self._parts.checkpointer().save(
+                    step,
+                    state,
+                    reason=reason,
+                    notice=notice,
+                    deadline=notice.deadline if notice else None,
+                    wait=wait,
+                    departure=departure,
+                )
+        except CheckpointError as exc:  # says what failed, where and why: one line is enough
+            log.error("%s checkpoint of step %d failed: %s", reason, step, exc)
+        except Exception:  # noqa: BLE001 - invariant 3: a failed save never crashes the training loop
+            log.exception("%s checkpoint of step %d failed", reason, step)
+        self._parts.timeline.add("save-failed", step=step, reason=reason)
+        return None
+
+    def snapshot(self, step: int, state: Mapping[str, Any]) -> None:
+        with self._parts.busy():
+            self._parts.snapshots.take(step, state)
+
+
+def is_safe(plan: EmergencyPlan, step: int, report: SaveReport | None) -> bool:
+    """Whether the emergency checkpoint of `step` is safe, said in the log when it is not: durable in
+    checkpoint_dir, or (leaving a job that goes on) committed by the survivors, who hold everything
+    of this node's. A copy only in local_dir goes away with the VM."""
+    if report is None:
+        log.error(
+            "the emergency checkpoint of step %d was NOT committed (see the error above); stopping anyway: "
+            "the work since the last committed checkpoint is lost, and resume will start from that one",
+            step,
+        )
+        return False
+    if report.durable or plan.departure is not None:
+        return True
+    log.error(
+        "the emergency checkpoint of step %d is committed only in %s, which goes away with this VM (%s): "
+        "reporting it as not saved",
+        step,
+        report.local_location,
+        report.error,
+    )
+    return False
