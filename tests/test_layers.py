@@ -140,3 +140,23 @@ def test_names_spotguard_checkpoint_exported_before_still_import_with_a_warning(
     assert moved is step_dir_name
     assert any(issubclass(w.category, DeprecationWarning) and "spotguard.checkpoint.format.layout" in str(w.message)
                for w in caught)  # fmt: skip
+
+
+def test_the_paths_the_guides_named_before_the_checkpoint_folders_still_work_with_a_warning():
+    import warnings
+
+    import spotguard.checkpoint
+    import spotguard.checkpoint.resume
+    from spotguard.checkpoint.resume.newest import RESUME_TIMEOUT_S
+    from spotguard.checkpoint.save import bounce, retention
+    from spotguard.goodput import records
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert spotguard.checkpoint.bounce is bounce
+        assert spotguard.checkpoint.retention.RETENTION_TIMEOUT_S == retention.RETENTION_TIMEOUT_S
+        assert spotguard.checkpoint.resume.RESUME_TIMEOUT_S == RESUME_TIMEOUT_S
+        import spotguard.ledger_records as former
+
+        assert former.Resume is records.Resume
+    assert sum(issubclass(w.category, DeprecationWarning) for w in caught) >= 3

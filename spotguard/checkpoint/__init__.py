@@ -40,6 +40,11 @@ _MOVED = {
     "ManifestError": "spotguard.checkpoint.format.manifest",
     "VerifyResult": "spotguard.checkpoint.catalog",
 }
+# Modules the guides named before checkpoint/ was grouped by path (`spotguard.checkpoint.bounce`...).
+_MOVED_MODULES = {
+    "bounce": "spotguard.checkpoint.save.bounce",
+    "retention": "spotguard.checkpoint.save.retention",
+}
 
 
 def __getattr__(name: str) -> object:
@@ -50,4 +55,7 @@ def __getattr__(name: str) -> object:
             stacklevel=2,
         )
         return getattr(importlib.import_module(_MOVED[name]), name)
+    if name in _MOVED_MODULES:
+        warnings.warn(f"spotguard.checkpoint.{name} moved to {_MOVED_MODULES[name]}", DeprecationWarning, stacklevel=2)
+        return importlib.import_module(_MOVED_MODULES[name])
     raise AttributeError(f"module 'spotguard.checkpoint' has no attribute {name!r}")
