@@ -4,8 +4,10 @@ whole after a rank began reading it gives way to the durable checkpoint, loaded 
 failed snapshot on one rank is the same verdict on every rank, soon, with no training thread held; a
 verdict that does not come in time is "failed" once for every rank, and a snapshot still replicating
 when the next is due holds the training thread until it ends;
-timed snapshots are agreed on one step by every rank; and `snapshot_interval_s="auto"` follows
-Young/Daly from the stall the tier measured and the ledger's interruptions.
+timed snapshots are agreed on one step by every rank; a snapshot that failed with every shard
+written is kept, and resumed from where the nodes that survive hold it whole; and
+`snapshot_interval_s="auto"` follows Young/Daly from the stall the tier measured and the ledger's
+interruptions.
 
 The ranks run this file's scenarios (`SCENARIOS`) through `tests.ckpt_workers.main`, each a process
 of its own in one gloo group on 127.0.0.1.
@@ -32,7 +34,7 @@ import torch
 import spotguard
 from spotguard.checkpoint import CheckpointError
 from spotguard.options import SNAPSHOT_MAX_S, SNAPSHOT_MIN_S
-from spotguard.snapshots.tier import TIMED_OUT
+from spotguard.snapshots.tier import NOT_REPLICATED, TIMED_OUT
 from spotguard.wiring.snapshots import SNAPSHOT
 from tests.ckpt_workers import finish, launch_command
 from tests.test_goodput import report_json
@@ -75,15 +77,15 @@ def train_step(state: dict[str, Any], step: int) -> None:
 
 
 class Unreadable:
-    """Stateful data-loader state whose `state_dict()` raises on its `fail_on`-th call (0: never), as a
-    user's object whose state cannot be read at one snapshot."""
+    """Stateful data-loader state whose `state_dict()` raises on its `fail_on`-th call (0: never) and the
+    `times - 1` after it, as a user's object whose state cannot be read at one snapshot (or several)."""
 
-    def __init__(self, fail_on: int) -> None:
-        self.calls, self.fail_on = 0, fail_on
+    def __init__(self, fail_on: int, times: int = 1) -> None:
+        self.calls, self.fail_on, self.times = 0, fail_on, times
 
     def state_dict(self) -> dict[str, int]:
         self.calls += 1
-        if self.calls == self.fail_on:
+        if self.fail_on and self.fail_on <= self.calls < self.fail_on + self.times:
             raise RuntimeError("the data loader's position cannot be read")
         return {"position": self.calls}
 
@@ -287,7 +289,64 @@ def a_report_that_never_comes_in_time(group, rank: int, ckpt: str, memory: list[
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(done))
 
 
-SCENARIOS = {f.__name__: f for f in (timed_snapshots, durable_over_a_cut_stream, a_report_that_never_comes_in_time)}
+REFUSED = 2  # the step whose replica of rank 0's shard its buddy never gets
+
+
+def a_replica_refused_then_a_node_lost(group, rank: int, ckpt: str, memory: list[str], out: str) -> None:
+    """Two starts of a 2-rank job (one rank a node), snapshots every 2 steps, nothing durable. In the
+    first, rank 0's replica of step REFUSED never reaches rank 1 (every shard was written, but that
+    snapshot's verdict fails), and rank 1's state cannot be read at the two snapshots after it (they
+    are never whole). Rank 1's node is then replaced (its memory empty), and the second start resumes
+    from what rank 0's node holds."""
+    import torch.distributed as dist
+
+    from spotguard.checkpoint.state import state_digest
+    from spotguard.snapshots import tier
+
+    if rank == 0:
+        replicate = tier.push
+
+        def refused(address: str, path: Path, name: str) -> None:
+            if name.startswith(f"step-{REFUSED:010d}/"):
+                raise ConnectionResetError("the buddy's peer server dropped the replica")
+            replicate(address, path, name)
+
+        tier.push = refused
+    seen = Records()
+    options = {"cloud": "none", "snapshot_every": 2, "snapshot_dir": memory[rank], "exit_code": None}
+    state = {**model_state(), "loader": Unreadable(3 if rank == 1 else 0, times=2)}  # its snapshots of 4 and 6
+    with spotguard.Guard(ckpt, **options) as guard:
+        guard.resume(state)
+        for step in range(REFUSED + 5):
+            train_step(state, step)
+            guard.step(step, state)
+            if step == REFUSED:
+                digest = state_digest(state["model"].state_dict())
+        guard.snapshots.wait()
+        dist.barrier()
+    not_complete = [list(a) for a in seen.args_of("the snapshot of step %d is not complete everywhere (%s)")]
+    held = sorted({int(p.parent.name.removeprefix("step-")) for p in Path(memory[rank]).rglob("step-*/*.snap")})
+    if rank == 1:
+        shutil.rmtree(memory[1])  # a replacement VM: nothing in its memory
+    dist.barrier()
+    state = {**model_state(seed=1), "loader": Unreadable(0)}
+    with spotguard.Guard(ckpt, **options) as guard:
+        start = guard.resume(state)
+        tier_of = [e.detail["tier"] for e in guard.timeline.entries if e.event == "resumed"]
+    done = {"not_complete": not_complete, "held": held, "start": start, "tier": tier_of, "digest": digest,
+            "resumed_digest": state_digest(state["model"].state_dict())}  # fmt: skip
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(done))
+
+
+SCENARIOS = {
+    f.__name__: f
+    for f in (
+        timed_snapshots,
+        durable_over_a_cut_stream,
+        a_report_that_never_comes_in_time,
+        a_replica_refused_then_a_node_lost,
+    )
+}
 
 
 # ---- a snapshot given up after reading began: the durable checkpoint over it ----------------------------------
@@ -383,6 +442,24 @@ def test_a_verdict_that_never_comes_is_timed_out_once_for_every_rank_and_a_snaps
     assert done[0]["step_1_s"] >= SHORT_VERDICT_S - 0.5, done[0]  # rank 0 waited out the verdict wait
     # rank 1 waited for its snapshot in flight, held beyond its own verdict wait
     assert done[1]["step_1_s"] >= SHORT_VERDICT_S + HELD_AFTER_S - 1.0, done[1]
+
+
+def test_a_snapshot_whose_replication_failed_is_kept_and_resumed_from_when_the_survivors_hold_it_whole(tmp_path):
+    """A failed verdict does not free a snapshot whose every shard was written: it may be whole on the
+    nodes that survive, and it is the newest they can hold. Rank 0's replica of step 2 never reaches rank
+    1's node, rank 1's snapshots of steps 4 and 6 fail (its state cannot be read), and rank 1's node is
+    then lost. Step 4, never whole, is freed at step 6's snapshot; step 2 is kept. Rank 0's node holds it
+    whole (its own shard, rank 1's replica): the job resumes from it, not from step 0."""
+    memory = [str(tmp_path / "node0-memory"), str(tmp_path / "node1-memory")]
+    done = run_scenario("a_replica_refused_then_a_node_lost", 2, ckpt=str(tmp_path / "ckpt"), memory=memory,
+                        out=str(tmp_path))  # fmt: skip
+    for result in done:
+        assert (result["start"], result["tier"]) == (REFUSED + 1, ["snapshot"]), result
+        assert result["resumed_digest"] == result["digest"], result
+    assert done[0]["held"] == [0, REFUSED, REFUSED + 4]  # step 0 complete, step 2 kept, step 6 begun
+    assert REFUSED in done[1]["held"]  # rank 1's node kept its own shard of step 2 too
+    for result in done:  # the same verdicts on both ranks: step 2's shards were all written, one of step 4's not
+        assert result["not_complete"] == [[REFUSED, NOT_REPLICATED], [REFUSED + 2, "failed"]], result
 
 
 # ---- the auto snapshot interval ---------------------------------------------------------------------------------

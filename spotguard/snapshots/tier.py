@@ -11,8 +11,12 @@ complete once every rank has written and replicated its shard. At the next snaps
 waits for the previous one's verdict (as a save waits for the one before it), keeps the newest
 complete snapshot and the one it begins, and frees the rest: a node holds two generations of its
 own shards and of its replicas (three after an emergency's final snapshot, which keeps the one
-before it too). Store traffic per snapshot: O(N) (an `add` and a blocking
-`get` per rank, a `set` and three deletions by the last).
+before it too). A snapshot that failed with every shard written (a replica that did not arrive,
+a verdict that did not come) may still be whole on the nodes that survive a loss: the newest such
+one newer than the newest complete snapshot is kept too (three generations), until a newer one is
+complete; one with a shard that was never written can never be whole and is freed at once. Store
+traffic per snapshot: O(N) (an `add` and a blocking `get` per rank, a `set` and three deletions by
+the last).
 """
 
 from __future__ import annotations
@@ -45,9 +49,12 @@ log = logging.getLogger(__name__)
 VERDICT_WAIT_S = 300.0  # the longest a snapshot waits for the previous one's verdict
 ADDRESS_WAIT_S = 60.0
 # The newest complete snapshot, the one being made, and a freed one's files kept to be written over
-# (replicas that arrive before their node has freed its old ones make new files).
+# (replicas that arrive before their node has freed its old ones make new files), or a failed one
+# that may be whole (`SnapshotTier.maybe_whole`), or an emergency's final snapshot's one before.
 GENERATIONS = 3
 TIMED_OUT = "failed: not every rank reported in time"
+# Every rank that failed had written its shard (a replica did not arrive): whole where it arrived.
+NOT_REPLICATED = "failed: every shard written, not every replica"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +119,9 @@ class SnapshotTier:
         self.cadence = cadence
         self.last: SnapshotDone | None = None
         self.complete: int | None = None  # the newest snapshot known complete everywhere
+        # The newest snapshot newer than `complete` that failed with every shard written (or whose
+        # verdict timed out): the nodes that survive a loss may hold it whole, so it is kept.
+        self.maybe_whole: int | None = None
         self._prefix = f"{prefix}snap/"
         self._conn = Connection.of(store)  # the training thread's: it blocks on verdicts
         self._background_conn = Connection.of(store, lazy=True)
@@ -154,16 +164,19 @@ class SnapshotTier:
         if self._begun is not None and not final:
             verdict = self._verdict(f"{self._prefix}{self._begun}")
             if verdict == "ok":
-                self.complete = self._begun
+                self.complete, self.maybe_whole = self._begun, None
             else:
                 log.warning("the snapshot of step %d is not complete everywhere (%s)", self._begun, verdict)
+                if verdict in (NOT_REPLICATED, TIMED_OUT):  # kept: resume loads it only where it is whole
+                    self.maybe_whole = self._begun
         previous, self._begun = self._begun, step
         path = self.node_dir.file(name_of(step, self.rank, self.world_size))
         copied: shard_file.MappedShard | BaseException | Mapping[str, Any]
         try:
             if state_dict is None:
                 raise problem
-            kept = {self.complete, step, previous if final else None} - {None}
+            # At most three generations: a final snapshot keeps the one before it (its verdict not read) instead.
+            kept = {self.complete, step, previous if final else self.maybe_whole} - {None}
             self.node_dir.keep_only(kept, spares=self._files_per_step)  # type: ignore[arg-type]
             path.parent.mkdir(parents=True, exist_ok=True)
             if on_device(state_dict):  # into pinned buffers at the copy's full speed; into the file in the background
@@ -323,7 +336,7 @@ class SnapshotTier:
         report: bool = True,
     ) -> SnapshotDone:
         started = time.monotonic()
-        size, write_s, error = 0, 0.0, None
+        size, write_s, error, written = 0, 0.0, None, False
         try:
             if isinstance(copied, BaseException):
                 raise copied
@@ -331,7 +344,7 @@ class SnapshotTier:
                 copied = shard_file.MappedShard(path, copied, self.node_dir.take_spare).fill()
             info = copied.finish(run=self.run, job=self.job, attempt=self.attempt, step=step, rank=self.rank,
                                  world_size=self.world_size)  # fmt: skip
-            size, write_s = info.body_bytes, time.monotonic() - started
+            size, write_s, written = info.body_bytes, time.monotonic() - started, True
             for buddy in self.buddies:
                 if not report and buddy not in self._addresses:
                     continue  # a final snapshot never asks the store for an address
@@ -353,7 +366,8 @@ class SnapshotTier:
         try:
             if report:  # (the connection made only here: a final snapshot never touches the store)
                 store = self._background_conn.store
-                if _report(store, f"{self._prefix}{step}", self.world_size, done.ok) and previous is not None:
+                last = _report(store, f"{self._prefix}{step}", self.world_size, done.ok, written=written)
+                if last and previous is not None:
                     for suffix in ("done", "failed", "verdict"):  # every rank has read the previous verdict by now
                         store.delete_key(f"{self._prefix}{previous}/{suffix}")
         except Exception as exc:  # noqa: BLE001 - the store is gone: the job is ending, the training thread says so
@@ -371,14 +385,20 @@ class SnapshotTier:
         return self._addresses[rank]
 
 
-def _report(store: dist.Store, key: str, world_size: int, ok: bool) -> bool:
-    """Count this rank's outcome under `key`; the last rank to report sets `<key>/verdict` (`ok` or
-    `failed`) and gets True."""
-    if not ok:
-        store.set(f"{key}/failed", "1")
+def _report(store: dist.Store, key: str, world_size: int, ok: bool, *, written: bool = False) -> bool:
+    """Count this rank's outcome under `key` (`written`: a failed rank's shard was written all the
+    same); the last rank to report sets `<key>/verdict` and gets True. The verdict is `ok`,
+    NOT_REPLICATED when every rank that failed had written its shard, else `failed`."""
+    if not ok and written:
+        store.compare_set(f"{key}/failed", "", "written")  # never over another rank's "unwritten"
+    elif not ok:
+        store.set(f"{key}/failed", "unwritten")
     if store.add(f"{key}/done", 1) != world_size:
         return False
-    store.compare_set(f"{key}/verdict", "", "failed" if store.check([f"{key}/failed"]) else "ok")
+    verdict = "ok"
+    if store.check([f"{key}/failed"]):
+        verdict = NOT_REPLICATED if store.get(f"{key}/failed") == b"written" else "failed"
+    store.compare_set(f"{key}/verdict", "", verdict)
     return True
 
 
