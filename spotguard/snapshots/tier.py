@@ -173,11 +173,12 @@ class SnapshotTier:
         path = self.node_dir.file(name_of(step, self.rank, self.world_size))
         copied: shard_file.MappedShard | BaseException | Mapping[str, Any]
         try:
-            if state_dict is None:
-                raise problem
             # At most three generations: a final snapshot keeps the one before it (its verdict not read) instead.
+            # Cleared before a state that cannot be read fails this one: the node's buddies go on replicating.
             kept = {self.complete, step, previous if final else self.maybe_whole} - {None}
             self.node_dir.keep_only(kept, spares=self._files_per_step)  # type: ignore[arg-type]
+            if state_dict is None:
+                raise problem
             path.parent.mkdir(parents=True, exist_ok=True)
             if on_device(state_dict):  # into pinned buffers at the copy's full speed; into the file in the background
                 copied = self._stager.stage(state_dict)
