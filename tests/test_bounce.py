@@ -19,8 +19,9 @@ import torch.distributed.checkpoint as dcp
 from cloud_adapters.notice import utc_now
 from spotguard.checkpoint import Checkpointer, CheckpointError
 from spotguard.checkpoint.format.layout import step_dir_name
-from spotguard.checkpoint.save import bounce, pipelined_write
-from spotguard.checkpoint.save.bounce import BouncePool
+from spotguard.checkpoint.io import bounce
+from spotguard.checkpoint.io.bounce import BouncePool
+from spotguard.checkpoint.save import pipelined_write
 from spotguard.checkpoint.save.pipelined_write import PipelinedWriter
 from spotguard.checkpoint.save.shard_io import ChecksummingFileSystem
 from spotguard.snapshots.reading import ShardUnusable

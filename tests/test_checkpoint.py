@@ -25,7 +25,7 @@ from spotguard.checkpoint import (
 )
 from spotguard.checkpoint.format.layout import step_dir_name
 from spotguard.checkpoint.format.manifest import FileRecord, checksum_file
-from spotguard.checkpoint.moves.transfer import download
+from spotguard.checkpoint.io.transfer import download
 from spotguard.checkpoint.save import shard_io
 from tests.ckpt_workers import Own, assert_same, make_model, snapshot, train
 

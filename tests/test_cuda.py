@@ -160,7 +160,7 @@ def test_lightning_fsdp_on_a_gpu_stops_at_the_agreed_step_and_resumes_bit_identi
 def test_an_emergency_save_of_gpu_state_crosses_through_the_pinned_pool_and_resumes_bit_identical(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from spotguard.checkpoint.save import bounce
+    from spotguard.checkpoint.io import bounce
 
     model, optim = cuda_state(0)
     step(model, optim)

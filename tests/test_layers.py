@@ -18,7 +18,8 @@ def imports() -> dict[str, set[str]]:
             name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
             found = set()
             for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.ImportFrom) and node.module:
+                if isinstance(node, ast.ImportFrom):
+                    assert node.level == 0 and node.module, f"{path}: a relative import, which this graph would miss"
                     found.add(node.module)
                     found.update(f"{node.module}.{alias.name}" for alias in node.names)
                 elif isinstance(node, ast.Import):
@@ -69,57 +70,86 @@ def test_the_guard_and_the_cli_load_no_emulator():
 # sibling package of its layer nor anything above: the folders draw the flow (docs/DESIGN.md, Layout).
 LAYERS = (
     ("cloud_adapters",),  # the clouds: knows nothing of torch or spotguard
+    ("spotguard.goodput.cadence", "spotguard.goodput.timeline"),  # leaves: the cadence's arithmetic, the timeline
     ("spotguard.job",),  # the ranks of one job: the store, topology, broadcast, agreement, where they meet
-    ("spotguard.checkpoint",),  # a save and a resume: format, save path, resume path, moves between tiers
+    ("spotguard.checkpoint",),  # a save and a resume (ordered inside: CHECKPOINT_LAYERS)
     ("spotguard.ending", "spotguard.health", "spotguard.snapshots"),  # how a process ends; silent failures; memory
     ("spotguard.options",),  # the Guard's typed settings
     ("spotguard.goodput", "spotguard.watcher", "spotguard.data"),
     ("spotguard.wiring",),  # the Guard's rooms
     ("spotguard.guard",),  # the facade
     ("spotguard.integrations", "spotguard.demo", "spotguard.ledger_records"),
-    ("spotguard.cli", "spotguard"),  # the command line; the package's lazy exports
+    ("spotguard.cli", "spotguard"),  # the command line; the package's lazy exports (its __init__ alone)
 )
-# Modules that import nothing of spotguard: any layer may use them (the cadence's arithmetic, the timeline).
-LEAVES = ("spotguard.goodput.cadence", "spotguard.goodput.timeline", "spotguard.job.kvstore")
+# Inside checkpoint/, the same rule: the records and collectives, what a step is made of, the bytes'
+# plumbing, then the paths (the save path drives the moves to the object store), then the facade.
+_C = "spotguard.checkpoint"
+CHECKPOINT_LAYERS = (
+    (f"{_C}.errors", f"{_C}.outcome", f"{_C}.state", f"{_C}.comm"),
+    (f"{_C}.format",),
+    (f"{_C}.io",),
+    (f"{_C}.catalog", f"{_C}.resume", f"{_C}.moves"),
+    (f"{_C}.save",),
+    (f"{_C}.checkpointer", _C),
+)
 
 
-def place(module: str) -> tuple[int, str] | None:
-    """(layer, package) of a module or an imported name: the longest prefix in LAYERS."""
-    found = [(len(prefix), layer, prefix) for layer, prefixes in enumerate(LAYERS) for prefix in prefixes
-             if module == prefix or module.startswith(prefix + ".")]  # fmt: skip
+def place(module: str, layers: tuple[tuple[str, ...], ...] = LAYERS) -> tuple[int, str] | None:
+    """(layer, package) of a module or an imported name: the longest prefix in `layers` (the root
+    package's `__init__` only by its own name)."""
+    found = [(len(prefix), layer, prefix) for layer, prefixes in enumerate(layers) for prefix in prefixes
+             if module == prefix or (prefix != layers[-1][-1] and module.startswith(prefix + "."))]  # fmt: skip
     return max(found)[1:] if found else None
 
 
+def upward(layers: tuple[tuple[str, ...], ...], within: str = "") -> set[tuple[str, str]]:
+    """(module, name) for every import of a sibling package or of a layer above the module's own."""
+    wrong = set()
+    for module, names in imports().items():
+        if not module.startswith(within):
+            continue
+        layer, package = place(module, layers)
+        for name in names:
+            where = place(name, layers)
+            if name in ("spotguard", "spotguard.__version__") or (within and not name.startswith(within)):
+                continue  # the version, read from the package's __init__; outside the package ordered
+            if where is not None and where[1] != package and where[0] >= layer:
+                wrong.add((module, name))
+    return wrong
+
+
 def test_every_module_has_a_layer():
+    """A new top-level module or package must be given its place in LAYERS (and in DESIGN's layout)."""
     assert not {m for m in imports() if place(m) is None}
+    assert not {m for m in imports() if m.startswith(_C + ".") and place(m, CHECKPOINT_LAYERS) is None}
 
 
 def test_the_leaves_import_nothing_of_spotguard():
     graph = imports()
-    assert not {(leaf, i) for leaf in LEAVES for i in graph[leaf] if i.startswith("spotguard")}
+    assert not {(leaf, i) for leaf in LAYERS[1] for i in graph[leaf] if i.startswith("spotguard")}
 
 
 def test_no_module_imports_a_sibling_package_or_a_layer_above_its_own():
-    """e.g. checkpoint/ never imports job/'s coordination... the other way: job/ never imports checkpoint/;
-    health/ and snapshots/ never the goodput side, the options or the guard; nothing below the guard's
-    rooms imports them."""
-    wrong = set()
-    for module, names in imports().items():
-        layer, package = place(module)
-        for name in names:
-            if name in ("spotguard", "spotguard.__version__") or name.startswith(LEAVES):
-                continue  # the version, read from the package's __init__; a leaf
-            where = place(name)
-            if where is not None and where[1] != package and where[0] >= layer:
-                wrong.add((module, name))
-    assert not wrong
+    """job/ never imports checkpoint/; health/ and snapshots/ never the goodput side (but its leaves), the
+    options or the guard; nothing below the guard's rooms imports them."""
+    assert not upward(LAYERS)
+
+
+def test_inside_checkpoint_the_folders_are_one_direction_too():
+    """format/ never imports a path; io/ never the paths; resume/ and moves/ never save/."""
+    assert not upward(CHECKPOINT_LAYERS, within=_C + ".")
 
 
 def test_the_layers_are_those_the_design_page_draws():
-    """The design page's layout names every package of LAYERS (it is where a newcomer reads them)."""
+    """The design page's layout names every package (as a folder) and module of LAYERS."""
     design = (ROOT / "docs" / "DESIGN.md").read_text()
-    folders = {prefix.split(".")[-1] for layer in LAYERS[1:] for prefix in layer if prefix != "spotguard"}
-    assert not {f for f in folders if f"{f}/" not in design and f"{f}.py" not in design}
+    missing = set()
+    for prefix in [p for layer in LAYERS[1:] + CHECKPOINT_LAYERS for p in layer if p not in ("spotguard", _C)]:
+        path = ROOT / prefix.replace(".", "/")
+        name = f"{path.name}/" if path.is_dir() else f"{path.name}.py"
+        if f" {name}" not in design:
+            missing.add(prefix)
+    assert not missing
 
 
 def test_spotguard_checkpoint_exports_only_its_public_names():
@@ -147,10 +177,12 @@ def test_the_paths_the_guides_named_before_the_checkpoint_folders_still_work_wit
 
     import spotguard.checkpoint
     import spotguard.checkpoint.resume
+    from spotguard.checkpoint.io import bounce
     from spotguard.checkpoint.resume.newest import RESUME_TIMEOUT_S
-    from spotguard.checkpoint.save import bounce, retention
+    from spotguard.checkpoint.save import retention
     from spotguard.goodput import records
 
+    sys.modules.pop("spotguard.ledger_records", None)  # its warning comes as it is imported
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert spotguard.checkpoint.bounce is bounce
@@ -159,4 +191,6 @@ def test_the_paths_the_guides_named_before_the_checkpoint_folders_still_work_wit
         import spotguard.ledger_records as former
 
         assert former.Resume is records.Resume
-    assert sum(issubclass(w.category, DeprecationWarning) for w in caught) >= 3
+    said = {str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)}
+    for new in ("io.bounce", "save.retention", "resume.newest", "goodput.records"):
+        assert any(new in s for s in said), (new, said)

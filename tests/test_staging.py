@@ -13,7 +13,7 @@ import textwrap
 import torch
 
 from spotguard.checkpoint import Checkpointer
-from spotguard.checkpoint.save.staging import Stager
+from spotguard.checkpoint.io.staging import Stager
 from tests.ckpt_workers import ROOT
 
 
@@ -43,7 +43,7 @@ DTENSOR = textwrap.dedent("""
     import json, torch, torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
-    from spotguard.checkpoint.save.staging import Stager
+    from spotguard.checkpoint.io.staging import Stager
     dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
     mesh = init_device_mesh("cpu", (1,))
     w = DTensor.from_local(torch.arange(6.0).reshape(2, 3), mesh, [Shard(0)])

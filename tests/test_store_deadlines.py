@@ -130,7 +130,7 @@ def test_a_slow_upload_that_keeps_moving_outlives_its_deadline(storage_servers, 
 def test_a_call_raced_against_a_deadline_keeps_the_store_deadline_of_its_scope(proxied):
     """The Uploader races single calls (the manifest, an exists) with `within`, on a thread of its own:
     the save's store deadline (`calls_until`) must hold on that thread too, not the store's 60 s."""
-    from spotguard.checkpoint.moves.transfer import within
+    from spotguard.checkpoint.io.transfer import within
 
     _, store, proxy = proxied
     proxy.blackhole = True

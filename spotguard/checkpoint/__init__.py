@@ -42,7 +42,7 @@ _MOVED = {
 }
 # Modules the guides named before checkpoint/ was grouped by path (`spotguard.checkpoint.bounce`...).
 _MOVED_MODULES = {
-    "bounce": "spotguard.checkpoint.save.bounce",
+    "bounce": "spotguard.checkpoint.io.bounce",
     "retention": "spotguard.checkpoint.save.retention",
 }
 

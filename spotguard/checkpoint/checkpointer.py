@@ -39,6 +39,7 @@ from spotguard.checkpoint.format.identity import job_identity
 from spotguard.checkpoint.format.layout import step_dir_name
 from spotguard.checkpoint.format.manifest import REASONS
 from spotguard.checkpoint.format.runs import RunClaim, new_run_id
+from spotguard.checkpoint.io.staging import Stager
 from spotguard.checkpoint.moves import departing
 from spotguard.checkpoint.moves.durable import Uploader
 from spotguard.checkpoint.moves.handoff import ReceivePool, sharded_nbytes
@@ -46,7 +47,6 @@ from spotguard.checkpoint.outcome import SaveEvents, SaveOutcomes, SaveReport
 from spotguard.checkpoint.resume.newest import candidate_steps, load_newest
 from spotguard.checkpoint.save.background import BackgroundSaves
 from spotguard.checkpoint.save.protocol import SaveProtocol
-from spotguard.checkpoint.save.staging import Stager
 from spotguard.checkpoint.state import to_dcp
 from spotguard.job.departure import Departure, senders_to
 from spotguard.job.topology import ranks_per_node

@@ -18,8 +18,8 @@ import logging
 import secrets
 
 from cloud_adapters.storage import AlreadyExists, NotFound, ObjectStore
-from spotguard.checkpoint.catalog import read_manifest, scan
 from spotguard.checkpoint.format.layout import MANIFEST_NAME
+from spotguard.checkpoint.format.listing import read_manifest, scan
 from spotguard.checkpoint.format.manifest import ManifestError, is_identity
 
 log = logging.getLogger(__name__)

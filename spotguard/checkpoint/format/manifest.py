@@ -61,7 +61,7 @@ class Manifest:
     leaving: tuple[int, ...] = ()
     hmac: str | None = None  # HMAC-SHA256 of `unsigned_bytes()` in hex, when saved with a checkpoint key
     run: str | None = None  # the run that committed it (see runs.py); None in manifests from before run ids
-    # The job identity of the location (see job.py), written once the Guard's snapshots have read it;
+    # The job identity of the location (see identity.py), written once the Guard's snapshots have read it;
     # a lost spotguard-job.json is re-adopted from it. None in manifests from before, or without snapshots.
     job: str | None = None
     format_version: int = FORMAT_VERSION

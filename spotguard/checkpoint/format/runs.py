@@ -17,10 +17,10 @@ from datetime import datetime
 
 from cloud_adapters.notice import parse_iso8601
 from cloud_adapters.storage import ObjectStore
-from spotguard.checkpoint.catalog import committed_manifests, scan
 from spotguard.checkpoint.errors import CheckpointError
 from spotguard.checkpoint.format.auth import signature_problem
 from spotguard.checkpoint.format.layout import MANIFEST_NAME
+from spotguard.checkpoint.format.listing import committed_manifests, scan
 from spotguard.checkpoint.format.manifest import Manifest
 
 log = logging.getLogger(__name__)

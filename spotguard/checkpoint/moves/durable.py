@@ -14,9 +14,9 @@ from spotguard.checkpoint.comm import Comm
 from spotguard.checkpoint.format.layout import MANIFEST_NAME, manifest_key, step_dir_name
 from spotguard.checkpoint.format.manifest import FileRecord, Manifest
 from spotguard.checkpoint.format.runs import RunClaim
-from spotguard.checkpoint.moves.progress import TransferProgress, seconds
+from spotguard.checkpoint.io.progress import TransferProgress, seconds
+from spotguard.checkpoint.io.transfer import upload, within
 from spotguard.checkpoint.moves.streaming import ShardStreams
-from spotguard.checkpoint.moves.transfer import upload, within
 from spotguard.checkpoint.outcome import LocalCommit, SaveEvents
 
 log = logging.getLogger(__name__)

@@ -32,9 +32,9 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 
 from spotguard.checkpoint.errors import CheckpointError
 from spotguard.checkpoint.format.manifest import FileRecord, mismatch
-from spotguard.checkpoint.save import bounce
-from spotguard.checkpoint.save.bounce import IN_FLIGHT, BouncePool, Lease, Pipeline
-from spotguard.checkpoint.save.shard_io import RunningChecksum
+from spotguard.checkpoint.io import bounce
+from spotguard.checkpoint.io.bounce import IN_FLIGHT, BouncePool, Lease, Pipeline
+from spotguard.checkpoint.io.checksums import RunningChecksum
 from spotguard.checkpoint.state import tensors_of
 
 _GAP_CHUNK = 8 << 20  # bytes between and after the records are read (and checked) this much at a time

@@ -30,8 +30,8 @@ from torch.futures import Future
 
 from cloud_adapters.deadline import Deadline
 from spotguard.checkpoint.errors import CheckpointError
-from spotguard.checkpoint.save import bounce
-from spotguard.checkpoint.save.bounce import BouncePool, Pipeline
+from spotguard.checkpoint.io import bounce
+from spotguard.checkpoint.io.bounce import BouncePool, Pipeline
 
 Slice = tuple[WriteItem, int, int]  # the item planned, and the rows of it (first, count) a slice holds
 

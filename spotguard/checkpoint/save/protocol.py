@@ -30,15 +30,15 @@ from cloud_adapters.storage import ObjectStore, PartsStore
 from spotguard.checkpoint.comm import FAILURES, Comm, describe
 from spotguard.checkpoint.errors import CheckpointError
 from spotguard.checkpoint.format.auth import KEY_ENV, sign
+from spotguard.checkpoint.format.commit import commit_dir
 from spotguard.checkpoint.format.layout import manifest_key, sibling_name, step_dir_name
 from spotguard.checkpoint.format.manifest import FileRecord, Manifest, versions
 from spotguard.checkpoint.format.runs import RunClaim, SharedDirectory
+from spotguard.checkpoint.io.progress import seconds
 from spotguard.checkpoint.moves.durable import Uploader
-from spotguard.checkpoint.moves.progress import seconds
 from spotguard.checkpoint.moves.streaming import ShardStreams
 from spotguard.checkpoint.outcome import LocalCommit, SaveEvents, SaveReport
 from spotguard.checkpoint.save import retention
-from spotguard.checkpoint.save.commit import commit_dir
 from spotguard.checkpoint.save.write import write_shards
 from spotguard.job.departure import SurvivorsOutcome
 

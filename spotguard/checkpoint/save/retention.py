@@ -24,8 +24,8 @@ from pathlib import Path
 from cloud_adapters.deadline import Deadline
 from cloud_adapters.retry import calls_until
 from cloud_adapters.storage import LocalStore, ObjectStore
-from spotguard.checkpoint.catalog import STEP_PREFIX, committed_manifests, scan, step_of_key
 from spotguard.checkpoint.comm import Comm
+from spotguard.checkpoint.format.commit import is_committed
 from spotguard.checkpoint.format.layout import (
     MANIFEST_NAME,
     is_step_file,
@@ -34,8 +34,8 @@ from spotguard.checkpoint.format.layout import (
     parse_step_dir,
     step_dir_name,
 )
+from spotguard.checkpoint.format.listing import STEP_PREFIX, committed_manifests, scan, step_of_key
 from spotguard.checkpoint.format.runs import RunClaim
-from spotguard.checkpoint.save.commit import is_committed
 
 log = logging.getLogger(__name__)
 

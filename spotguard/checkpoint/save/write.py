@@ -13,8 +13,8 @@ from cloud_adapters.deadline import Deadline
 from spotguard.checkpoint.comm import Comm
 from spotguard.checkpoint.format.layout import DCP_METADATA_NAME, shard_prefix
 from spotguard.checkpoint.format.manifest import FileRecord
+from spotguard.checkpoint.io import bounce
 from spotguard.checkpoint.moves.streaming import StreamedFile
-from spotguard.checkpoint.save import bounce
 from spotguard.checkpoint.save.pipelined_write import PipelinedWriter
 from spotguard.checkpoint.save.shard_io import ChecksummingFileSystem, without_zip_crc32
 from spotguard.checkpoint.state import tensors_of

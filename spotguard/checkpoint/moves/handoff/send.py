@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 
 from cloud_adapters.deadline import Deadline
+from spotguard.checkpoint.io.checksums import crc32c_extend
 from spotguard.checkpoint.moves.handoff.wire import (
     CHUNK,
     IDLE_TIMEOUT_S,
@@ -15,7 +16,6 @@ from spotguard.checkpoint.moves.handoff.wire import (
     send_json,
     timeout_for,
 )
-from spotguard.checkpoint.save.shard_io import crc32c_extend
 from spotguard.job.departure import Departure, HandoffError
 
 

@@ -13,7 +13,7 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItem
 
 from cloud_adapters.deadline import Deadline
-from spotguard.checkpoint.save.shard_io import crc32c_extend
+from spotguard.checkpoint.io.checksums import crc32c_extend
 from spotguard.job.departure import HandoffError
 
 CHUNK = 4 << 20
