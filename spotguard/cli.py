@@ -244,7 +244,7 @@ def _ls(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from spotguard.checkpoint import verify_checkpoint
     from spotguard.checkpoint.format.auth import resolve_key
-    from spotguard.checkpoint.moves.progress import cli_progress
+    from spotguard.checkpoint.io.progress import cli_progress
 
     location, step = split_step(args.location)
     existing_location(location)

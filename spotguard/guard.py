@@ -128,7 +128,6 @@ class Guard:
         self._ckpt: Checkpointer | None = None
         self._last_step: int | None = None  # the last step the loop reported (for the ledger)
         self._health: GuardHealth | None = None
-        self._last_state: Mapping[str, Any] | None = None  # the state the loop last passed to step()
         self._coordination: Coordination | _NotStarted = _NotStarted()
         self._rounds: Rounds | None = None
 
@@ -177,6 +176,7 @@ class Guard:
         self._last_step = None  # a guard entered again times nothing before its first step
         self._coordination = _NotStarted()
         self._goodput.reset()
+        self._started_at = time.monotonic()  # the timers' run hours count from here
         try:
             self._start()
         except BaseException:
@@ -207,24 +207,21 @@ class Guard:
             last_step=lambda: self._last_step,
             ledger_store=lambda: self._ckpt.remote if self._ckpt is not None else None,
         )
-        rounds = self._rounds = Rounds(
-            GuardParts(
-                self.topology,
-                self.options,
-                self.timeline,
-                self._goodput,
-                self._snapshots,
-                self._exit,
-                self._min_nodes,
-                checkpointer=self._checkpointer,
-                checkpointer_made=lambda: self._ckpt,
-                coordination=lambda: self._coordination,
-                watcher=lambda: self._watcher,
-                busy=self._busy,
-                last_state=lambda: self._last_state,
-            ),
-            self._emergency,
+        parts = GuardParts(
+            topology=self.topology,
+            options=self.options,
+            timeline=self.timeline,
+            goodput=self._goodput,
+            snapshots=self._snapshots,
+            exit_policy=self._exit,
+            min_nodes=self._min_nodes,
+            make_checkpointer=self._checkpointer,
+            checkpointer_if_made=lambda: self._ckpt,
+            coordination=lambda: self._coordination,  # type: ignore[arg-type,return-value]  # set just below
+            watcher=lambda: self._watcher,  # type: ignore[arg-type,return-value]  # set before any notice
+            busy=self._busy,
         )
+        rounds = self._rounds = Rounds(parts, self._emergency, started_at=self._started_at)
         coordination = self._coordination = Coordination(
             store,
             topology.run_prefix(store, self._group, self.topology, self.checkpoint_dir),
@@ -346,7 +343,7 @@ class Guard:
                 state,
                 self._checkpointer(),
                 coordinator=self.topology.is_coordinator,
-                ask_for_save=self._rounds.request,  # type: ignore[union-attr]
+                ask_for_save=self._started_rounds("resume").request,
             )
         except CheckpointUnavailable as exc:
             if self._exit.exit_code is None:
@@ -376,18 +373,19 @@ class Guard:
         if type(step) is not int or step < 0:  # the fast path is one comparison; anything else is checked
             step = _as_step(step)
         again = step == self._last_step
-        due = self._coordination.reached(step)
-        self._health.beats += 1  # type: ignore[union-attr]  # started: reached() raised otherwise
+        due = self._coordination.reached(step)  # raises unless the guard is started: then these are set
+        rounds, health = self._rounds, self._health
+        health.beats += 1  # type: ignore[union-attr]
         self._last_step = step
-        self._last_state = state  # for the listener thread to size a coming handoff (Checkpointer.expect_handoff)
+        rounds.last_state = state  # type: ignore[union-attr]  # for the listener to size a coming handoff
         if due:
-            return self._rounds.run(step, state, due)  # type: ignore[union-attr]
+            return rounds.run(step, state, due)  # type: ignore[union-attr]
         every = self.options.saving.save_every
         if every and step % every == 0 and not again:
-            self._rounds.save(step, state, reason="periodic", wait=False)  # type: ignore[union-attr]
+            rounds.save(step, state, reason="periodic", wait=False)  # type: ignore[union-attr]
         snapshot_every = self._snapshots.every
         if snapshot_every and step % snapshot_every == 0 and not again:
-            self._rounds.snapshot(step, state)  # type: ignore[union-attr]
+            rounds.snapshot(step, state)  # type: ignore[union-attr]
         return False
 
     def heartbeat(self) -> None:
@@ -414,15 +412,14 @@ class Guard:
         """Ask every rank, from this one (any thread), to save at the next step they all agree on, in the
         background, as an interval save does: unlike `save()`, the other ranks need not call anything.
         `reason` names the save in its manifest and the ledger ("snapshot" and "emergency" are reserved)."""
-        self._require_started("request_checkpoint")
+        rounds = self._started_rounds("request_checkpoint")
         if reason in (SNAPSHOT, "emergency"):  # the snapshot timer's (it takes no save), and a notice's
             raise ValueError(f"request_checkpoint: reason {reason!r} is reserved; give another")
-        self._rounds.request(reason)  # type: ignore[union-attr]
+        rounds.request(reason)
 
     def save(self, step: int, state: Mapping[str, Any]) -> SaveReport | None:
         """Save now, on demand. With several ranks, every rank must call it at the same step."""
-        self._require_started("save")
-        return self._rounds.save(_as_step(step), state, reason="manual", wait=True)  # type: ignore[union-attr]
+        return self._started_rounds("save").save(_as_step(step), state, reason="manual", wait=True)
 
     # ---- internals ---------------------------------------------------------------
     def _busy(self) -> contextlib.AbstractContextManager[None]:
@@ -432,6 +429,11 @@ class Guard:
     def _require_started(self, what: str) -> None:
         if not self._started:
             raise RuntimeError(_not_started(what))
+
+    def _started_rounds(self, what: str) -> Rounds:
+        self._require_started(what)
+        assert self._rounds is not None  # made by start()
+        return self._rounds
 
 
 def _not_started(what: str) -> str:

@@ -11,7 +11,7 @@ from typing import Any
 
 from cloud_adapters.notice import isoformat_z, utc_now
 
-log = logging.getLogger("spotguard.goodput.timeline")
+log = logging.getLogger("spotguard.timeline")  # the name its lines had before goodput/ was a package
 
 
 @dataclasses.dataclass(frozen=True)

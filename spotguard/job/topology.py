@@ -1,4 +1,5 @@
-"""Where this process sits in the job: rank, world size, local rank, and the run's store."""
+"""Where this process sits in the job: rank, world size, local rank and ranks per node, the key of its
+checkpoint location, and the run's store."""
 
 from __future__ import annotations
 

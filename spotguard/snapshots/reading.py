@@ -30,8 +30,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from spotguard.checkpoint.save import bounce
-from spotguard.checkpoint.save.bounce import IN_FLIGHT, Pipeline
+from spotguard.checkpoint.io import bounce
+from spotguard.checkpoint.io.bounce import IN_FLIGHT, Pipeline
 from spotguard.snapshots.items import BYTES, Copy, StoredItem
 from spotguard.snapshots.shard_file import BlockCheck, ShardInfo, SnapshotError
 

@@ -30,7 +30,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-from spotguard.checkpoint.save.shard_io import crc32c_extend
+from spotguard.checkpoint.io.checksums import crc32c_extend
 from spotguard.snapshots.items import BYTES, LayoutError, StoredItem, laid_out, metadata_of, stored
 
 MAGIC = b"SGSNAP02"

@@ -34,7 +34,7 @@ from typing import Any
 import torch.distributed as dist
 
 from spotguard.checkpoint.comm import FAILURES, Comm, describe
-from spotguard.checkpoint.save.staging import Stager, on_device
+from spotguard.checkpoint.io.staging import Stager, on_device
 from spotguard.checkpoint.state import load_from_dcp, optional_keys, tensors_of, to_dcp
 from spotguard.goodput.cadence import Cadence
 from spotguard.job.kvstore import Connection

@@ -17,7 +17,7 @@ from typing import Any
 
 from cloud_adapters.notice import INTERRUPTION, REBALANCE, Notice
 from spotguard.checkpoint import Checkpointer, CheckpointError, SaveReport
-from spotguard.checkpoint.moves.progress import seconds
+from spotguard.checkpoint.io.progress import seconds
 from spotguard.ending import elastic
 from spotguard.ending.exit_policy import ExitPolicy
 from spotguard.goodput.cadence import IntervalTimer
@@ -32,7 +32,7 @@ from spotguard.options import GuardOptions
 from spotguard.watcher import Watcher
 from spotguard.wiring.snapshots import SNAPSHOT, GuardSnapshots
 
-log = logging.getLogger("spotguard.guard")
+log = logging.getLogger("spotguard.guard")  # what the guard does at a round: its users filter by this name
 ROUTINE_SAVES = ("periodic", "interval")  # a save that is also another round's takes that round's reason
 
 
@@ -57,21 +57,23 @@ class GuardParts:
     snapshots: GuardSnapshots
     exit_policy: ExitPolicy
     min_nodes: int | None
-    checkpointer: Callable[[], Checkpointer]  # made at its first need
+    # The Checkpointer is made at its first need (a collective): by the training thread alone. The
+    # listener's thread only looks whether it is made yet.
+    make_checkpointer: Callable[[], Checkpointer]
+    checkpointer_if_made: Callable[[], Checkpointer | None]
     coordination: Callable[[], Coordination]
     watcher: Callable[[], Watcher]
     busy: Callable[[], contextlib.AbstractContextManager[None]]  # spotguard's own work on the training thread
-    last_state: Callable[[], Mapping[str, Any] | None]  # the state the loop last passed to step()
-    checkpointer_made: Callable[[], Checkpointer | None]
 
 
 class Rounds:
     """One started guard's rounds; `outcome` is the guard's, kept across its starts."""
 
-    def __init__(self, parts: GuardParts, outcome: EmergencyOutcome) -> None:
+    def __init__(self, parts: GuardParts, outcome: EmergencyOutcome, *, started_at: float) -> None:
         self._parts = parts
         self.outcome = outcome
-        self._started_at = time.monotonic()
+        self._started_at = started_at  # the guard's start (monotonic): what the cadences' run hours count from
+        self.last_state: Mapping[str, Any] | None = None  # the state the loop last passed to step()
         self.interval_timer: IntervalTimer | None = None
         self.snapshot_timer: IntervalTimer | None = None
 
@@ -132,7 +134,7 @@ class Rounds:
     def on_agreed(self, event: dict[str, Any], decision: Decision | None, notice: Notice | None) -> None:
         """Listener thread, after a round: prepare for the save and record the outcome."""
         p = self._parts
-        ckpt, last_state = p.checkpointer_made(), p.last_state()
+        ckpt, last_state = p.checkpointer_if_made(), self.last_state
         if decision is not None and notice is not None and ckpt is not None:
             ckpt.abandon_background_uploads()  # the training thread may be waiting on one
             if last_state is not None:
@@ -210,7 +212,7 @@ class Rounds:
         """A save that never raises into the training loop (invariant 3): None when it failed, said in the log."""
         try:
             with self._parts.busy():
-                return self._parts.checkpointer().save(
+                return self._parts.make_checkpointer().save(
                     step,
                     state,
                     reason=reason,
