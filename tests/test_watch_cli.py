@@ -167,5 +167,6 @@ def test_simulate_on_a_port_in_use_says_so_in_one_line_and_leaves_nothing_open()
             env=dict(os.environ, PYTHONDEVMODE="1"),  # an event loop or socket left open would warn
         )
     assert out.returncode == 2 and out.stdout == ""
-    assert out.stderr.startswith("spotguard simulate: ") and "address already in use" in out.stderr
-    assert out.stderr.count("\n") == 1, out.stderr
+    # Development mode also warns of a slow event-loop step, which a loaded machine's timing makes: not a leak.
+    said = [line for line in out.stderr.splitlines() if " WARNING asyncio: Executing <" not in line]
+    assert len(said) == 1 and said[0].startswith("spotguard simulate: ") and "address already in use" in said[0], said
