@@ -287,7 +287,10 @@ def wrapped_round_trip(group, rank: int, ckpt: str, wrap: str) -> None:
 
 def guarded_snapshots(group, rank: int, ckpt: str, snapshot_dirs: list[str], steps: int, out: str) -> None:
     """Train a DDP model under a Guard with snapshots every 2 steps, rank r's kept in `snapshot_dirs[r]`;
-    resume first. Each rank writes how long its resume and its training took."""
+    resume first. Each rank writes how long its resume and its training took, and what its last
+    snapshot came to (`guard.snapshots.wait()`)."""
+    import dataclasses
+
     import spotguard
 
     model, optim = _ddp_setup(seed=0, width=32)
@@ -301,7 +304,9 @@ def guarded_snapshots(group, rank: int, ckpt: str, snapshot_dirs: list[str], ste
         for step in range(start, steps):
             train(model, optim, range(step, step + 1), rank)
             guard.step(step, state)
-    done = {"start": start, "resume_s": resumed - started, "train_s": time.monotonic() - resumed}
+        last = guard.snapshots.wait()
+    done = {"start": start, "resume_s": resumed - started, "train_s": time.monotonic() - resumed,
+            "last": last and {**dataclasses.asdict(last), "taken": last.taken}}  # fmt: skip
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(done))
 
 

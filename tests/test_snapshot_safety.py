@@ -19,7 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
+import spotguard
 from spotguard.checkpoint.format.identity import IDENTITY_NAME
 from spotguard.checkpoint.state import to_dcp
 from spotguard.job.topology import location_key
@@ -384,9 +386,21 @@ def test_one_rank_without_room_turns_snapshots_off_for_all_at_once(tmp_path, lac
     done = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(d["train_s"] < 60 for d in done), done  # no rank waited out the room verdict (300 s)
     assert snaps(Path(dirs[1 - lacking])) == []  # the other rank has room, yet no snapshots: the job is off
-    assert "snapshots are off: a node lacks the room" in outputs[0]
     if lacking == 0:
         assert "no room, so no snapshots" in outputs[0]
+    # Every rank says that the snapshot of step 0 was not taken, and why, naming the rank that lacks the room;
+    # the later ones are not taken either, and each is what the tier's wait() returns: never None, never ok.
+    why = {1: "rank 1: its snapshot directory cannot be used: [Errno 20] Not a directory",
+           0: "rank 0: 0.2 MiB needed in"}[lacking]  # fmt: skip
+    for output, d in zip(outputs, done, strict=True):
+        said = [line for line in output.splitlines() if "the snapshot of step 0 was not taken" in line]
+        assert len(said) == 1, output
+        assert "snapshots are off: a node lacks the room, or not every rank answered (" in said[0], said
+        assert why in said[0] and said[0].endswith("; nor will any later one be"), said
+        assert "the snapshot of step 2 was not taken" not in output  # said once, not at every step
+        last = d["last"]
+        assert last is not None and last["step"] == 8 and not last["taken"] and not last["ok"], last
+        assert last["skipped"].startswith("snapshots are off: a node lacks the room") and why in last["skipped"], last
 
 
 def test_a_peer_server_that_cannot_start_means_no_snapshots_not_a_failed_resume(tmp_path, monkeypatch, caplog):
@@ -398,6 +412,22 @@ def test_a_peer_server_that_cannot_start_means_no_snapshots_not_a_failed_resume(
         start, _, _ = run(tmp_path, 9)
     assert start == 0 and "its peer server cannot start (OSError: [Errno 98]" in caplog.text
     assert "snapshots are off: a node lacks the room" in caplog.text and snaps(tmp_path / "memory") == []
+
+
+def test_a_room_vote_the_store_fails_is_a_snapshot_not_taken_said_with_its_step(tmp_path, monkeypatch, caplog):
+    def store_gone(*args):
+        raise ConnectionResetError("the store went away")
+
+    monkeypatch.setattr(tier, "_report", store_gone)  # the room vote's report to the job's store
+    state = {"w": torch.ones(8)}
+    with caplog.at_level(logging.WARNING), spotguard.Guard(
+        str(tmp_path / "ckpt"), cloud="none", snapshot_every=1, snapshot_dir=str(tmp_path / "memory"), exit_code=None
+    ) as guard:  # fmt: skip
+        guard.step(0, state)
+        done = guard.snapshots.wait()
+    assert "the snapshot of step 0 was not taken" in caplog.text and "the store went away" in caplog.text
+    assert done is not None and done.step == 0 and not done.taken and not done.ok, done
+    assert done.skipped == "ConnectionResetError: the store went away"
 
 
 # ---- 9. resume weighs a snapshot against what loads ------------------------------------------------------

@@ -55,6 +55,7 @@ GENERATIONS = 3
 TIMED_OUT = "failed: not every rank reported in time"
 # Every rank that failed had written its shard (a replica did not arrive): whole where it arrived.
 NOT_REPLICATED = "failed: every shard written, not every replica"
+LACKING_SAID = 4  # the ranks without room named in the reason every rank logs; the rest counted
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +70,12 @@ class SnapshotDone:
     replicas: int
     ok: bool
     error: str | None = None
+    skipped: str | None = None  # why this step's snapshot was not taken at all (nothing written or sent)
+
+    @property
+    def taken(self) -> bool:
+        """False for a snapshot that was never begun (`skipped` says why); a taken one may still have failed."""
+        return self.skipped is None
 
 
 class SnapshotTier:
@@ -80,7 +87,8 @@ class SnapshotTier:
     and a snapshot is whole only with every shard of one attempt at one world size. None (it could
     not be read), a snapshot directory this node cannot use safely, or a peer server that cannot
     start, means no snapshots: this rank votes "no room" at the first snapshot,
-    so the whole job learns it at once and trains on.
+    so the whole job learns it at once and trains on. A snapshot that is not taken is said, with the
+    step and why, and is what `wait()` returns next (`SnapshotDone.skipped`).
     """
 
     def __init__(
@@ -115,6 +123,7 @@ class SnapshotTier:
         self.run = run
         self.job = job
         self.attempt = attempt
+        self._unusable: str | None = None  # why this rank cannot keep snapshots, when it cannot
         self.node_dir = self._open_node_dir(snapshot_dir or os.environ.get(BASE_ENV) or DEFAULT_BASE)
         self.cadence = cadence
         self.last: SnapshotDone | None = None
@@ -130,6 +139,7 @@ class SnapshotTier:
         self._pending: threading.Thread | None = None  # the background part of the snapshot in flight
         self._begun: int | None = None  # the step of the snapshot last begun
         self._room: bool | None = None  # None until the first snapshot checked it
+        self._no_room: str | None = None  # why the job has no snapshots, once the room vote said no
         self._files_per_step = self.ranks_per_node * (1 + self.replicas)  # this node's, own and replicas
         self._server: PeerServer | None = None  # a rank without a directory holds nothing to serve
         if self.node_dir is not None:
@@ -141,6 +151,7 @@ class SnapshotTier:
                             type(exc).__name__, exc)  # fmt: skip
                 self.close(wait=False)
                 self.node_dir, self._server = None, None
+                self._unusable = f"its peer server cannot start ({type(exc).__name__}: {exc})"
 
     # ---- the training thread ---------------------------------------------------------
     def snapshot(self, step: int, state: Mapping[str, Any], *, final: bool = False) -> None:
@@ -152,14 +163,26 @@ class SnapshotTier:
         snapshot begun before it too (whether that one was complete is not known).
         """
         started = time.monotonic()
+        try:
+            self._begin(step, state, final, started)
+        except BaseException as exc:  # the job's store failed a vote, say: nothing was begun; the caller says so
+            self.skip(step, f"{type(exc).__name__}: {exc}", started, quiet=True)
+            raise
+
+    def _begin(self, step: int, state: Mapping[str, Any], final: bool, started: float) -> None:
         self.wait()
+        problem: Exception | None = None
         try:
             state_dict: Mapping[str, Any] | None = to_dcp(state)
         except Exception as exc:  # noqa: BLE001 - the state cannot be read: this snapshot fails (below)
             state_dict, problem = None, exc
-        if self._room is None:
-            self._room = self._check_room(state_dict)
-        if not self._room:
+        first = self._room is None
+        if first:
+            self._no_room = self._check_room(state_dict, problem)
+            self._room = self._no_room is None
+        if not self._room:  # said at the first; each later one is only what wait() returns
+            why = f"snapshots are off: {self._no_room}"
+            self.skip(step, f"{why}; nor will any later one be" if first else why, started, quiet=not first)
             return
         if self._begun is not None and not final:
             verdict = self._verdict(f"{self._prefix}{self._begun}")
@@ -177,7 +200,7 @@ class SnapshotTier:
             # Cleared before a state that cannot be read fails this one: the node's buddies go on replicating.
             kept = {self.complete, step, previous if final else self.maybe_whole} - {None}
             self.node_dir.keep_only(kept, spares=self._files_per_step)  # type: ignore[arg-type]
-            if state_dict is None:
+            if problem is not None:
                 raise problem
             path.parent.mkdir(parents=True, exist_ok=True)
             if on_device(state_dict):  # into pinned buffers at the copy's full speed; into the file in the background
@@ -237,12 +260,26 @@ class SnapshotTier:
 
     def wait(self, timeout: float | None = None) -> SnapshotDone | None:
         """The background part of the snapshot in flight, finished (it never raises: it reports);
-        None when it did not finish within `timeout`."""
+        None when it did not finish within `timeout`, or when no snapshot was ever asked for. After a
+        snapshot that was not taken, its record: `taken` False, `skipped` saying why."""
         if self._pending is not None:
             self._pending.join(timeout)
             if self._pending.is_alive():
                 return None
             self._pending = None
+        return self.last
+
+    def skip(self, step: int, why: str, started: float | None = None, *, quiet: bool = False) -> SnapshotDone:
+        """Record that the snapshot of `step` is not taken, and why: a warning (unless `quiet`: said
+        already), and the record `wait()` returns next. `started`: when the training thread's call
+        began (what it cost, the room vote, say)."""
+        if not quiet:
+            log.warning("the snapshot of step %d was not taken: %s", step, why)
+        else:
+            log.debug("the snapshot of step %d was not taken: %s", step, why)
+        stall = time.monotonic() - started if started is not None else 0.0
+        self.last = SnapshotDone(step=step, bytes=0, stall_s=stall, write_s=0.0, replicate_s=0.0, replicas=0,
+                                 ok=False, skipped=why)  # fmt: skip
         return self.last
 
     @property
@@ -281,28 +318,40 @@ class SnapshotTier:
                 raise ValueError("the checkpoint location's job identity could not be read")
             return NodeDir(private_root(base), self.run)
         except (OSError, ValueError) as exc:
+            self._unusable = f"its snapshot directory cannot be used: {exc}"
             log.log(logging.WARNING if self.comm.is_node_leader else logging.DEBUG,
                     "snapshots are off on this node: %s (snapshot dir %s)", exc, base)  # fmt: skip
             return None
 
-    def _check_room(self, state_dict: Mapping[str, Any] | None) -> bool:
-        """Whether every node has room for the tier (a collective through the store); logs the sizes.
-        A state that cannot be read (None), or a directory that cannot be used, counts as no room."""
-        fits = False
-        if state_dict is not None and self.node_dir is not None:
+    def _check_room(self, state_dict: Mapping[str, Any] | None, problem: Exception | None = None) -> str | None:
+        """None when every node has room for the tier (a collective through the store), else why not,
+        in words every rank can say; logs the sizes. A state that cannot be read (None: `problem`
+        says why), or a directory that cannot be used, counts as no room."""
+        lacks: str | None = self._unusable or "it has no snapshot directory"  # said when the tier was made
+        if state_dict is None:
+            lacks = f"its state cannot be read ({type(problem).__name__}: {problem})"
+        elif self.node_dir is not None:
             try:
-                fits = self._fits(state_dict, self.node_dir)
+                lacks = self._lacks(state_dict, self.node_dir)
             except OSError as exc:
                 log.warning("snapshots: %s cannot be used: %s", self.node_dir.path, exc)
+                lacks = f"{self.node_dir.path} cannot be used ({exc})"
         key = f"{self._prefix}room"
-        _report(self._conn.store, key, self.world_size, fits)
+        store = self._conn.store
+        if lacks is not None:  # before this rank's report: the verdict's reader finds every one
+            store.append(f"{key}/lacking", f"rank {self.rank}: {lacks}; ")
+        _report(store, key, self.world_size, lacks is None)
         verdict = self._verdict(key)
-        if verdict != "ok" and self.comm.is_coordinator:
-            log.warning("snapshots are off: a node lacks the room, or not every rank answered (%s)", verdict)
-        return verdict == "ok"
+        if verdict == "ok":
+            return None
+        said = self._conn.get_now(f"{key}/lacking")  # empty when a rank never answered: the vote timed out
+        lacking = [part for part in said.decode().split("; ") if part] if said else []
+        if len(lacking) > LACKING_SAID:
+            lacking[LACKING_SAID:] = [f"{len(lacking) - LACKING_SAID} more rank(s)"]
+        return f"a node lacks the room, or not every rank answered ({'; '.join(lacking) or verdict})"
 
-    def _fits(self, state_dict: Mapping[str, Any], node_dir: NodeDir) -> bool:
-        """Whether this node has room for the tier (logged with the sizes)."""
+    def _lacks(self, state_dict: Mapping[str, Any], node_dir: NodeDir) -> str | None:
+        """None when this node has room for the tier, else what it lacks (logged with the sizes)."""
         shard = sum(t.numel() * t.element_size() for t in tensors_of(state_dict))
         files = self.ranks_per_node * shard * (1 + self.replicas) * GENERATIONS
         host_copy = self.ranks_per_node * shard if on_device(state_dict) else 0  # GPU state: pinned buffers
@@ -317,7 +366,7 @@ class SnapshotTier:
                 node_dir.path, _size(host_copy), _size(free),
                 "" if fits else ": no room, so no snapshots (make the tmpfs larger or snapshot less state)",
             )  # fmt: skip
-        return fits
+        return None if fits else f"{_size(files + host_copy)} needed in {node_dir.path}, {_size(free)} free"
 
     def _verdict(self, key: str) -> str:
         """`<key>/verdict` once the last rank set it; after VERDICT_WAIT_S, "failed" for every rank (the

@@ -97,7 +97,15 @@ class GuardSnapshots:
         try:
             self.made().snapshot(step, state)  # type: ignore[union-attr]
         except Exception:  # noqa: BLE001 - invariant 3: a failed snapshot never crashes the training loop
-            log.exception("the snapshot of step %d failed", step)
+            log.exception("the snapshot of step %d was not taken", step)
+
+    def skip(self, step: int, why: str) -> None:
+        """Say that the snapshot due at `step` is not taken, and why (the tier's record of it too, when
+        there is a tier: what its `wait()` returns next)."""
+        if self.tier is not None:
+            self.tier.skip(step, why)
+        else:
+            log.warning("the snapshot of step %d was not taken: %s", step, why)
 
     def keep_emergency(self, step: int, state: Mapping[str, Any], seconds_left: float | None) -> None:
         """After the emergency's durable save, a snapshot of the same step (a collective): the job that
@@ -108,20 +116,24 @@ class GuardSnapshots:
         started = time.monotonic()
         budget = EMERGENCY_WAIT_S if seconds_left is None else min(EMERGENCY_WAIT_S, seconds_left - EMERGENCY_MARGIN_S)
         tier = self.tier
-        if tier is None or not tier.has_room:
+        if tier is None:
+            log.warning("the snapshot of the emergency's step %d was not taken: no snapshot was taken before it", step)
+            return
+        if not tier.has_room:
+            tier.skip(step, "the emergency's: snapshots are off for this run (the first snapshot said why)")
             return
         if tier.in_flight and tier.wait(timeout=max(0.0, budget)) is None:  # the one before still replicating
-            log.info("no snapshot of the emergency's step %d: the one before is still under way", step)
+            tier.skip(step, f"the emergency's: the one before was still under way after {budget:.0f} s")
             return
         stall = tier.last.stall_s if tier.last is not None else 0.0
         if budget - (time.monotonic() - started) <= stall:
-            log.info("no snapshot of the emergency's step %d: %.1f s left before the deadline's margin", step,
-                     budget - (time.monotonic() - started))  # fmt: skip
+            left = budget - (time.monotonic() - started)
+            tier.skip(step, f"the emergency's: {left:.1f} s left before the deadline's margin, its stall {stall:.1f} s")
             return
         try:
             tier.snapshot(step, state, final=True)
         except Exception:  # noqa: BLE001 - invariant 3, as for any snapshot
-            log.exception("the snapshot of the emergency's step %d failed", step)
+            log.exception("the snapshot of the emergency's step %d was not taken", step)
             return
         if tier.wait(timeout=max(0.0, budget - (time.monotonic() - started))) is None and tier.in_flight:
             log.warning("the snapshot of the emergency's step %d did not finish in %.0f s", step, budget)
