@@ -379,7 +379,7 @@ class Guard:
         self._last_step = step
         rounds.last_state = state  # type: ignore[union-attr]  # for the listener to size a coming handoff
         if due:
-            return rounds.run(step, state, due)  # type: ignore[union-attr]
+            return rounds.run(step, state, due, again)  # type: ignore[union-attr]
         every = self.options.saving.save_every
         if every and step % every == 0 and not again:
             rounds.save(step, state, reason="periodic", wait=False)  # type: ignore[union-attr]

@@ -32,7 +32,7 @@ import pytest
 import torch
 
 import spotguard
-from spotguard.checkpoint import CheckpointError
+from spotguard.checkpoint import CheckpointError, list_checkpoints
 from spotguard.options import SNAPSHOT_MAX_S, SNAPSHOT_MIN_S
 from spotguard.snapshots.tier import NOT_REPLICATED, TIMED_OUT
 from spotguard.wiring.snapshots import SNAPSHOT
@@ -462,6 +462,47 @@ def test_a_snapshot_whose_replication_failed_is_kept_and_resumed_from_when_the_s
     assert done[1]["held"] == [0, REFUSED, REFUSED + 4]
     for result in done:  # the same verdicts on both ranks: step 2's shards were all written, one of step 4's not
         assert result["not_complete"] == [[REFUSED, NOT_REPLICATED], [REFUSED + 2, "failed"]], result
+
+
+# ---- a step both an agreed round's and a step count's: both are made --------------------------------------------
+
+
+def test_a_save_agreed_at_a_snapshot_step_takes_that_steps_snapshot_too(tmp_path):
+    """snapshot_every=1 and a save asked at step 3, agreed at a step that is also a snapshot's: the agreed
+    save is made, and the snapshot of that step too (it was dropped without a word: wait() went on
+    returning the snapshot of the step before)."""
+    state = {"w": torch.zeros(64)}
+    options = {"snapshot_every": 1, "snapshot_dir": str(tmp_path / "memory"), "exit_code": None}
+    with spotguard.Guard(str(tmp_path / "ckpt"), cloud="none", **options) as guard:
+        for step in range(12):
+            if step == 3:
+                guard.request_checkpoint("manual")
+            state["w"].fill_(step)
+            guard.step(step, state)
+            done = guard.snapshots.wait()
+            assert done is not None and done.step == step and done.ok, (step, done)
+            time.sleep(0.02)  # the listener's time to agree on the request
+    assert [c.reason for c in list_checkpoints(str(tmp_path / "ckpt"))] == ["manual"]
+
+
+def test_a_timed_snapshot_at_a_save_every_step_leaves_that_steps_save_made(tmp_path):
+    """save_every=1 and a snapshot asked by the timer every 0.2 s: every step is saved, those the timer's
+    snapshots were agreed at too (their save was dropped), and the snapshots are taken."""
+    state = {"w": torch.zeros(64)}
+    options = {"save_every": 1, "snapshot_interval_s": 0.2, "snapshot_dir": str(tmp_path / "memory"),
+               "exit_code": None}  # fmt: skip
+    snapshots = []
+    with spotguard.Guard(str(tmp_path / "ckpt"), cloud="none", **options) as guard:
+        for step in range(40):
+            state["w"].fill_(step)
+            guard.step(step, state)
+            done = guard.snapshots.wait() if guard.snapshots is not None else None
+            if done is not None and done.step == step:
+                snapshots.append(step)
+            time.sleep(0.02)
+    assert len(snapshots) >= 2, snapshots  # 0.8 s of steps at the least
+    saved = [(c.step, c.reason) for c in list_checkpoints(str(tmp_path / "ckpt"))]
+    assert saved == [(s, "periodic") for s in range(40)]
 
 
 # ---- the auto snapshot interval ---------------------------------------------------------------------------------

@@ -153,11 +153,18 @@ class Rounds:
             )
 
     # ---- at the agreed step (the training thread) ----------------------------------------------
-    def run(self, step: int, state: Mapping[str, Any], due: list[Decision]) -> bool:
-        """Act on the rounds due at `step`; True when one was an emergency (its save is done)."""
+    def run(self, step: int, state: Mapping[str, Any], due: list[Decision], again: bool = False) -> bool:
+        """Act on the rounds due at `step`, and on what the step counts owe at it (unless the step was
+        reported `again`): an agreed round takes neither's place. True when one was an emergency (its
+        save is done)."""
         emergencies = [d for d in due if d.event["type"] == EMERGENCY]
+        reasons = [d.event.get("reason", "periodic") for d in due if d.event["type"] != EMERGENCY]
+        every, snapshot_every = self._parts.options.saving.save_every, self._parts.snapshots.every
+        if every and step % every == 0 and not again:
+            reasons.insert(0, "periodic")  # first: a save that is also another round's takes that round's name
+        if snapshot_every and step % snapshot_every == 0 and not again and SNAPSHOT not in reasons:
+            reasons.append(SNAPSHOT)
         if not emergencies:
-            reasons = [d.event.get("reason", "periodic") for d in due]
             if SNAPSHOT in reasons:
                 self.snapshot(step, state)
             saves = [r for r in reasons if r != SNAPSHOT]
@@ -165,10 +172,10 @@ class Rounds:
                 reason = next((r for r in saves if r not in ROUTINE_SAVES), saves[-1])
                 self.save(step, state, reason=reason, wait=False)
             return False
-        self._emergency(step, state, self._parts.coordination().plan(emergencies))
+        self._emergency(step, state, self._parts.coordination().plan(emergencies), snapshot_due=SNAPSHOT in reasons)
         return True
 
-    def _emergency(self, step: int, state: Mapping[str, Any], plan: EmergencyPlan) -> None:
+    def _emergency(self, step: int, state: Mapping[str, Any], plan: EmergencyPlan, *, snapshot_due: bool) -> None:
         p = self._parts
         leaving = self.outcome.leaving = p.topology.rank in plan.leaving or plan.departure is None
         # this node's own cloud notice, whatever other notices (a joining node's SIGTERM) came with it
@@ -197,7 +204,11 @@ class Rounds:
         # node (the plan is every rank's): its shards would be missing, and it must leave at once.
         if report is not None and p.snapshots.options.enabled and all(n.cloud == "signal" for n in plan.notices):
             with p.busy():
-                p.snapshots.keep_emergency(step, state, plan.notice.seconds_left())
+                p.snapshots.keep_emergency(step, state, plan.notice.seconds_left())  # says why it takes none
+        elif snapshot_due:
+            why = "a cloud is taking a node (its shards would be missing): the job leaves at once"
+            failed = "the emergency's durable save of it failed (a snapshot follows a committed one only)"
+            p.snapshots.skip(step, failed if report is None else why)
 
     def save(
         self,
