@@ -36,6 +36,7 @@ both phases: snapshots are keyed by the checkpoint location.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import logging
@@ -146,15 +147,19 @@ def worker(args: argparse.Namespace) -> None:
         state = make_state(args.gb, world)
         with spotguard.Guard(ckpt, cloud="none", snapshot_every=1, snapshot_dir=memory, exit_code=None) as g:
             g.step(0, state)  # a snapshot: copied now; written and sent to the next node in the background
-            done = g.snapshots.wait()
+            done = g.snapshots.wait()  # this rank's snapshot of step 0: written and replicated, failed, or not taken
             dist.barrier()  # every rank's write and replication finished: the snapshot is whole everywhere
-            ok = [None] * world
-            dist.all_gather_object(ok, done is not None and done.ok and done.step == 0)
+            outcomes = [None] * world
+            dist.all_gather_object(outcomes, done and dataclasses.asdict(done))
+        if not all(o is not None and o["ok"] and o["step"] == 0 for o in outcomes):
+            if rank == 0:  # no bucket save for a reshard that cannot be measured
+                report(kind="taken", ok=False, ranks=outcomes)
+            return
         with spotguard.Guard(BUCKET, cloud="none", local_dir=str(stage), exit_code=None) as g:
             g.save(0, state)  # the same step, durable in the bucket
         dist.barrier()
         if rank == 0:
-            report(kind="taken", ok=all(ok), replicate_s=done.replicate_s, write_s=done.write_s)
+            report(kind="taken", ok=True, replicate_s=done.replicate_s, write_s=done.write_s)
         return
 
     if args.phase == "reshard":  # world size 2, after node 2's memory is gone
@@ -209,6 +214,17 @@ def worker(args: argparse.Namespace) -> None:
         report(kind="resumed", step=start - 1, progress=int(state["progress"]["step"]), record=resume_record(ckpt))
 
 
+def outcome(done: dict | None) -> str:
+    """One rank's snapshot of step 0, in words (its `SnapshotDone`, as a dict)."""
+    if done is None:
+        return "nothing to say (no snapshot asked for?)"
+    if done.get("skipped"):
+        return f"not taken: {done['skipped']}"
+    if not done["ok"]:
+        return f"failed: {done['error']}"
+    return f"written and replicated, but of step {done['step']}" if done["step"] != 0 else "written and replicated"
+
+
 def run(args: argparse.Namespace, world: int, phase: str, logs: Path) -> dict:
     extra = ["--gb", str(args.gb), "--dir", args.dir, "--disk-dir", args.disk_dir, "--phase", phase]
     with Ranks(__file__, world, extra, logs) as ranks:
@@ -246,7 +262,11 @@ def main() -> int:
     try:
         taken = run(args, 3, "reshard", Path(logs))["taken"]
         if not taken["ok"]:
-            raise SystemExit(f"the snapshot of step 0 did not finish on every rank: {taken}")
+            ranks_of: dict[str, list[str]] = {}  # each outcome once, with the ranks that had it
+            for r, o in enumerate(taken["ranks"]):
+                ranks_of.setdefault(outcome(o), []).append(str(r))
+            said = " | ".join(f"rank(s) {', '.join(ranks)}: {what}" for what, ranks in ranks_of.items())
+            raise SystemExit(f"the snapshot of step 0 is not whole on every rank: {said}")
         lose_node_2(args)
         r = run(args, 2, "reshard", Path(logs))["reshard"]
         clear(args)
