@@ -15,6 +15,7 @@ import shutil
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -112,6 +113,42 @@ def test_a_base_made_under_a_group_writable_umask_is_used(tmp_path):
     finally:
         os.umask(old)
     assert stat.S_IMODE((tmp_path / "new" / "base").stat().st_mode) == 0o755 and root.is_dir()
+
+
+MAKE_ROOT_AT_ONCE = """
+import os, sys, time
+from spotguard.snapshots.node_dir import private_root
+
+umask, start, bases = int(sys.argv[1], 8), float(sys.argv[2]), sys.argv[3:]
+os.umask(umask)
+for base in bases:  # one base after another, every process at once: as a node's local ranks start
+    start += 0.05
+    time.sleep(max(0.0, start - time.time()))
+    try:
+        private_root(base)
+    except OSError as exc:
+        print(f"{base}: {type(exc).__name__}: {exc}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_local_ranks_making_one_new_base_at_once_all_get_their_root(tmp_path, umask):
+    """A node's ranks start together, and each makes the snapshot base's missing directories: one that
+    another rank made between its look and its mkdir failed it ([Errno 17] File exists), and that
+    rank's "no room" turned the job's snapshots off (bench/reshard.py: 2 runs in 5, its three ranks
+    making /dev/shm/spotguard-bench-reshard/node<r>). Eight processes make 40 new bases, each three
+    directories deep, at the same moments, under the usual umask and a group-writable one (a
+    directory is made 0755 at once: never 0775 for a moment in which another rank checks it)."""
+    bases = [str(tmp_path / f"base{i}" / "mid" / "node") for i in range(40)]
+    code = [sys.executable, "-c", MAKE_ROOT_AT_ONCE, oct(umask)[2:], str(time.time() + 2.0), *bases]
+    procs = [subprocess.Popen(code, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(8)]  # fmt: skip
+    failed = [line for proc in procs for line in proc.communicate(timeout=60)[0].splitlines()]
+    assert all(proc.returncode == 0 for proc in procs), failed
+    assert failed == [], f"{len(failed)} of {8 * len(bases)}: {failed[:3]}"
+    for base in bases:
+        assert stat.S_IMODE(Path(base).stat().st_mode) == 0o755
+        assert stat.S_IMODE((Path(base) / f"spotguard-{os.geteuid()}").stat().st_mode) == 0o700
 
 
 def test_a_root_of_ours_that_others_could_write_is_refused(tmp_path):

@@ -40,9 +40,13 @@ def private_root(base: str | os.PathLike[str]) -> Path:
     this user's that no one else can write, on a path no one else can change (`_check_path`)."""
     base = Path(os.path.abspath(base))
     for part in (*reversed(base.parents), base):
-        if not part.exists():
-            part.mkdir()
-            part.chmod(0o755)  # not a umask's 0775: a group-writable directory on the way is refused below
+        if part.exists():
+            continue
+        try:  # never writable by others, even for a moment: another local rank may check it at once
+            os.mkdir(part, 0o755)
+        except FileExistsError:  # another local rank (they start together) made it first
+            continue
+        part.chmod(0o755)  # not a umask's 0700: others reach their own roots through it
     _check_path(base)
     root = base / f"spotguard-{os.geteuid()}"
     try:
