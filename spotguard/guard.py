@@ -35,6 +35,7 @@ from cloud_adapters.stores import check_location
 from spotguard.checkpoint import Checkpointer, CheckpointError, CheckpointUnavailable, SaveReport
 from spotguard.checkpoint.comm import new_gloo_group
 from spotguard.checkpoint.format.auth import resolve_key
+from spotguard.checkpoint.format.manifest import REASONS
 from spotguard.ending import elastic
 from spotguard.ending.exit_policy import (  # noqa: F401 - re-exported: where these lived before
     DEFAULT_EXIT_CODE,
@@ -67,6 +68,7 @@ from spotguard.wiring.rounds import EmergencyOutcome, GuardParts, Rounds
 from spotguard.wiring.snapshots import SNAPSHOT, GuardSnapshots
 
 log = logging.getLogger(__name__)
+REQUESTABLE = tuple(r for r in REASONS if r not in ("emergency", "snapshot-resume"))  # a resume's own request
 
 
 class Guard:
@@ -411,10 +413,13 @@ class Guard:
     def request_checkpoint(self, reason: str = "manual") -> None:
         """Ask every rank, from this one (any thread), to save at the next step they all agree on, in the
         background, as an interval save does: unlike `save()`, the other ranks need not call anything.
-        `reason` names the save in its manifest and the ledger ("snapshot" and "emergency" are reserved)."""
+        `reason` names the save in its manifest and the ledger: "manual" (the default), "periodic",
+        "interval" or "rebalance" ("snapshot" and "emergency" are reserved)."""
         rounds = self._started_rounds("request_checkpoint")
         if reason in (SNAPSHOT, "emergency"):  # the snapshot timer's (it takes no save), and a notice's
             raise ValueError(f"request_checkpoint: reason {reason!r} is reserved; give another")
+        if reason not in REQUESTABLE:  # the manifest records one of its reasons: another would fail the save
+            raise ValueError(f"request_checkpoint: reason must be one of {REQUESTABLE}, not {reason!r}")
         rounds.request(reason)
 
     def save(self, step: int, state: Mapping[str, Any]) -> SaveReport | None:

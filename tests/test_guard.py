@@ -372,6 +372,9 @@ def test_misuse_gets_clear_errors(tmp_path, monkeypatch):
         for reserved in ("snapshot", "emergency"):  # a snapshot and no save; a save counted as a notice's
             with pytest.raises(ValueError, match=f"^request_checkpoint: reason '{reserved}' is reserved"):
                 entered.request_checkpoint(reserved)
+        # A name the manifest would refuse: said at the call, not agreed and then failed at the step's save.
+        with pytest.raises(ValueError, match="^request_checkpoint: reason must be one of .*'manual'.*, not 'asked'$"):
+            entered.request_checkpoint("asked")
     for bad in ("", None, "s3://", "ftp://host/x"):
         with pytest.raises(ValueError, match="^checkpoint_dir: "):  # one line, from Guard(...) itself
             spotguard.Guard(bad, cloud="none")
