@@ -10,3 +10,7 @@ class CheckpointUnavailable(CheckpointError):
 
     Raised by resume instead of starting afresh: a fresh start would throw the saved progress away.
     """
+
+
+class Damaged(CheckpointError):
+    """A file read by a load did not match its manifest record (what was copied from it into the state is wrong)."""

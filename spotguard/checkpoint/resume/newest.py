@@ -43,13 +43,12 @@ from cloud_adapters.storage import (
     write_durably,
 )
 from spotguard.checkpoint.comm import FAILURES, Comm, describe
-from spotguard.checkpoint.errors import CheckpointError, CheckpointUnavailable
+from spotguard.checkpoint.errors import CheckpointError, CheckpointUnavailable, Damaged
 from spotguard.checkpoint.format.commit import is_committed, set_aside
 from spotguard.checkpoint.format.layout import MANIFEST_NAME, manifest_key, sibling_name, step_dir_name
 from spotguard.checkpoint.format.listing import committed_manifests, dir_problems
 from spotguard.checkpoint.format.manifest import Manifest, ManifestError
 from spotguard.checkpoint.io.transfer import DeadlineExceeded, download
-from spotguard.checkpoint.resume.shard_read import Damaged
 from spotguard.checkpoint.resume.verified_load import VerifiedReader, load_verified
 from spotguard.checkpoint.state import to_dcp
 

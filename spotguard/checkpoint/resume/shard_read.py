@@ -12,6 +12,10 @@ known whether it matched its manifest: `Damaged` then tells resume that what was
 it is wrong, and resume loads an older step over the whole state (or, when no step loads,
 refuses to start from a half-loaded state). A rank that needs part of a file still reads all
 of it, so that every byte it used was checked.
+
+A state in host memory, loaded without a checkpoint key, is read by `piece_read` instead: the same
+checks, with the files' bytes read in pieces by threads that any file's pieces go to, and large tensors
+read straight into their memory (no copy). Records that cannot be are delivered by this module's loader.
 """
 
 from __future__ import annotations
@@ -30,18 +34,15 @@ import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
-from spotguard.checkpoint.errors import CheckpointError
+from spotguard.checkpoint.errors import CheckpointError, Damaged
 from spotguard.checkpoint.format.manifest import FileRecord, mismatch
 from spotguard.checkpoint.io import bounce
 from spotguard.checkpoint.io.bounce import IN_FLIGHT, BouncePool, Lease, Pipeline
 from spotguard.checkpoint.io.checksums import RunningChecksum
+from spotguard.checkpoint.resume.piece_read import RecordFile, read_in_pieces, reader_count, records_in
 from spotguard.checkpoint.state import tensors_of
 
 _GAP_CHUNK = 8 << 20  # bytes between and after the records are read (and checked) this much at a time
-
-
-class Damaged(CheckpointError):
-    """A file read by the load did not match its manifest record."""
 
 
 def read_checked(
@@ -71,10 +72,13 @@ def read_checked(
     readers = max(1, min(threads, len(per_file)))
     # Records bound for a GPU cross through pinned buffers (pageable ones, for records larger than a buffer).
     pool = bounce.pool_for(list(tensors_of(planner.state_dict)), readers + IN_FLIGHT)
-    if pool is not None:
-        pool.stream.follow()  # the copies into the state come after the work queued on it (a fresh optimizer's)
     loader = _Loader(planner, storage_data, pool)
     work = [(step_dir / name, records[name], items) for name, items in per_file.items()]
+    if pool is None and not sha256:  # a CPU state: in pieces, large tensors read straight into their memory
+        read_in_pieces(work, storage_data, planner, loader.deliver, loader.lock, threads=reader_count(threads))
+        return
+    if pool is not None:
+        pool.stream.follow()  # the copies into the state come after the work queued on it (a fresh optimizer's)
     with ThreadPoolExecutor(readers, thread_name_prefix="spotguard-read") as pool:
         futures = [pool.submit(loader.read_file, *args, sha256=sha256) for args in work]
         for future in futures:  # every file is finished (or failed) before the first error is raised
@@ -93,19 +97,23 @@ class _Loader:
         self._buffers = _Buffers()
         self._pool = pool
 
+    @property
+    def lock(self) -> threading.Lock:
+        """Held around every call into the planner."""
+        return self._lock
+
+    def deliver(self, data: memoryview, items: list[ReadItem]) -> None:
+        """Hand a record read into host memory to the planner: copied into the state now."""
+        self._deliver(data, items, None, None)
+
     def read_file(self, path: Path, record: FileRecord, items: list[ReadItem], *, sha256: bool) -> None:
-        by_range: dict[tuple[int, int], list[ReadItem]] = {}  # items of one stored record share its bytes
-        for item in items:
-            info = self._storage_data[item.storage_index]
-            by_range.setdefault((info.offset, info.length), []).append(item)
+        records = records_in(path, record.size, items, self._storage_data)
         reader = _CheckingReader(path, self._buffers, sha256=sha256)
         pipeline = Pipeline(self._pool) if self._pool is not None else None
         lease = None
         failure: Exception | None = None
         try:
-            for (offset, length), readers in sorted(by_range.items()):
-                if offset < reader.position:  # overlapping records: never written by DCP
-                    raise CheckpointError(f"{path}: records overlap at byte {offset}")
+            for offset, length, readers in records:
                 reader.skip(offset - reader.position)
                 if pipeline is not None and 0 < length <= pipeline.pool.buffer_bytes:
                     lease = pipeline.lease(length)
@@ -179,7 +187,7 @@ def _stored_tensor(data: memoryview) -> torch.Tensor:
     instead, which is what its own mmap mode does. Same restricted unpickler as torch.load's
     weights_only=True.
     """
-    reader = torch._C.PyTorchFileReader(_View(data))
+    reader = torch._C.PyTorchFileReader(RecordFile([data]))
     whole = torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
     return torch.serialization._load(
         reader, "cpu", torch._weights_only_unpickler, overall_storage=whole, encoding="utf-8"
@@ -252,34 +260,3 @@ class _CheckingReader:
 
     def close(self) -> None:
         os.close(self._fd)
-
-
-class _View(io.RawIOBase):
-    """A seekable file over a memoryview, so that torch.load reads a record from the buffer it is already in."""
-
-    def __init__(self, data: memoryview) -> None:
-        super().__init__()
-        self._data = data
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        out = memoryview(buffer).cast("B")
-        chunk = self._data[self._pos : self._pos + len(out)]
-        if len(chunk):  # a torch copy: several threads, and the GIL released (a memoryview copy holds it)
-            torch.frombuffer(out, dtype=torch.uint8)[: len(chunk)].copy_(torch.frombuffer(chunk, dtype=torch.uint8))
-        self._pos += len(chunk)
-        return len(chunk)
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._data)}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
