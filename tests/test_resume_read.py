@@ -423,3 +423,22 @@ def test_a_record_past_its_files_end_is_an_error_not_a_skipped_tensor(tmp_path):
     storage["b"] = SimpleNamespace(offset=5, length=10)
     with pytest.raises(CheckpointError, match="overlap"):
         records_in(tmp_path / "f", 20, items, storage)
+
+
+def test_records_of_one_shape_and_dtype_are_parsed_once(tmp_path, monkeypatch):
+    """torch's parse of a record read straight into a tensor reads only the bytes around the tensor's: records
+    with the same such bytes (one shape and dtype) share its answer; one that differs is parsed on its own."""
+    from spotguard.checkpoint.resume import piece_read
+
+    g = torch.Generator().manual_seed(5)
+    saved = {f"w{i}": torch.randn(512, 1024, generator=g) for i in range(4)}
+    saved["b"] = torch.randn(1024, 512, generator=g)
+    with Checkpointer(str(tmp_path), write_threads=1) as ck:
+        ck.save(1, saved, reason="manual")
+    parses = []
+    real = piece_read._stored
+    monkeypatch.setattr(piece_read, "_stored", lambda parts: parses.append(len(parts[1])) or real(parts))
+    loaded = {name: torch.zeros_like(t) for name, t in saved.items()}
+    assert Checkpointer(str(tmp_path)).resume(loaded) == 1
+    assert_same(loaded, saved)
+    assert len(parses) == 2

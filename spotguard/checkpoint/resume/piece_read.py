@@ -104,6 +104,9 @@ class _Load:
     deliver: Deliver
     lock: threading.Lock  # around every call into the planner
     failures: list[BaseException] = dataclasses.field(default_factory=list)  # errors of our own: raised as they are
+    # torch's parse of a record read straight into a tensor, by its bytes around the tensor's and their length
+    parsed: dict[tuple[bytes, bytes, int], _Stored | None] = dataclasses.field(default_factory=dict)
+    parsing: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
 def read_in_pieces(
@@ -352,8 +355,14 @@ class _Reader:
         """A record read straight into its tensor: commit it when torch's own parse of the whole record agrees
         that those were the tensor's bytes; else deliver the record as read (a copy, or the error it raises)."""
         assert record.data is not None and record.head is not None and record.tail is not None
+        assert record.target is not None
         parts = [memoryview(record.head), record.data, memoryview(record.tail)]
-        if _is_stored(parts, record.target):
+        key = (bytes(record.head), bytes(record.tail), len(record.data))
+        with self._load.parsing:  # records of one shape and dtype are parsed once
+            if key not in self._load.parsed:
+                self._load.parsed[key] = _stored(parts)
+            stored = self._load.parsed[key]
+        if stored is not None and stored.holds(record.target, len(record.head), len(record.data)):
             if record.file.ok():
                 try:
                     with self._load.lock:
@@ -441,7 +450,7 @@ def _as_read(file: _File) -> FileRecord:
 
 def _data_start(head: bytearray) -> int | None:
     """Where the bytes of torch.save's one storage (zip entry `<archive>/data/0`) begin, judged from the
-    record's first bytes: after the local header of that name. A guess, which `_is_stored` checks once the
+    record's first bytes: after the local header of that name. A guess, which `_stored` checks once the
     record is read; None when there is no such header in `head`."""
     if head[:4] != _LOCAL_HEADER:
         return None
@@ -461,30 +470,46 @@ def _data_start(head: bytearray) -> int | None:
 _LOCAL_HEADER = b"PK\x03\x04"
 
 
-def _is_stored(parts: list[memoryview], target: torch.Tensor | None) -> bool:
-    """Whether the record made of `parts` (the bytes before the tensor's, the tensor's, those after) is one
-    torch.save wrote of a tensor of `target`'s dtype and shape, contiguous and all of its storage, with its
-    bytes where `parts[1]` lies: the record parsed as torch.load parses it (its weights-only unpickler), on
-    the meta device."""
-    if target is None:
-        return False
+@dataclasses.dataclass(frozen=True)
+class _Stored:
+    """A record's one plain tensor, as torch's parse of the record describes it."""
+
+    dtype: torch.dtype
+    size: torch.Size
+    offset: int  # where its bytes begin in the record
+    nbytes: int
+
+    def holds(self, target: torch.Tensor, start: int, length: int) -> bool:
+        """Whether these are `target`'s dtype and shape, its bytes the `length` read from `start`."""
+        return (
+            self.dtype == target.dtype
+            and self.size == target.size()
+            and self.offset == start
+            and self.nbytes == target.nbytes == length
+        )
+
+
+def _stored(parts: list[memoryview]) -> _Stored | None:
+    """The tensor in the record made of `parts`, parsed as torch.load parses it (its weights-only unpickler)
+    on the meta device: None unless it is one plain tensor, contiguous and all of its storage. The parse reads
+    the record's zip headers and pickle, never the tensor's bytes: its answer is the same for any record of
+    the same bytes around the tensor's."""
     try:
         stored = _parsed_on_meta(parts)
         storage = stored.untyped_storage()
     except Exception:  # noqa: BLE001 - delivered as any other record then, which tells its own errors
-        return False
-    return (
+        return None
+    plain = (
         type(stored) in (torch.Tensor, torch.nn.Parameter)
         and stored.layout == torch.strided
         and not stored.is_conj()  # torch.save keeps these bits: the bytes are not the values
         and not stored.is_neg()
-        and getattr(storage, "_checkpoint_offset", None) == len(parts[0])  # set for a meta map_location
-        and stored.dtype == target.dtype
-        and stored.size() == target.size()
         and stored.is_contiguous()
         and stored.storage_offset() == 0
-        and storage.nbytes() == target.nbytes == len(parts[1])
+        and storage.nbytes() == stored.nbytes
+        and isinstance(offset := getattr(storage, "_checkpoint_offset", None), int)  # set for a meta map_location
     )
+    return _Stored(stored.dtype, stored.size(), offset, storage.nbytes()) if plain else None
 
 
 def _parsed_on_meta(parts: list[memoryview]) -> Any:
