@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
+import resource
 import shutil
 import socket
+import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -26,7 +30,7 @@ from spotguard.snapshots import shard_file
 from spotguard.snapshots.items import LayoutError
 from spotguard.snapshots.loading import load_shards
 from spotguard.snapshots.node_dir import NodeDir, name_of
-from spotguard.snapshots.peers import PeerRuns, PeerServer, fetch_info, push
+from spotguard.snapshots.peers import PeerRuns, PeerServer, fetch_info, push, receive_file
 from spotguard.snapshots.reading import FileRuns, ShardUnusable
 from spotguard.snapshots.recovery import Holding, Plan, choose, why_none
 from spotguard.snapshots.shard_file import SnapshotError
@@ -271,6 +275,37 @@ def test_a_replica_damaged_on_the_way_is_refused_and_not_kept(tmp_path):
         assert target.held() == [] and not list(target.path.rglob("*.part"))
     finally:
         server.close()
+
+
+def test_a_replica_comes_into_pages_mapped_up_front_not_one_fault_per_page(tmp_path):
+    """A page fault per 4 KiB of a replica cost the receiving node about 0.3 s of CPU per GiB: the
+    pages (a freed replica's, as in every snapshot after the first two) are mapped at once
+    (MAP_POPULATE), so taking 32 MiB in faults a small fraction of its pages."""
+    path = tmp_path / "shard.snap"
+    info = write_shard(path, {"w": torch.ones(8 << 20)})
+    size = path.stat().st_size
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    with tempfile.TemporaryDirectory(dir=shm) as where:
+        target = NodeDir(Path(where), "run")
+
+        def take(step: int) -> int:
+            """The receiving thread's page faults while it takes the replica of `step`."""
+            dest = target.prepare(name_of(step, 0, 1))
+            receiver, sender = socket.socketpair()
+            with receiver, sender, open(path, "rb") as f:
+                feeding = threading.Thread(target=sender.sendfile, args=(f, 0))
+                feeding.start()
+                before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+                assert receive_file(receiver, dest, size, info.body_bytes, target) == info
+                faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+                feeding.join()
+            assert dest.read_bytes() == path.read_bytes()
+            return faults
+
+        take(1)
+        target.keep_only({2}, spares=1)  # step 1's file becomes the spare step 2 writes over
+        faults = take(2)
+    assert faults < size // mmap.PAGESIZE // 4, faults
 
 
 def test_the_environment_switches_snapshots_on(monkeypatch):

@@ -166,13 +166,14 @@ class PeerServer:
 
 def receive_file(sock: socket.socket, path: Path, size: int, body_bytes: int, node_dir: NodeDir) -> ShardInfo:
     """Write the `size` bytes that come on `sock` to `path`: straight into the file's mapped pages (a
-    spare's when the node has one, reserved before the first byte is taken), renamed into place only
-    once the body's block CRC32Cs, computed as it arrives, match the trailer's."""
+    spare's when the node has one, reserved before the first byte is taken, and mapped at once: a
+    fault per page cost about 0.3 s of CPU per GiB), renamed into place only once the body's block
+    CRC32Cs, computed as it arrives, match the trailer's."""
     part = path.with_name(path.name + ".part")
     fd = shard_file.reserve(part, size, node_dir.take_spare)  # no room: refused now, never a SIGBUS
     try:
         crcs, got = shard_file.BlockCrcs(), 0
-        with mmap.mmap(fd, size) as mapped:
+        with mmap.mmap(fd, size, flags=mmap.MAP_SHARED | shard_file.POPULATE) as mapped:
             view = memoryview(mapped)
             try:
                 while got < size:

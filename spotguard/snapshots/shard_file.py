@@ -182,7 +182,7 @@ class MappedShard:
         self._part = path.with_name(path.name + ".part")
         self._fd = reserve(self._part, max(1, self.body_bytes), take_spare)
         try:
-            self._map = mmap.mmap(self._fd, max(1, self.body_bytes), flags=mmap.MAP_SHARED | _POPULATE)
+            self._map = mmap.mmap(self._fd, max(1, self.body_bytes), flags=mmap.MAP_SHARED | POPULATE)
         except BaseException:
             self.discard()
             raise
@@ -263,7 +263,7 @@ def reserve(part: Path, size: int, take_spare: Callable[[Path], bool] | None = N
 
 
 _ALIGN = 64  # every part of the body starts 64-byte aligned: a tensor is a view of the mapped bytes
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # map every page at once, not one fault per page
+POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # map every page at once, not one fault per page
 
 
 def _padded(nbytes: int) -> int:
