@@ -14,6 +14,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -277,27 +278,35 @@ def test_a_replica_damaged_on_the_way_is_refused_and_not_kept(tmp_path):
         server.close()
 
 
-def test_a_replica_comes_into_pages_mapped_up_front_not_one_fault_per_page(tmp_path):
+def test_a_replica_comes_into_pages_mapped_up_front_not_one_fault_per_page(tmp_path, monkeypatch):
     """A page fault per 4 KiB of a replica cost the receiving node about 0.3 s of CPU per GiB: the
-    pages (a freed replica's, as in every snapshot after the first two) are mapped at once
-    (MAP_POPULATE), so taking 32 MiB in faults a small fraction of its pages."""
+    pages (a freed replica's, as in every snapshot after the first two) are mapped at once, so the
+    bytes received into them take faults for a small fraction of its pages."""
     path = tmp_path / "shard.snap"
     info = write_shard(path, {"w": torch.ones(8 << 20)})
     size = path.stat().st_size
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    mapped_at: list[int] = []  # the receiving thread's faults once its pages are mapped
+
+    def map_and_count(fd: int, length: int) -> mmap.mmap:
+        mapped = map_populated(fd, length)
+        mapped_at.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt)
+        return mapped
+
+    map_populated = shard_file.map_populated
+    monkeypatch.setattr(shard_file, "map_populated", map_and_count)
     with tempfile.TemporaryDirectory(dir=shm) as where:
         target = NodeDir(Path(where), "run")
 
         def take(step: int) -> int:
-            """The receiving thread's page faults while it takes the replica of `step`."""
+            """The receiving thread's page faults while the replica of `step` is received."""
             dest = target.prepare(name_of(step, 0, 1))
             receiver, sender = socket.socketpair()
             with receiver, sender, open(path, "rb") as f:
                 feeding = threading.Thread(target=sender.sendfile, args=(f, 0))
                 feeding.start()
-                before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
                 assert receive_file(receiver, dest, size, info.body_bytes, target) == info
-                faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+                faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - mapped_at[-1]
                 feeding.join()
             assert dest.read_bytes() == path.read_bytes()
             return faults
@@ -306,6 +315,37 @@ def test_a_replica_comes_into_pages_mapped_up_front_not_one_fault_per_page(tmp_p
         target.keep_only({2}, spares=1)  # step 1's file becomes the spare step 2 writes over
         faults = take(2)
     assert faults < size // mmap.PAGESIZE // 4, faults
+
+
+def test_the_pages_are_mapped_while_other_threads_of_the_process_run(tmp_path):
+    """Populating a snapshot's or a replica's pages takes the kernel about 0.6 s per GiB of new memory:
+    mmap's MAP_POPULATE holds the GIL all along (the training thread stood still behind a replica
+    being received); the populate used releases it."""
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else tmp_path
+    size = 256 << 20
+    with tempfile.TemporaryDirectory(dir=shm) as where:
+        fd = shard_file.reserve(Path(where) / "big.part", size)  # new pages: the slowest to populate
+        ran_at: list[float] = []  # each pass of another thread, which needs the GIL
+        done = threading.Event()
+
+        def other_thread() -> None:
+            while not done.is_set():
+                ran_at.append(time.monotonic())
+                time.sleep(0.0005)
+
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        while not ran_at:
+            time.sleep(0.001)
+        began = time.monotonic()
+        with shard_file.map_populated(fd, size):
+            mapped = time.monotonic()
+        done.set()
+        thread.join()
+        os.close(fd)
+    if mapped - began < 0.03:
+        pytest.skip(f"the pages were mapped in {mapped - began:.3f} s: too fast to tell")
+    assert len([t for t in ran_at if began < t < mapped]) >= 5, mapped - began
 
 
 def test_the_environment_switches_snapshots_on(monkeypatch):

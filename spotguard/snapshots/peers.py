@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import mmap
 import os
 import secrets
 import socket
@@ -173,7 +172,7 @@ def receive_file(sock: socket.socket, path: Path, size: int, body_bytes: int, no
     fd = shard_file.reserve(part, size, node_dir.take_spare)  # no room: refused now, never a SIGBUS
     try:
         crcs, got = shard_file.BlockCrcs(), 0
-        with mmap.mmap(fd, size, flags=mmap.MAP_SHARED | shard_file.POPULATE) as mapped:
+        with shard_file.map_populated(fd, size) as mapped:
             view = memoryview(mapped)
             try:
                 while got < size:
