@@ -174,7 +174,7 @@ def layout_resume(args: argparse.Namespace, name: str, root: Path, device: torch
     tensors = len(model.state_dict()) + sum(len(s) for s in optim.state.values())
     print(f"  resume by layout, {name}: {nbytes / 1e9:.2f} GB, {tensors} tensors; spotguard "
           f"{', '.join(f'{t:.3f}' for t in times['spotguard'])} s; torch.load + load_state_dict "
-          f"{', '.join(f'{t:.3f}' for t in times['torch'])} s; the disk's read limit "
+          f"{', '.join(f'{t:.3f}' for t in times['torch'])} s; a bare read "
           f"{', '.join(f'{t:.3f}' for t in times['limit'])} s", flush=True)  # fmt: skip
     shutil.rmtree(root)
     return LayoutResume(name, tensors, times["spotguard"], times["torch"], times["limit"])

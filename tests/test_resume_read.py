@@ -9,7 +9,7 @@ import torch
 
 from spotguard.checkpoint import Checkpointer, CheckpointError
 from spotguard.checkpoint.format.layout import step_dir_name
-from spotguard.checkpoint.resume import shard_read
+from spotguard.checkpoint.resume import records, shard_read
 from tests.ckpt_workers import assert_same
 from tests.test_checkpoint import bytes_read, flip_byte, resume_fresh, save_steps, three_files
 
@@ -227,8 +227,9 @@ def test_a_large_tensor_is_read_into_its_own_memory_by_several_threads_at_once(t
     assert_same(loaded, held)
     assert sum(n for _, n in into_w) >= w.nbytes - piece_read.HEAD  # all but what came with the record's first bytes
     assert len({thread for thread, _ in into_w}) >= 2
-    transposed = record_of(tmp_path / step_dir_name(1), "t").length
-    assert sorted(parsed) == sorted([record_of(tmp_path / step_dir_name(1), "small").length, transposed])
+    # only the record bound for a transposed view is parsed and copied as torch.load would: the small one's
+    # bytes are copied in as they are, where the parse of the records around said they lie
+    assert parsed == [record_of(tmp_path / step_dir_name(1), "t").length]
 
 
 def test_a_large_state_is_read_once_and_lands_whole(tmp_path):
@@ -381,26 +382,27 @@ def test_no_read_into_the_state_after_a_reading_thread_could_not_start(tmp_path,
 def test_tied_tensors_are_read_straight_into_their_memory_once(tmp_path, monkeypatch):
     """Two records bound for one tensor (tied weights) are not both read into it at once: the second is read
     into a buffer and copied, so each file's checksum is of the bytes read from it."""
+    from spotguard.checkpoint.resume import piece_read
+
     saved = torch.randn(1 << 19)
     with Checkpointer(str(tmp_path), write_threads=1) as ck:
         ck.save(1, {"a": saved, "b": saved.clone()}, reason="manual")
-    parsed = []
-    stored_tensor = shard_read._stored_tensor
-    monkeypatch.setattr(shard_read, "_stored_tensor", lambda data: parsed.append(len(data)) or stored_tensor(data))
+    straight = []  # the records read straight into their tensor
+    read_head = piece_read._Reader.read_head
+    monkeypatch.setattr(piece_read._Reader, "read_head", lambda self, r: straight.append(r) or read_head(self, r))
     tied = torch.zeros(1 << 19)
     assert Checkpointer(str(tmp_path)).resume({"a": tied, "b": tied}) == 1
     assert torch.equal(tied, saved)
-    assert len(parsed) == 1
+    assert len(straight) == 1
 
 
 def test_without_torch_saying_where_a_tensor_lies_every_record_is_copied(tmp_path, monkeypatch):
     """An older torch's loader may not mark a storage's offset in its record: nothing is then read straight
     into a tensor, and the state still resumes whole."""
-    from spotguard.checkpoint.resume import piece_read
 
-    assert piece_read._offsets_known()  # this torch marks it
+    assert records.offsets_known()  # this torch marks it
     held = save_large(tmp_path, [1])[0]
-    monkeypatch.setattr(piece_read, "_offsets_known", lambda: False)
+    monkeypatch.setattr(records, "offsets_known", lambda: False)
     parsed = []
     stored_tensor = shard_read._stored_tensor
     monkeypatch.setattr(shard_read, "_stored_tensor", lambda data: parsed.append(len(data)) or stored_tensor(data))
@@ -413,7 +415,7 @@ def test_without_torch_saying_where_a_tensor_lies_every_record_is_copied(tmp_pat
 def test_a_record_past_its_files_end_is_an_error_not_a_skipped_tensor(tmp_path):
     from types import SimpleNamespace
 
-    from spotguard.checkpoint.resume.piece_read import records_in
+    from spotguard.checkpoint.resume.records import records_in
 
     storage = {"a": SimpleNamespace(offset=0, length=10), "b": SimpleNamespace(offset=10, length=10)}
     items = [SimpleNamespace(storage_index="a"), SimpleNamespace(storage_index="b")]
@@ -428,7 +430,6 @@ def test_a_record_past_its_files_end_is_an_error_not_a_skipped_tensor(tmp_path):
 def test_records_of_one_shape_and_dtype_are_parsed_once(tmp_path, monkeypatch):
     """torch's parse of a record read straight into a tensor reads only the bytes around the tensor's: records
     with the same such bytes (one shape and dtype) share its answer; one that differs is parsed on its own."""
-    from spotguard.checkpoint.resume import piece_read
 
     g = torch.Generator().manual_seed(5)
     saved = {f"w{i}": torch.randn(512, 1024, generator=g) for i in range(4)}
@@ -436,9 +437,34 @@ def test_records_of_one_shape_and_dtype_are_parsed_once(tmp_path, monkeypatch):
     with Checkpointer(str(tmp_path), write_threads=1) as ck:
         ck.save(1, saved, reason="manual")
     parses = []
-    real = piece_read._stored
-    monkeypatch.setattr(piece_read, "_stored", lambda parts: parses.append(len(parts[1])) or real(parts))
+    real = records.stored
+    monkeypatch.setattr(records, "stored", lambda parts: parses.append(len(parts[1])) or real(parts))
     loaded = {name: torch.zeros_like(t) for name, t in saved.items()}
     assert Checkpointer(str(tmp_path)).resume(loaded) == 1
     assert_same(loaded, saved)
     assert len(parses) == 2
+
+
+def test_small_tensor_records_are_copied_in_without_a_parse_each(tmp_path, monkeypatch):
+    """Records too small to be read straight into their tensors are read into a buffer; their tensors' bytes
+    are copied from there where torch's parse of a record of the same bytes around them said they lie (one
+    parse for the lot), and a record bound for a tensor of another dtype is parsed and converted."""
+
+    saved = {f"s{i}": torch.arange(100.0) * i for i in range(40)}
+    saved["step"] = torch.tensor(7.0)
+    saved["other"] = torch.arange(100.0)
+    with Checkpointer(str(tmp_path), write_threads=1) as ck:
+        ck.save(1, saved, reason="manual")
+    parses = []
+    real = records.stored
+    monkeypatch.setattr(records, "stored", lambda parts: parses.append(len(parts[1])) or real(parts))
+    delivered = []
+    stored_tensor = shard_read._stored_tensor
+    monkeypatch.setattr(shard_read, "_stored_tensor", lambda data: delivered.append(len(data)) or stored_tensor(data))
+    loaded = {name: torch.zeros_like(t) for name, t in saved.items()}
+    loaded["other"] = torch.zeros(100, dtype=torch.float64)
+    assert Checkpointer(str(tmp_path)).resume(loaded) == 1
+    assert all(torch.equal(loaded[n], saved[n]) for n in saved if n != "other")
+    assert torch.equal(loaded["other"], saved["other"].double())
+    assert sorted(parses) == [4, 400, 800]  # the 0-dim step, the 100-float records at once, "other" as a float64
+    assert delivered == [record_of(tmp_path / step_dir_name(1), "other").length]

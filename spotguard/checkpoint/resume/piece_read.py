@@ -20,7 +20,7 @@ file (one layer of 8192 x 8192 and its AdamW moments make a file of 537 MB besid
   record's pieces go to the front as soon as its first bytes are read, so the threads read the pieces
   of one record at once and the disk has reads in flight while other threads checksum.
 - Every byte of every file is still read once and its CRC32C computed from the bytes as they were read:
-  one CRC per read, folded in file order (`shard_io.crc32c_combine`) once every unit is done, and compared
+  one CRC per read, folded in file order (`checksums.crc32c_combine`) once every unit is done, and compared
   with the manifest then; the file's size is what it is when opened and once read. As before, a file that
   does not match raises `Damaged` after its records were copied into the state, and resume loads an older
   step over it (or refuses to start from a half-loaded state).
@@ -35,10 +35,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import functools
-import io
 import os
-import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -47,9 +44,10 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
-from spotguard.checkpoint.errors import CheckpointError, Damaged
+from spotguard.checkpoint.errors import Damaged
 from spotguard.checkpoint.format.manifest import FileRecord, mismatch
 from spotguard.checkpoint.io.checksums import crc32c_combine, crc32c_extend
+from spotguard.checkpoint.resume import records
 
 PIECE = 4 << 20  # the most one read takes (on the 2-core VM, 4 threads reading 16 MiB each kept its disk less busy)
 HEAD = 64 << 10  # bytes of a record read first, to find where its tensor's bytes begin
@@ -84,7 +82,7 @@ class _Record:
     offset: int
     length: int
     items: list[ReadItem]
-    target: torch.Tensor | None  # the tensor it may be read straight into
+    target: torch.Tensor | None  # the tensor its bytes may go into as they are (`_target`)
     # That tensor's memory, made before the threads start (a torch call that releases the GIL can wait
     # a whole switch interval to take it back while other threads read and checksum).
     data: memoryview | None = None
@@ -105,7 +103,7 @@ class _Load:
     lock: threading.Lock  # around every call into the planner
     failures: list[BaseException] = dataclasses.field(default_factory=list)  # errors of our own: raised as they are
     # torch's parse of a record read straight into a tensor, by its bytes around the tensor's and their length
-    parsed: dict[tuple[bytes, bytes, int], _Stored | None] = dataclasses.field(default_factory=dict)
+    parsed: dict[tuple[bytes, bytes, int], records.Stored | None] = dataclasses.field(default_factory=dict)
     parsing: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
@@ -184,40 +182,21 @@ def _read_all(units: list[Unit], load: _Load, threads: int) -> None:
         raise
 
 
-def records_in(
-    path: Path, size: int, items: list[ReadItem], storage_data: Mapping[Any, Any]
-) -> list[tuple[int, int, list[ReadItem]]]:
-    """The stored records that `items` need from the file at `path` of `size` bytes: (offset, length, items),
-    in file order (the items of one record share its bytes). Raises for records that overlap or pass the end:
-    never written by DCP, a .metadata that is not this file's."""
-    by_range: dict[tuple[int, int], list[ReadItem]] = {}
-    for item in items:
-        info = storage_data[item.storage_index]
-        by_range.setdefault((info.offset, info.length), []).append(item)
-    records = []
-    position = 0
-    for (offset, length), record_items in sorted(by_range.items()):
-        if offset < position:
-            raise CheckpointError(f"{path}: records overlap at byte {offset}")
-        if offset + length > size:
-            raise CheckpointError(f"{path}: a record ends at byte {offset + length}, past the file's end ({size})")
-        records.append((offset, length, record_items))
-        position = offset + length
-    return records
-
-
 def _plan(
     file: _File, items: list[ReadItem], storage_data: Mapping[Any, Any], planner: LoadPlanner, claimed: set[int]
 ) -> list[Unit]:
     """The units that read `file` whole, in file order: its records and the bytes between and after them."""
     units: list[Unit] = []
     position = 0
-    for offset, length, record_items in records_in(file.path, file.record.size, items, storage_data):
+    for offset, length, record_items in records.records_in(file.path, file.record.size, items, storage_data):
         units += _gaps(file, position, offset)
-        record = _Record(file, offset, length, record_items, _direct_target(record_items, length, planner, claimed))
-        if record.target is not None:
-            record.data = _bytes_of(record.target)
-        units.append((_Reader.read_head if record.target is not None else _Reader.read_whole, (record,)))
+        record = _Record(file, offset, length, record_items, _target(record_items, planner))
+        memory = record.target.untyped_storage().data_ptr() if record.target is not None else None
+        direct = length >= DIRECT_MIN and memory is not None and memory not in claimed  # tied weights: once
+        if direct:
+            claimed.add(memory)
+            record.data = records.bytes_of(record.target)
+        units.append((_Reader.read_head if direct else _Reader.read_whole, (record,)))
         position = offset + length
     return units + _gaps(file, position, file.record.size)
 
@@ -226,12 +205,12 @@ def _gaps(file: _File, start: int, end: int) -> list[Unit]:
     return [(_Reader.read_gap, (file, at, min(end, at + PIECE))) for at in range(start, end, PIECE)]
 
 
-def _direct_target(items: list[ReadItem], length: int, planner: LoadPlanner, claimed: set[int]) -> torch.Tensor | None:
-    """The tensor a record may be read straight into: the one item's, a whole contiguous CPU tensor whose
-    memory no other record is read straight into; else None."""
-    if len(items) != 1 or items[0].type != LoadItemType.TENSOR or length < DIRECT_MIN or any(items[0].storage_offsets):
+def _target(items: list[ReadItem], planner: LoadPlanner) -> torch.Tensor | None:
+    """The tensor a record's bytes may go into as they are (read straight into it, or copied from a buffer without
+    torch's parse of the record): the one item's, a whole contiguous CPU tensor; else None."""
+    if len(items) != 1 or items[0].type != LoadItemType.TENSOR or any(items[0].storage_offsets):
         return None
-    if not _offsets_known():
+    if not records.offsets_known():
         return None
     target = planner.resolve_tensor(items[0]).detach()
     usable = (
@@ -243,12 +222,8 @@ def _direct_target(items: list[ReadItem], length: int, planner: LoadPlanner, cla
         and target.is_contiguous()
         and target.numel() > 0
         and tuple(target.size()) == tuple(items[0].lengths)
-        and target.untyped_storage().data_ptr() not in claimed
     )
-    if not usable:
-        return None
-    claimed.add(target.untyped_storage().data_ptr())
-    return target
+    return target if usable else None
 
 
 class _Queue:
@@ -308,13 +283,15 @@ class _Reader:
         return []
 
     def read_whole(self, record: _Record, head: bytearray | None = None) -> list[Unit]:
-        """Read a record into this thread's buffer (after its first bytes, when they were read) and deliver it."""
+        """Read a record into this thread's buffer (after its first bytes, when they were read); copy its
+        tensor's bytes into the state when a record of the same bytes around them was parsed already, else
+        deliver it (parsed and copied)."""
         data = self._buffer_of(record.length)
         begin = 0
         if head is not None:
             begin = len(head)
             data[:begin] = head
-        if self._read(record.file, record.offset + begin, [data[begin:]]):
+        if self._read(record.file, record.offset + begin, [data[begin:]]) and not self._copied_in(record, data):
             self._deliver(record, data)
         return []
 
@@ -325,7 +302,7 @@ class _Reader:
         head = bytearray(HEAD)
         if not self._read(record.file, record.offset, [head]):
             return []
-        start = _data_start(head)
+        start = records.data_start(head)
         size = len(record.data)
         after = record.length - start - size if start is not None else -1  # bytes after the tensor's
         if start is None or start + size < HEAD or not 0 <= after <= HEAD:
@@ -357,19 +334,8 @@ class _Reader:
         assert record.data is not None and record.head is not None and record.tail is not None
         assert record.target is not None
         parts = [memoryview(record.head), record.data, memoryview(record.tail)]
-        key = (bytes(record.head), bytes(record.tail), len(record.data))
-        with self._load.parsing:  # records of one shape and dtype are parsed once
-            if key not in self._load.parsed:
-                self._load.parsed[key] = _stored(parts)
-            stored = self._load.parsed[key]
-        if stored is not None and stored.holds(record.target, len(record.head), len(record.data)):
-            if record.file.ok():
-                try:
-                    with self._load.lock:
-                        for item in record.items:
-                            self._load.planner.commit_tensor(item, record.target)
-                except Exception as exc:  # as _deliver: a damaged file explains it better
-                    record.file.failure = record.file.failure or exc
+        if self._holds(parts, record.target):
+            self._commit(record)
             return
         whole = self._buffer_of(record.length)
         at = 0
@@ -377,6 +343,37 @@ class _Reader:
             whole[at : at + len(part)] = part
             at += len(part)
         self._deliver(record, whole)
+
+    def _copied_in(self, record: _Record, data: memoryview) -> bool:
+        """Copy the tensor's bytes of a record read whole into its tensor, and commit it, when torch's parse
+        agrees where they are (the parse of another record of the same bytes around them will do)."""
+        if record.target is None or (start := records.data_start(bytes(data[:HEAD]))) is None:
+            return False
+        end = start + record.target.nbytes
+        parts = [data[:start], data[start:end], data[end:]]
+        if end > len(data) or not self._holds(parts, record.target):
+            return False
+        records.bytes_of(record.target)[:] = parts[1]
+        self._commit(record)
+        return True
+
+    def _holds(self, parts: list[memoryview], target: torch.Tensor) -> bool:
+        """Whether the record made of `parts` holds `target`'s tensor, its bytes `parts[1]`."""
+        key = (bytes(parts[0]), bytes(parts[2]), len(parts[1]))
+        with self._load.parsing:  # records of one shape and dtype are parsed once
+            if key not in self._load.parsed:
+                self._load.parsed[key] = records.stored(parts)
+            stored = self._load.parsed[key]
+        return stored is not None and stored.holds(target, len(parts[0]), len(parts[1]))
+
+    def _commit(self, record: _Record) -> None:
+        if record.file.ok():
+            try:
+                with self._load.lock:
+                    for item in record.items:
+                        self._load.planner.commit_tensor(item, record.target)
+            except Exception as exc:  # as _deliver: a damaged file explains it better
+                record.file.failure = record.file.failure or exc
 
     def _deliver(self, record: _Record, data: memoryview) -> None:
         if record.file.ok():
@@ -446,144 +443,3 @@ def _as_read(file: _File) -> FileRecord:
     if position == file.record.size:
         position = os.fstat(file.fd).st_size  # grown since it was opened: not the manifest's file
     return FileRecord(file.record.name, position, f"{crc:08x}")
-
-
-def _data_start(head: bytearray) -> int | None:
-    """Where the bytes of torch.save's one storage (zip entry `<archive>/data/0`) begin, judged from the
-    record's first bytes: after the local header of that name. A guess, which `_stored` checks once the
-    record is read; None when there is no such header in `head`."""
-    if head[:4] != _LOCAL_HEADER:
-        return None
-    first = bytes(head[30 : 30 + int.from_bytes(head[26:28], "little")])
-    if not first.endswith(b"/data.pkl"):
-        return None
-    wanted = first[: -len(b"data.pkl")] + b"data/0"
-    at = 0
-    while (at := head.find(_LOCAL_HEADER, at + 1)) >= 0 and at + 30 <= len(head):
-        name_length = int.from_bytes(head[at + 26 : at + 28], "little")
-        if head[at + 30 : at + 30 + name_length] == wanted:
-            start = at + 30 + name_length + int.from_bytes(head[at + 28 : at + 30], "little")
-            return start if start <= len(head) else None
-    return None
-
-
-_LOCAL_HEADER = b"PK\x03\x04"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Stored:
-    """A record's one plain tensor, as torch's parse of the record describes it."""
-
-    dtype: torch.dtype
-    size: torch.Size
-    offset: int  # where its bytes begin in the record
-    nbytes: int
-
-    def holds(self, target: torch.Tensor, start: int, length: int) -> bool:
-        """Whether these are `target`'s dtype and shape, its bytes the `length` read from `start`."""
-        return (
-            self.dtype == target.dtype
-            and self.size == target.size()
-            and self.offset == start
-            and self.nbytes == target.nbytes == length
-        )
-
-
-def _stored(parts: list[memoryview]) -> _Stored | None:
-    """The tensor in the record made of `parts`, parsed as torch.load parses it (its weights-only unpickler)
-    on the meta device: None unless it is one plain tensor, contiguous and all of its storage. The parse reads
-    the record's zip headers and pickle, never the tensor's bytes: its answer is the same for any record of
-    the same bytes around the tensor's."""
-    try:
-        stored = _parsed_on_meta(parts)
-        storage = stored.untyped_storage()
-    except Exception:  # noqa: BLE001 - delivered as any other record then, which tells its own errors
-        return None
-    plain = (
-        type(stored) in (torch.Tensor, torch.nn.Parameter)
-        and stored.layout == torch.strided
-        and not stored.is_conj()  # torch.save keeps these bits: the bytes are not the values
-        and not stored.is_neg()
-        and stored.is_contiguous()
-        and stored.storage_offset() == 0
-        and storage.nbytes() == stored.nbytes
-        and isinstance(offset := getattr(storage, "_checkpoint_offset", None), int)  # set for a meta map_location
-    )
-    return _Stored(stored.dtype, stored.size(), offset, storage.nbytes()) if plain else None
-
-
-def _parsed_on_meta(parts: list[memoryview]) -> Any:
-    """The object torch.save wrote in the record made of `parts`, parsed as torch.load (weights only) parses it,
-    its tensors on the meta device (their storages say where their bytes are: `_checkpoint_offset`)."""
-    reader = torch._C.PyTorchFileReader(RecordFile(parts))
-    if not reader.has_record("byteorder") or reader.get_record("byteorder") != sys.byteorder.encode():
-        raise ValueError("a record of another byte order")
-    return torch.serialization._load(reader, "meta", torch._weights_only_unpickler, encoding="utf-8")
-
-
-@functools.cache
-def _offsets_known() -> bool:
-    """Whether this torch's loader says where a tensor's bytes lie in its record (a meta map_location sets
-    `_checkpoint_offset` on the storage); without it no record is read straight into a tensor."""
-    saved = io.BytesIO()
-    torch.save(torch.arange(4.0), saved)
-    try:
-        stored = _parsed_on_meta([saved.getbuffer()])
-    except Exception:  # noqa: BLE001 - an older torch's private loader: the copying path then
-        return False
-    return isinstance(stored, torch.Tensor) and hasattr(stored.untyped_storage(), "_checkpoint_offset")
-
-
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    """A contiguous CPU tensor's memory, writable."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-
-
-class RecordFile(io.RawIOBase):
-    """A seekable file whose bytes are `parts` one after the other, so that torch's loader reads a record from
-    the memory it is already in."""
-
-    def __init__(self, parts: list[memoryview]) -> None:
-        super().__init__()
-        self._parts = parts
-        self._length = sum(len(p) for p in parts)
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        out = memoryview(buffer).cast("B")
-        done, at = 0, 0
-        for part in self._parts:
-            if done == len(out):
-                break
-            if self._pos + done < at + len(part):
-                begin = self._pos + done - at
-                n = min(len(part) - begin, len(out) - done)
-                _copy(out[done : done + n], part[begin : begin + n])
-                done += n
-            at += len(part)
-        self._pos += done
-        return done
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-
-_TORCH_COPY = 1 << 20
-
-
-def _copy(out: memoryview, data: memoryview) -> None:
-    if len(data) >= _TORCH_COPY:  # a torch copy: several threads, and the GIL released
-        torch.frombuffer(out, dtype=torch.uint8).copy_(torch.frombuffer(data, dtype=torch.uint8))
-    else:  # the zip's directory and small entries: a torch copy's release of the GIL would cost more
-        out[:] = data

@@ -39,7 +39,8 @@ from spotguard.checkpoint.format.manifest import FileRecord, mismatch
 from spotguard.checkpoint.io import bounce
 from spotguard.checkpoint.io.bounce import IN_FLIGHT, BouncePool, Lease, Pipeline
 from spotguard.checkpoint.io.checksums import RunningChecksum
-from spotguard.checkpoint.resume.piece_read import RecordFile, read_in_pieces, reader_count, records_in
+from spotguard.checkpoint.resume.piece_read import read_in_pieces, reader_count
+from spotguard.checkpoint.resume.records import RecordFile, records_in
 from spotguard.checkpoint.state import tensors_of
 
 _GAP_CHUNK = 8 << 20  # bytes between and after the records are read (and checked) this much at a time
