@@ -542,3 +542,35 @@ def test_auto_snapshot_interval_follows_young_daly_from_the_measured_stall_and_t
     said = [r.getMessage() for r in caplog.records if "interval (auto)" in r.getMessage()]
     assert said and all(m.startswith("snapshot interval (auto): ") for m in said), said  # not called a save's
     assert "snapshot stall" in said[-1] and "save" not in said[-1], said[-1]
+
+
+def test_a_snapshot_whose_thread_cannot_start_is_a_failed_snapshot_voted_at_once(tmp_path, monkeypatch):
+    """The background part of a snapshot could not start (the process is out of threads): its failure is
+    voted at once, so the next snapshot finds its verdict instead of waiting VERDICT_WAIT_S for it."""
+    from spotguard.snapshots import tier
+
+    monkeypatch.setattr(tier, "VERDICT_WAIT_S", 30.0)
+    real_start = threading.Thread.start
+    refused = []
+
+    def start(self) -> None:
+        if self.name == "spotguard-snapshot" and not refused:
+            refused.append(self)
+            raise RuntimeError("can't start new thread")
+        real_start(self)
+
+    state = {"w": torch.zeros(1 << 16)}
+    options = {"snapshot_every": 1, "snapshot_dir": str(tmp_path / "memory"), "exit_code": None}
+    with spotguard.Guard(str(tmp_path / "ckpt"), cloud="none", **options) as guard:
+        guard.step(0, state)
+        assert guard.snapshots.wait().ok
+        monkeypatch.setattr(threading.Thread, "start", start)
+        guard.step(1, state)
+        failed = guard.snapshots.wait(5)
+        assert failed is not None and failed.step == 1 and not failed.ok and "can't start" in failed.error
+        began = time.monotonic()
+        guard.step(2, state)
+        assert time.monotonic() - began < 15  # not VERDICT_WAIT_S
+        done = guard.snapshots.wait()
+        assert done.step == 2 and done.ok
+        assert guard.snapshots.complete == 0

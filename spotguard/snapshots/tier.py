@@ -220,7 +220,13 @@ class SnapshotTier:
             name="spotguard-snapshot",
             daemon=True,
         )
-        self._pending.start()
+        try:
+            self._pending.start()
+        except RuntimeError as exc:  # no thread to be had: this rank's failed snapshot, voted now (the next waits
+            self._pending = None  # for that vote, every rank for VERDICT_WAIT_S without it)
+            if isinstance(copied, shard_file.MappedShard):
+                copied.discard()
+            self._write_and_replicate(step, path, exc, stall, None if final else previous, report=not final)
 
     def restore(self, state: MutableMapping[str, Any], durable: int | None) -> recovery.Plan | None:
         """Load the newest whole snapshot newer than (or as new as) the durable step `durable` (rank 0's
