@@ -70,7 +70,12 @@ class _File:
     crcs: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)  # (offset, length, crc) per read
     damage: Exception | None = None  # the file does not match its manifest record (or cannot be read)
     failure: Exception | None = None  # the first error delivering one of its records
-    planned: bool = True  # False: its units could not be planned, so it was not read
+    complete: bool = True  # False: a part of it was not read (its plan or a read failed): not checked
+
+    def fail(self, exc: BaseException) -> None:
+        """An error of our own reading it (not damage): it is not checked, and its error is raised."""
+        self.failure = self.failure or exc  # type: ignore[assignment]
+        self.complete = False
 
     def ok(self) -> bool:
         return self.damage is None and self.failure is None
@@ -101,7 +106,6 @@ class _Load:
     planner: LoadPlanner
     deliver: Deliver
     lock: threading.Lock  # around every call into the planner
-    failures: list[BaseException] = dataclasses.field(default_factory=list)  # errors of our own: raised as they are
     # torch's parse of a record read straight into a tensor, by its bytes around the tensor's and their length
     parsed: dict[tuple[bytes, bytes, int], records.Stored | None] = dataclasses.field(default_factory=dict)
     parsing: threading.Lock = dataclasses.field(default_factory=threading.Lock)
@@ -126,7 +130,7 @@ def read_in_pieces(
     files: list[_File] = []
     try:
         units: list[Unit] = []
-        claimed: set[int] = set()  # the storages read straight into: tied weights are read into a buffer
+        shared = _shared_storages(work, planner)
         for path, record, items in work:
             file = _File(path, record)
             files.append(file)
@@ -142,13 +146,12 @@ def read_in_pieces(
                 file.damage = Damaged(f"{path.parent}/{record.name}: size {size} != {record.size} in the manifest")
                 continue
             try:
-                units += _plan(file, items, storage_data, planner, claimed)
+                units += _plan(file, items, storage_data, planner, shared)
             except Exception as exc:  # a plan this file cannot serve: not read, raised after any damaged file's error
-                file.failure = exc
-                file.planned = False
+                file.fail(exc)
         _read_all(units, load, threads)
         for file in files:
-            if file.damage is None and file.planned and (wrong := mismatch(_as_read(file), file.record)):
+            if file.damage is None and file.complete and (wrong := mismatch(_as_read(file), file.record)):
                 file.damage = Damaged(f"{file.path.parent}/{wrong}")
     finally:
         for file in files:
@@ -157,8 +160,6 @@ def read_in_pieces(
     for file in files:
         if file.damage is not None:
             raise file.damage from file.failure
-    if load.failures:
-        raise load.failures[0]
     for file in files:
         if file.failure is not None:
             raise file.failure
@@ -182,8 +183,20 @@ def _read_all(units: list[Unit], load: _Load, threads: int) -> None:
         raise
 
 
+def _shared_storages(work: list[tuple[Path, FileRecord, list[ReadItem]]], planner: LoadPlanner) -> set[int]:
+    """The state's storages that more than one record goes into (tied weights, views of one storage): none of
+    those records is read straight into it, where another's bytes could land while its checksum is taken."""
+    seen: collections.Counter[int] = collections.Counter()
+    for _, _, items in work:
+        for item in items:
+            if item.type == LoadItemType.TENSOR:
+                with contextlib.suppress(Exception):  # a plan item the state cannot serve: its file's plan says so
+                    seen[planner.resolve_tensor(item).untyped_storage().data_ptr()] += 1
+    return {memory for memory, count in seen.items() if count > 1}
+
+
 def _plan(
-    file: _File, items: list[ReadItem], storage_data: Mapping[Any, Any], planner: LoadPlanner, claimed: set[int]
+    file: _File, items: list[ReadItem], storage_data: Mapping[Any, Any], planner: LoadPlanner, shared: set[int]
 ) -> list[Unit]:
     """The units that read `file` whole, in file order: its records and the bytes between and after them."""
     units: list[Unit] = []
@@ -192,9 +205,8 @@ def _plan(
         units += _gaps(file, position, offset)
         record = _Record(file, offset, length, record_items, _target(record_items, planner))
         memory = record.target.untyped_storage().data_ptr() if record.target is not None else None
-        direct = length >= DIRECT_MIN and memory is not None and memory not in claimed  # tied weights: once
+        direct = length >= DIRECT_MIN and memory is not None and memory not in shared
         if direct:
-            claimed.add(memory)
             record.data = records.bytes_of(record.target)
         units.append((_Reader.read_head if direct else _Reader.read_whole, (record,)))
         position = offset + length
@@ -269,11 +281,11 @@ class _Reader:
     def run(self) -> None:
         while (unit := self._queue.take()) is not None:
             more: list[Unit] = []
+            method, args = unit
             try:
-                method, args = unit
                 more = method(self, *args)
             except BaseException as exc:  # noqa: BLE001 - raised by read_in_pieces on the calling thread
-                self._load.failures.append(exc)
+                (args[0] if isinstance(args[0], _File) else args[0].file).fail(exc)
             finally:
                 self._queue.done(more)
 
@@ -299,17 +311,17 @@ class _Reader:
         """Read a record's first bytes; then the rest in pieces, the tensor's bytes straight into it, when they
         tell where the tensor's bytes begin; else the whole record here."""
         assert record.data is not None
-        head = bytearray(HEAD)
+        head = bytearray(min(HEAD, record.length))
         if not self._read(record.file, record.offset, [head]):
             return []
         start = records.data_start(head)
         size = len(record.data)
         after = record.length - start - size if start is not None else -1  # bytes after the tensor's
-        if start is None or start + size < HEAD or not 0 <= after <= HEAD:
+        if start is None or start + size < len(head) or not 0 <= after <= HEAD:
             return self.read_whole(record, head)
         record.head, record.tail = head[:start], bytearray(after)
-        record.data[: HEAD - start] = memoryview(head)[start:]
-        pieces = [(at, min(size, at + PIECE)) for at in range(HEAD - start, size, PIECE)] or [(size, size)]
+        record.data[: len(head) - start] = memoryview(head)[start:]
+        pieces = [(at, min(size, at + PIECE)) for at in range(len(head) - start, size, PIECE)] or [(size, size)]
         record.pieces_left = len(pieces)
         return [(_Reader.read_piece, (record, begin, end)) for begin, end in pieces]
 
@@ -353,7 +365,7 @@ class _Reader:
         parts = [data[:start], data[start:end], data[end:]]
         if end > len(data) or not self._holds(parts, record.target):
             return False
-        records.bytes_of(record.target)[:] = parts[1]
+        records.copy_bytes(records.bytes_of(record.target), parts[1])
         self._commit(record)
         return True
 

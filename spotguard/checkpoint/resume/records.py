@@ -41,7 +41,7 @@ def records_in(
 
 def data_start(head: bytes | bytearray) -> int | None:
     """Where the bytes of torch.save's one storage (zip entry `<archive>/data/0`) begin, judged from the
-    record's first bytes: after the local header of that name. A guess, which `_stored` checks once the
+    record's first bytes: after the local header of that name. A guess, which `stored` checks once the
     record is read; None when there is no such header in `head`."""
     if head[:4] != _LOCAL_HEADER:
         return None
@@ -155,7 +155,7 @@ class RecordFile(io.RawIOBase):
             if self._pos + done < at + len(part):
                 begin = self._pos + done - at
                 n = min(len(part) - begin, len(out) - done)
-                _copy(out[done : done + n], part[begin : begin + n])
+                copy_bytes(out[done : done + n], part[begin : begin + n])
                 done += n
             at += len(part)
         self._pos += done
@@ -173,7 +173,8 @@ class RecordFile(io.RawIOBase):
 _TORCH_COPY = 1 << 20
 
 
-def _copy(out: memoryview, data: memoryview) -> None:
+def copy_bytes(out: memoryview, data: memoryview) -> None:
+    """`data` into `out` (of its length)."""
     if len(data) >= _TORCH_COPY:  # a torch copy: several threads, and the GIL released
         torch.frombuffer(out, dtype=torch.uint8).copy_(torch.frombuffer(data, dtype=torch.uint8))
     else:  # the zip's directory and small entries: a torch copy's release of the GIL would cost more
