@@ -291,7 +291,7 @@ def test_a_node_whose_training_process_holds_its_gil_is_not_lost(ring_of):
 
 
 def test_a_node_taking_its_own_snapshot_beats_on(ring_of, tmp_path):
-    """A snapshot maps its file with MAP_POPULATE, which keeps the GIL for about half a second per GiB:
+    """A snapshot's file is mapped with every page populated, which keeps the GIL on a kernel before 5.14:
     node 1 snapshots a shard of 2 GiB into tmpfs, and its beats never pause for more than a beat or two."""
     ring = ring_of(2, in_process=[0])
     ring.watching()

@@ -18,7 +18,6 @@ alone. Non-tensor values load with a weights-only unpickler: a snapshot cannot r
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import dataclasses
 import json
 import math
@@ -33,6 +32,7 @@ from typing import Any, BinaryIO
 import torch
 
 from spotguard.checkpoint.io.checksums import crc32c_extend
+from spotguard.checkpoint.io.libc import libc_function
 from spotguard.snapshots.items import BYTES, LayoutError, StoredItem, laid_out, metadata_of, stored
 
 MAGIC = b"SGSNAP02"
@@ -270,32 +270,24 @@ _ALIGN = 64  # every part of the body starts 64-byte aligned: a tensor is a view
 def map_populated(fd: int, size: int) -> mmap.mmap:
     """`size` bytes of the file `fd`, mapped shared, every page mapped at once: a fault per 4 KiB page
     costs about 0.3 s of CPU per GiB. Populated by madvise(MADV_POPULATE_WRITE) through ctypes, which
-    releases the GIL (mmap's MAP_POPULATE holds it for as long as the kernel takes: 0.6 s per GiB of new
-    tmpfs pages, stalling every other thread of the process); on a kernel without it (before 5.14) the
-    pages come in one fault at a time as they are written, as without populating."""
+    releases the GIL: mmap's MAP_POPULATE holds it for as long as the kernel takes (about 1 s per GiB of
+    new tmpfs pages here), every other thread of the process stalled. A kernel before 5.14 refuses the
+    madvise: MAP_POPULATE then, as before."""
     mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
     if _madvise is not None:
         anchor = ctypes.c_char.from_buffer(mapped)  # its address; the export ends with `anchor`
         address = ctypes.addressof(anchor)
         del anchor
-        _madvise(address, size, _MADV_POPULATE_WRITE)  # -1 (EINVAL) on an older kernel: nothing done
-    return mapped
+        if _madvise(address, size, _MADV_POPULATE_WRITE) == 0:
+            return mapped
+    mapped.close()
+    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
 
 
 _MADV_POPULATE_WRITE = 23  # linux/mman.h, Linux 5.14
 
 
-def _libc_madvise() -> Callable[[int, int, int], int] | None:
-    found = ctypes.util.find_library("c")
-    if not found:
-        return None
-    madvise = ctypes.CDLL(found, use_errno=True).madvise
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
-    return madvise
-
-
-_madvise = _libc_madvise() if os.uname().sysname == "Linux" else None
+_madvise = libc_function("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
 
 
 def _padded(nbytes: int) -> int:

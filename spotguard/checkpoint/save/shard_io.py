@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
-import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,6 +25,7 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 
 from spotguard.checkpoint.format.manifest import FileRecord, checksum_file
 from spotguard.checkpoint.io.checksums import RunningChecksum
+from spotguard.checkpoint.io.libc import libc_function
 
 if TYPE_CHECKING:
     from spotguard.checkpoint.moves.streaming import StreamedFile
@@ -114,19 +114,7 @@ class _ChecksummingStream:
         self._raw.close()
 
 
-def _load_sync_file_range() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        function = getattr(ctypes.CDLL(None), "sync_file_range", None)  # the C library already loaded
-    except OSError:
-        return None
-    if function is not None:
-        function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    return function
-
-
-_sync_file_range = _load_sync_file_range()
+_sync_file_range = libc_function("sync_file_range", [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint])
 _SYNC_FILE_RANGE_WRITE = 2  # start writeback of the range's dirty pages; do not wait
 
 
