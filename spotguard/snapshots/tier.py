@@ -226,7 +226,8 @@ class SnapshotTier:
             self._pending = None  # for that vote, every rank for VERDICT_WAIT_S without it)
             if isinstance(copied, shard_file.MappedShard):
                 copied.discard()
-            self._write_and_replicate(step, path, exc, stall, None if final else previous, report=not final)
+            failure = copied if isinstance(copied, BaseException) else exc
+            self._write_and_replicate(step, path, failure, stall, None if final else previous, report=not final)
 
     def restore(self, state: MutableMapping[str, Any], durable: int | None) -> recovery.Plan | None:
         """Load the newest whole snapshot newer than (or as new as) the durable step `durable` (rank 0's
