@@ -238,6 +238,19 @@ def _target(items: list[ReadItem], planner: LoadPlanner) -> torch.Tensor | None:
     return target if usable else None
 
 
+class ReadBuffer:
+    """One thread's read buffer, grown to the largest length asked of it (at least `minimum` bytes)."""
+
+    def __init__(self, minimum: int) -> None:
+        self._minimum = minimum
+        self._view: memoryview | None = None  # the view keeps the memory alive
+
+    def get(self, length: int) -> memoryview:
+        if self._view is None or len(self._view) < length:
+            self._view = memoryview(torch.empty(max(length, self._minimum), dtype=torch.uint8).numpy())
+        return self._view[:length]
+
+
 class _Queue:
     """Units in order; a unit may put more in front. A thread waits while the queue is empty and another's
     unit may still add some."""
@@ -276,7 +289,7 @@ class _Reader:
     def __init__(self, queue: _Queue, load: _Load) -> None:
         self._queue = queue
         self._load = load
-        self._buffer: memoryview | None = None  # grown to the largest record this thread read whole
+        self._buffer = ReadBuffer(PIECE)  # grown to the largest record this thread read whole
 
     def run(self) -> None:
         while (unit := self._queue.take()) is not None:
@@ -418,9 +431,7 @@ class _Reader:
         return True
 
     def _buffer_of(self, length: int) -> memoryview:
-        if self._buffer is None or len(self._buffer) < length:
-            self._buffer = memoryview(torch.empty(max(length, PIECE), dtype=torch.uint8).numpy())
-        return self._buffer[:length]
+        return self._buffer.get(length)
 
 
 def _after(views: list[memoryview], skip: int) -> list[memoryview]:

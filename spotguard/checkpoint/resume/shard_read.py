@@ -39,7 +39,7 @@ from spotguard.checkpoint.format.manifest import FileRecord, mismatch
 from spotguard.checkpoint.io import bounce
 from spotguard.checkpoint.io.bounce import IN_FLIGHT, BouncePool, Lease, Pipeline
 from spotguard.checkpoint.io.checksums import RunningChecksum
-from spotguard.checkpoint.resume.piece_read import read_in_pieces, reader_count
+from spotguard.checkpoint.resume.piece_read import ReadBuffer, read_in_pieces, reader_count
 from spotguard.checkpoint.resume.records import RecordFile, records_in
 from spotguard.checkpoint.state import tensors_of
 
@@ -202,11 +202,9 @@ class _Buffers:
         self._local = threading.local()  # freed with the reading threads, which end with the load
 
     def get(self, length: int) -> memoryview:
-        buffer = getattr(self._local, "buffer", None)
-        if buffer is None or len(buffer) < length:
-            tensor = torch.empty(max(length, _GAP_CHUNK), dtype=torch.uint8)
-            self._local.buffer = buffer = memoryview(tensor.numpy())  # the view keeps the memory alive
-        return buffer[:length]
+        if not hasattr(self._local, "buffer"):
+            self._local.buffer = ReadBuffer(_GAP_CHUNK)
+        return self._local.buffer.get(length)
 
 
 class _CheckingReader:
