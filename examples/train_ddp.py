@@ -9,7 +9,8 @@ when one node is reclaimed, the others commit the checkpoint without it. Elastic
 with `--dataset N`, and the survivors train on at the smaller world size with the same data order.
 
 Start it again after an interruption (same command) and it resumes from the newest
-committed checkpoint. Deterministic on CPU: the data of a step depends only on
+committed checkpoint. With --in-process the survivors of a departure do not even restart: they go on in
+their processes at the smaller world size (spotguard.run). Deterministic on CPU: the data of a step depends only on
 the step and the rank (with --dataset: on the global position of a ResumableSampler, whatever the
 world size), so an interrupted-and-resumed run ends with the same weights as one that never stopped.
 """
@@ -120,62 +121,75 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes (--dataset)")
     parser.add_argument("--log-samples", action="store_true", help="every rank prints its steps and sample indices")
     parser.add_argument("--save-final", action="store_true", help="commit a checkpoint of the last step at the end")
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="after a node's departure the survivors go on in their processes (spotguard.run), not restarted",
+    )
     args = parser.parse_args()
     if not args.checkpoint_dir:
         parser.error("--checkpoint-dir or SPOTGUARD_CHECKPOINT_DIR is required")
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.fsdp and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        parser.error("--fsdp needs several processes (torchrun)")
+    options = {"cloud": args.cloud, "local_dir": args.local_dir, "save_every": args.save_every}
+    if args.in_process:  # spotguard forms the process group, and again in this process after a departure
+        spotguard.run(lambda ctx: train(args, ctx), args.checkpoint_dir, **options)
+        return
     distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
     if distributed:
         dist.init_process_group("gloo")
+    with spotguard.Guard(args.checkpoint_dir, **options) as guard:
+        train(args, guard)
+    if distributed:
+        dist.destroy_process_group()
+
+
+def train(args: argparse.Namespace, guard: spotguard.Guard | spotguard.Context) -> None:
+    """The training: the same loop under a Guard, or run by spotguard.run (`--in-process`), which runs it
+    again after a departure, in this process, at the new world size (so the model is built in here)."""
+    distributed = dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
+    world = dist.get_world_size() if distributed else 1
     model = build_model(args.hidden)
-    if args.fsdp and not distributed:
-        parser.error("--fsdp needs several processes (torchrun)")
     net = shard(model) if args.fsdp else DDP(model) if distributed else model
     optimizer = torch.optim.AdamW(net.parameters(), lr=3e-3)
     state = {"model": net, "optim": optimizer}
     sampler = ResumableBatchSampler(args.dataset, args.batch_size) if args.dataset else None
     if sampler is not None:
         state["data"] = sampler  # the global position: exactly-once data over restarts at any world size
-    world = dist.get_world_size() if distributed else 1
 
-    with spotguard.Guard(
-        args.checkpoint_dir, cloud=args.cloud, local_dir=args.local_dir, save_every=args.save_every
-    ) as guard:
-        start = guard.resume(state)
-        for step, x, y, samples in batches(args, start, rank, sampler):
-            loss = F.mse_loss(net(x), y)
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            if sampler is not None:
-                sampler.advance()  # before guard.step(): a checkpoint of this step includes its batch
-            if args.log_samples:
-                line = {
-                    "step": step,
-                    "rank": rank,
-                    "world": world,
-                    "epoch": sampler.epoch if sampler is not None else 0,
-                    "samples": samples,
-                }
-                say(line)
-            elif rank == 0:
-                say({"step": step, "loss": round(loss.item(), 6)})
-            if args.step_time:
-                time.sleep(args.step_time)
-            if guard.step(step, state):
-                break
-        else:
-            if args.save_final and start < args.steps:
-                guard.save(args.steps - 1, state)
-            # The whole model on rank 0 (FSDP2 gathers the shards: every rank takes part).
-            weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-            if rank == 0 and args.out:
-                with open(args.out, "w") as f:
-                    json.dump({"start": start, "digest": state_digest(weights)}, f)
-    if distributed:
-        dist.destroy_process_group()
+    start = guard.resume(state)
+    for step, x, y, samples in batches(args, start, rank, sampler):
+        loss = F.mse_loss(net(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if sampler is not None:
+            sampler.advance()  # before guard.step(): a checkpoint of this step includes its batch
+        if args.log_samples:
+            line = {
+                "step": step,
+                "rank": rank,
+                "world": world,
+                "epoch": sampler.epoch if sampler is not None else 0,
+                "samples": samples,
+            }
+            say(line)
+        elif rank == 0:
+            say({"step": step, "loss": round(loss.item(), 6)})
+        if args.step_time:
+            time.sleep(args.step_time)
+        if guard.step(step, state):
+            return
+    if args.save_final and start < args.steps:
+        guard.save(args.steps - 1, state)
+    # The whole model on rank 0 (FSDP2 gathers the shards: every rank takes part).
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0 and args.out:
+        with open(args.out, "w") as f:
+            json.dump({"start": start, "digest": state_digest(weights)}, f)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,9 @@ _LAZY = {
     "verify_checkpoint": "spotguard.checkpoint.catalog",
     "ResumableSampler": "spotguard.data",
     "ResumableBatchSampler": "spotguard.data",
+    "run": "spotguard.inprocess.runner",
+    "Context": "spotguard.inprocess.context",
+    "Recovery": "spotguard.inprocess.context",
 }
 
 __all__ = [
@@ -38,6 +41,7 @@ __all__ = [
     "CheckpointInfo",
     "CheckpointUnavailable",
     "Checkpointer",
+    "Context",
     "CoordinationOptions",
     "ExitOptions",
     "Guard",
@@ -48,12 +52,14 @@ __all__ = [
     "NoticeOptions",
     "ResumableBatchSampler",
     "ResumableSampler",
+    "Recovery",
     "SaveOptions",
     "SaveReport",
     "SnapshotOptions",
     "StorageOptions",
     "__version__",
     "list_checkpoints",
+    "run",
     "verify_checkpoint",
 ]
 
@@ -64,6 +70,8 @@ if TYPE_CHECKING:
     from spotguard.checkpoint.state import IfSaved
     from spotguard.data import ResumableBatchSampler, ResumableSampler
     from spotguard.guard import Guard
+    from spotguard.inprocess.context import Context, Recovery
+    from spotguard.inprocess.runner import run
     from spotguard.options import (
         CoordinationOptions,
         ExitOptions,

@@ -88,6 +88,8 @@ class Guard:
             default, or `$SPOTGUARD_SNAPSHOT_EVERY`).
         health: failures without a notice, a node gone silent or a loop that stopped stepping (`HealthOptions`;
             on by default, or `$SPOTGUARD_PEER_TIMEOUT` and `$SPOTGUARD_HANG_TIMEOUT`).
+        in_process: set by `spotguard.run` (in-process recovery): after a departure the survivors' `close()`
+            returns instead of exiting, and the leaving ranks exit 0.
         **options: any field of those groups by its name, e.g. `keep_last=3`, `save_interval_s=600`,
             `exit_code=None`, `store=..., rank=..., world_size=...` (see the configuration reference).
             `poll_interval` and `thread_count` are the deprecated names of `poll_interval_s` and
@@ -106,6 +108,7 @@ class Guard:
         coordination: CoordinationOptions | None = None,
         snapshots: SnapshotOptions | None = None,
         health: HealthOptions | None = None,
+        in_process: bool = False,
         **options: Any,
     ) -> None:
         if cloud is not None:
@@ -113,6 +116,7 @@ class Guard:
         groups = {"notices": notices, "saving": saving, "storage": storage, "exiting": exiting,
                   "coordination": coordination, "snapshots": snapshots, "health": health}  # fmt: skip
         self.options = GuardOptions.build(groups, options)
+        self._in_process = in_process  # set by spotguard.run: a departure's survivors go on in their processes
         self.checkpoint_dir = check_location(checkpoint_dir)
         self._checkpoint_key = resolve_key(self.options.storage.checkpoint_key)  # kept out of reprs and logs
         self._min_nodes = elastic.min_nodes(self.options.exiting.min_nodes)
@@ -159,6 +163,12 @@ class Guard:
     def leaving(self) -> bool:
         """Whether this node was the one the emergency reclaimed."""
         return self._emergency.leaving
+
+    @property
+    def goes_on(self) -> tuple[int, ...]:
+        """After an emergency under `spotguard.run`: the ranks the job goes on with in their processes (this
+        generation's ranks, in order), else ()."""
+        return self._emergency.goes_on
 
     # ---- lifecycle -------------------------------------------------------------
     def start(self) -> Guard:
@@ -222,6 +232,7 @@ class Guard:
             coordination=lambda: self._coordination,  # type: ignore[arg-type,return-value]  # set just below
             watcher=lambda: self._watcher,  # type: ignore[arg-type,return-value]  # set before any notice
             busy=self._busy,
+            in_process=self._in_process,
         )
         rounds = self._rounds = Rounds(parts, self._emergency, started_at=self._started_at)
         coordination = self._coordination = Coordination(
@@ -425,6 +436,11 @@ class Guard:
     def save(self, step: int, state: Mapping[str, Any]) -> SaveReport | None:
         """Save now, on demand. With several ranks, every rank must call it at the same step."""
         return self._started_rounds("save").save(_as_step(step), state, reason="manual", wait=True)
+
+    def recovered(self, **fields: Any) -> None:
+        """`spotguard.run`'s word that this guard's run follows an in-process recovery (`fields`: those of
+        the ledger's `recovered` record), for the goodput ledger."""
+        self._goodput.recovered(**fields)
 
     # ---- internals ---------------------------------------------------------------
     def _busy(self) -> contextlib.AbstractContextManager[None]:

@@ -12,7 +12,16 @@ from spotguard.demo import localnodes
 from spotguard.demo.localnodes import LocalNode as Node
 from spotguard.demo.localnodes import stop_all
 
-__all__ = ["Node", "json_lines", "rendezvous", "run_nodes", "start_nodes", "stop_all", "worker_exit_code"]
+__all__ = [
+    "Node",
+    "json_lines",
+    "rendezvous",
+    "run_nodes",
+    "start_nodes",
+    "stop_all",
+    "worker_exit_code",
+    "worker_pids",
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = [str(ROOT / "examples" / "train_ddp.py")]
@@ -57,6 +66,11 @@ def worker_exit_code(node: Node, local_rank: int = 0) -> int:
     0 when torchrun reported no failure of it, the node having ended."""
     found = [int(code) for code, rank in WORKER_FAILED.findall(node.output()) if int(rank) == local_rank]
     return found[0] if found else 0
+
+
+def worker_pids(node: Node) -> set[int]:
+    """The pids of every process the node's agent runs now (its workers)."""
+    return set(localnodes._descendants(node.proc.pid))
 
 
 def json_lines(node: Node, key: str) -> list[dict]:

@@ -278,7 +278,7 @@ def test_the_ledger_schema_is_shared_by_writer_and_reader_and_versioned(tmp_path
     """Every record type goes through the writer and back unchanged; a line from before versions is
     read, a newer version's record or an unknown event is skipped and counted, a record missing a
     required field counts as torn."""
-    from spotguard.goodput.records import LEDGER_VERSION, RECORDS, CadenceChange, SilentEnd
+    from spotguard.goodput.records import LEDGER_VERSION, RECORDS, CadenceChange, Recovered, SilentEnd
 
     store = LocalStore(tmp_path)
     written = [
@@ -291,6 +291,16 @@ def test_the_ledger_schema_is_shared_by_writer_and_reader_and_versioned(tmp_path
             interval_s=60.0, save_cost_s=None, rate_per_h=0.1, interruptions=0, hours=0.0, bound="min", explain="x"
         ),
         SilentEnd(cause="peer-lost", culprit="host/node-2", noticed_after_s=20.4, seen_by="host/node-0", last_step=9),
+        Recovered(
+            cause="interruption",
+            generation=1,
+            world_before=3,
+            world_after=2,
+            step=9,
+            paused_s=1.2,
+            formed_s=1.0,
+            source="snapshot",
+        ),  # fmt: skip
         Exit(code=143, why="interrupted", committed=True, last_step=9),
     ]
     assert {type(r) for r in written} == set(RECORDS.values())

@@ -78,7 +78,7 @@ LAYERS = (
     ("spotguard.goodput", "spotguard.watcher", "spotguard.data"),
     ("spotguard.wiring",),  # the Guard's rooms
     ("spotguard.guard",),  # the facade
-    ("spotguard.integrations", "spotguard.demo", "spotguard.ledger_records"),
+    ("spotguard.integrations", "spotguard.inprocess", "spotguard.demo", "spotguard.ledger_records"),
     ("spotguard.cli", "spotguard"),  # the command line; the package's lazy exports (its __init__ alone)
 )
 # Inside checkpoint/, the same rule: the records and collectives, what a step is made of, the bytes'

@@ -42,11 +42,23 @@ class ExitPolicy:
         self.node_leader = node_leader
         self.withdrawal: str | None = None  # why this node's torchrun agent must not restart it
 
-    def code(self, *, interrupted: bool, saved: bool, error: BaseException | None) -> int | None:
+    def code(
+        self,
+        *,
+        interrupted: bool,
+        saved: bool,
+        error: BaseException | None,
+        goes_on: bool = False,
+        leaving: bool = False,
+    ) -> int | None:
         """The code to exit with when the guard closes, or None to return to the caller: no emergency,
-        `exit_code=None`, or the training ended with an exception of its own (it propagates)."""
+        `exit_code=None`, the training ended with an exception of its own (it propagates), or the job goes on
+        in this process (`goes_on`, in-process recovery). A leaving node whose share goes on in the survivors'
+        processes ends with 0: nothing of it is to be restarted."""
         if not interrupted or self.exit_code is None or error is not None:
             return None
+        if goes_on:
+            return 0 if leaving else None
         return self.exit_code if saved else self.lost_exit_code
 
     def record(
@@ -60,11 +72,13 @@ class ExitPolicy:
         culprit: str | None = None,
         for_node: bool = False,
         quiet: bool = False,
+        goes_on: bool = False,
     ) -> None:
         """Write $SPOTGUARD_EXIT_FILE (node leader, or `for_node`: a rank that speaks for a node whose
         leader does not): why this node's job is about to exit (`cause`: an interruption notice, or a silent
-        failure: `peer-lost`, `hang`, with the node or ranks to blame). `quiet`: no log line, even on a
-        failure (the caller's output may be blocked)."""
+        failure: `peer-lost`, `hang`, with the node or ranks to blame; `goes_on`: the job goes on without
+        this node, in the survivors' processes). `quiet`: no log line, even on a failure (the caller's
+        output may be blocked)."""
         path = os.environ.get(EXIT_FILE_ENV)
         if not path or not (self.node_leader or for_node):
             return
@@ -75,6 +89,7 @@ class ExitPolicy:
             "leaving": leaving,
             "cause": cause,
             **({"culprit": culprit} if culprit is not None else {}),
+            **({"job_goes_on": True} if goes_on else {}),
             "node": self.node,
             "at": isoformat_z(utc_now()),
         }
@@ -117,8 +132,11 @@ class ExitPolicy:
         sys.stderr.flush()
         os._exit(code)
 
-    def exit(self, code: int, *, saved: bool) -> None:
-        if saved:
+    def exit(self, code: int, *, saved: bool, goes_on: bool = False) -> None:
+        if goes_on:
+            log.warning("emergency checkpoint committed; this node leaves and the job goes on in the survivors' "
+                        "processes: exiting with code %d", code)  # fmt: skip
+        elif saved:
             log.warning("emergency checkpoint committed; exiting with code %d so the job is restarted", code)
         else:
             log.error("interrupted without a new checkpoint; exiting with code %d so the job is restarted", code)

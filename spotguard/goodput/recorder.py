@@ -175,6 +175,11 @@ class GoodputRecorder:
             why = "storage unavailable" if code == UNAVAILABLE_EXIT_CODE else "exit"
         self._record(records.Exit(code=code, why=why, committed=committed, last_step=last_step))
 
+    def recovered(self, **fields: Any) -> None:
+        """An in-process recovery began this segment (`records.Recovered`'s fields)."""
+        known = {f.name for f in dataclasses.fields(records.Recovered)} - {"segment", "seq", "at"}
+        self._record(records.Recovered(**{k: v for k, v in fields.items() if k in known}))
+
     def silent_failure(self, failure: SilentFailure, code: int, *, last_step: int | None) -> None:
         """A failure without a notice ends the segment: what it was, then the exit record."""
         if failure.step is not None:  # a hang's step as judged (the furthest any rank reported)

@@ -129,6 +129,22 @@ class SilentEnd(Record):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Recovered(Record):
+    """The segment began with an in-process recovery (`spotguard.run`): the survivors of a departure went
+    on in their processes, in a new generation of the job, without a restart."""
+
+    EVENT: ClassVar[str] = "recovered"
+    cause: str  # "interruption": a node announced its departure
+    generation: int
+    world_before: int
+    world_after: int
+    step: int  # the agreed step the job went on from
+    paused_s: float | None = None  # the last step before the agreed one -> the first step at the new size
+    formed_s: float | None = None  # ... -> the new generation's process group formed
+    source: str | None = None  # where the state came from: "snapshot" (the nodes' memory) or "durable"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CadenceChange(Record):
     """The automatic save interval changed (`save_interval_s="auto"`)."""
 
@@ -144,7 +160,7 @@ class CadenceChange(Record):
 
 
 RECORDS: dict[str, type[Record]] = {
-    cls.EVENT: cls for cls in (Start, Resume, Save, NoticeSeen, Progress, Exit, CadenceChange, SilentEnd)
+    cls.EVENT: cls for cls in (Start, Resume, Save, NoticeSeen, Progress, Exit, CadenceChange, SilentEnd, Recovered)
 }
 _STAMP = ("segment", "seq", "at")
 

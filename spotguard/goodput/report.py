@@ -22,7 +22,17 @@ from typing import Any
 
 from cloud_adapters.notice import parse_iso8601
 from spotguard.goodput.ledger import LedgerContents
-from spotguard.goodput.records import CadenceChange, Exit, NoticeSeen, Progress, Record, Resume, Save, SilentEnd
+from spotguard.goodput.records import (
+    CadenceChange,
+    Exit,
+    NoticeSeen,
+    Progress,
+    Record,
+    Recovered,
+    Resume,
+    Save,
+    SilentEnd,
+)
 
 INTERRUPTED = "interrupted"
 
@@ -45,6 +55,7 @@ def _segment(records: list[Record], origin: datetime) -> dict[str, Any]:
     saves = [r for r in records if isinstance(r, Save)]
     notices = [r for r in records if isinstance(r, NoticeSeen)]
     silent = next((r for r in records if isinstance(r, SilentEnd)), None)
+    recovered = next((r for r in records if isinstance(r, Recovered)), None)
     steps = [r.step for r in saves if r.ok]
     steps += [r.last_step for r in records if isinstance(r, (Progress, Exit, SilentEnd)) and r.last_step is not None]
     steps += [r.agreed_step for r in notices if r.agreed_step is not None]
@@ -78,6 +89,8 @@ def _segment(records: list[Record], origin: datetime) -> dict[str, Any]:
         # a failure without a notice that ended the segment: cause, culprit, noticed_after_s
         "silent": {**silent.to_json(), "at_s": (_at(silent) - origin).total_seconds()} if silent else None,
         "cadence": [r.to_json() for r in records if isinstance(r, CadenceChange)],
+        # began with an in-process recovery: cause, generation, world_before/after, step, paused_s, source
+        "recovered": recovered.to_json() if recovered else None,
         "exit_code": exit_.code if exit_ else None,
         "ended": ended,
         "committed": bool(exit_ and exit_.committed) or any(n.committed for n in interruptions),
@@ -233,6 +246,13 @@ def format_text(summary: dict[str, Any], location: str) -> str:
                 f"{'yes' if x['committed'] else 'NO':>9} {_num(x['margin_s']):>8} {lost:>10} "
                 f"{_num(x['lost_s']):>8} {_num(x['time_to_resume_s']):>10}{silent}"
             )
+    recovered = [seg["recovered"] for seg in s["segment_details"] if seg.get("recovered")]
+    if recovered:
+        lines += ["", f"  {'IN-PROCESS RECOVERY':<20} {'CAUSE':<13} {'WORLD':>8} {'STEP':>7} {'PAUSED':>8}  STATE FROM"]
+        for r in recovered:
+            world = f"{r['world_before']} -> {r['world_after']}"
+            lines.append(f"  {'generation ' + str(r['generation']):<20} {r['cause']:<13} {world:>8} {r['step']:>7} "
+                         f"{_num(r['paused_s']):>8}  {r['source'] or '-'}")  # fmt: skip
     if s["torn_lines"]:
         lines += ["", f"  {s['torn_lines']} line(s) of the ledger were torn (a writer killed mid-line): skipped"]
     return "\n".join(lines)

@@ -27,7 +27,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Collection, Mapping, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -154,22 +154,25 @@ class SnapshotTier:
                 self._unusable = f"its peer server cannot start ({type(exc).__name__}: {exc})"
 
     # ---- the training thread ---------------------------------------------------------
-    def snapshot(self, step: int, state: Mapping[str, Any], *, final: bool = False) -> None:
+    def snapshot(
+        self, step: int, state: Mapping[str, Any], *, final: bool = False, leaving: Collection[int] = ()
+    ) -> None:
         """Begin the snapshot of `step`: returns once `state` is copied; the rest runs in the background.
 
         Whatever fails here is reported as this rank's failed snapshot: no rank waits for it. The
         `final` snapshot of a process (after an emergency) never touches the job's store, which a rank
         that leaves first may take down with it: it waits for no verdict, reports none, and keeps the
-        snapshot begun before it too (whether that one was complete is not known).
+        snapshot begun before it too (whether that one was complete is not known). No replica goes to the
+        `leaving` ranks (a final snapshot's: the job goes on without them).
         """
         started = time.monotonic()
         try:
-            self._begin(step, state, final, started)
+            self._begin(step, state, final, started, frozenset(leaving))
         except BaseException as exc:  # the job's store failed a vote, say: nothing was begun; the caller says so
             self.skip(step, f"{type(exc).__name__}: {exc}", started, quiet=True)
             raise
 
-    def _begin(self, step: int, state: Mapping[str, Any], final: bool, started: float) -> None:
+    def _begin(self, step: int, state: Mapping[str, Any], final: bool, started: float, leaving: frozenset[int]) -> None:
         self.wait()
         problem: Exception | None = None
         try:
@@ -216,7 +219,7 @@ class SnapshotTier:
         self._pending = threading.Thread(
             target=self._write_and_replicate,
             args=(step, path, copied, stall, None if final else previous),
-            kwargs={"report": not final},
+            kwargs={"report": not final, "leaving": leaving},
             name="spotguard-snapshot",
             daemon=True,
         )
@@ -227,7 +230,8 @@ class SnapshotTier:
             if isinstance(copied, shard_file.MappedShard):
                 copied.discard()
             failure = copied if isinstance(copied, BaseException) else exc
-            self._write_and_replicate(step, path, failure, stall, None if final else previous, report=not final)
+            self._write_and_replicate(step, path, failure, stall, None if final else previous, report=not final,
+                                      leaving=leaving)  # fmt: skip
 
     def restore(self, state: MutableMapping[str, Any], durable: int | None) -> recovery.Plan | None:
         """Load the newest whole snapshot newer than (or as new as) the durable step `durable` (rank 0's
@@ -391,6 +395,7 @@ class SnapshotTier:
         stall: float,
         previous: int | None,
         report: bool = True,
+        leaving: frozenset[int] = frozenset(),
     ) -> SnapshotDone:
         started = time.monotonic()
         size, write_s, error, written = 0, 0.0, None, False
@@ -403,7 +408,7 @@ class SnapshotTier:
                                  world_size=self.world_size)  # fmt: skip
             size, write_s, written = info.body_bytes, time.monotonic() - started, True
             for buddy in self.buddies:
-                if not report and buddy not in self._addresses:
+                if buddy in leaving or (not report and buddy not in self._addresses):
                     continue  # a final snapshot never asks the store for an address
                 push(self._address_of(buddy, self._background_conn), path, name_of(step, self.rank, self.world_size))
         except Exception as exc:  # noqa: BLE001 - a failed snapshot leaves the previous one; training goes on
@@ -416,7 +421,7 @@ class SnapshotTier:
             stall_s=stall,
             write_s=write_s,
             replicate_s=time.monotonic() - started - write_s,
-            replicas=len(self.buddies),
+            replicas=len([b for b in self.buddies if b not in leaving]),
             ok=error is None,
             error=error,
         )

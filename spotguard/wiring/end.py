@@ -28,14 +28,21 @@ def end(
 ) -> None:
     """End one started guard: `teardown(saves_done)` stops everything it started and runs `saves_done`
     once the last save has ended; `error` is the exception that ended the training, if any."""
-    code = exit_policy.code(interrupted=emergency.interrupted, saved=emergency.saved, error=error)
+    goes_on = bool(emergency.goes_on)
+    code = exit_policy.code(
+        interrupted=emergency.interrupted,
+        saved=emergency.saved,
+        error=error,
+        goes_on=goes_on,
+        leaving=emergency.leaving,
+    )
 
     def ended() -> None:
         goodput.ended(code, error, interrupted=emergency.interrupted, committed=emergency.saved, last_step=last_step)
 
     if code is not None:
         step = last_save.step if last_save else None
-        exit_policy.record(code, committed=emergency.saved, step=step, leaving=emergency.leaving)
+        exit_policy.record(code, committed=emergency.saved, step=step, leaving=emergency.leaving, goes_on=goes_on)
     if code is not None and emergency.upload_abandoned:
         exit_policy.leaving_now(code, saved=emergency.saved, why=last_save.error if last_save else None)
         ended()
@@ -46,4 +53,4 @@ def end(
         exit_policy.leave_agent()
     teardown(ended)
     if code is not None:
-        exit_policy.exit(code, saved=emergency.saved)
+        exit_policy.exit(code, saved=emergency.saved, goes_on=goes_on)

@@ -27,7 +27,7 @@ from spotguard.job.agreement import Decision
 from spotguard.job.broadcast import EMERGENCY
 from spotguard.job.coordination import Coordination, EmergencyPlan
 from spotguard.job.departure import Departure
-from spotguard.job.topology import Topology
+from spotguard.job.topology import Topology, ranks_per_node
 from spotguard.options import GuardOptions
 from spotguard.watcher import Watcher
 from spotguard.wiring.snapshots import SNAPSHOT, GuardSnapshots
@@ -44,6 +44,9 @@ class EmergencyOutcome:
     saved: bool = False  # ... and its checkpoint was committed where a new VM finds it
     upload_abandoned: bool = False  # ... and its upload did not finish (the stores are not closed)
     leaving: bool = False  # ... and this node was the one reclaimed
+    # ... and the job goes on in the survivors' processes (in-process recovery): their global ranks, in order.
+    # Empty: every process ends, as always (the guard is not in-process, or the job cannot go on this way).
+    goes_on: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +67,7 @@ class GuardParts:
     coordination: Callable[[], Coordination]
     watcher: Callable[[], Watcher]
     busy: Callable[[], contextlib.AbstractContextManager[None]]  # spotguard's own work on the training thread
+    in_process: bool = False  # the survivors of a departure go on in their processes (spotguard.inprocess)
 
 
 class Rounds:
@@ -194,21 +198,45 @@ class Rounds:
         )
         report = self.save(step, state, reason="emergency", wait=True, notice=plan.notice, departure=plan.departure)
         safe = is_safe(plan, step, report)
+        goes_on = self._goes_on(plan) if safe else ()
         if p.topology.is_node_leader and safe:
             p.watcher().ack(plan.notice)  # Azure may proceed early only once the checkpoint is safe
         self.outcome.interrupted = True
         self.outcome.saved = safe
         self.outcome.upload_abandoned = report is not None and not report.durable
+        self.outcome.goes_on = goes_on
         p.goodput.emergency(plan.notice, step, report, plan.leaving)
         # The next start, at any world size, reads the step from the nodes' memory; not when a cloud takes a
-        # node (the plan is every rank's): its shards would be missing, and it must leave at once.
-        if report is not None and p.snapshots.options.enabled and all(n.cloud == "signal" for n in plan.notices):
+        # node and the job restarts (the plan is every rank's): its shards would be missing, and it must leave at
+        # once. A job that goes on in its processes reads it now, while the leaving node waits for its replicas.
+        signals = all(n.cloud == "signal" for n in plan.notices)
+        if report is not None and p.snapshots.options.enabled and (signals or goes_on):
             with p.busy():
-                p.snapshots.keep_emergency(step, state, plan.notice.seconds_left())  # says why it takes none
+                left = plan.leaving if goes_on else ()
+                p.snapshots.keep_emergency(step, state, plan.notice.seconds_left(), left)  # says why it takes none
         elif snapshot_due:
             why = "a cloud is taking a node (its shards would be missing): the job leaves at once"
             failed = "the emergency's durable save of it failed (a snapshot follows a committed one only)"
             p.snapshots.skip(step, failed if report is None else why)
+
+    def _goes_on(self, plan: EmergencyPlan) -> tuple[int, ...]:
+        """The ranks the job goes on with in their processes after `plan`'s departure, or () when it ends or
+        restarts as always: not in-process, the whole job stops, rank 0's node leaves, or fewer than
+        `min_nodes` nodes stay (the same on every rank)."""
+        p = self._parts
+        if not p.in_process or plan.departure is None:
+            return ()
+        if 0 in plan.leaving:  # torchrun keeps the workers' store with rank 0's node (its agent, or rank 0 itself)
+            log.warning("in-process recovery: the node of rank 0 leaves, and the job's store may leave with it: "
+                        "the job ends as without it")  # fmt: skip
+            return ()
+        survivors = plan.departure.survivors()
+        nodes_left = len(survivors) // ranks_per_node()
+        if nodes_left < (p.min_nodes or 1):
+            log.warning("in-process recovery: %d node(s) would stay, fewer than min_nodes=%d: the job ends as "
+                        "without it", nodes_left, p.min_nodes)  # fmt: skip
+            return ()
+        return tuple(survivors)
 
     def save(
         self,

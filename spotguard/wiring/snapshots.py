@@ -12,7 +12,7 @@ import logging
 import secrets
 import sys
 import time
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Collection, Mapping, MutableMapping
 from typing import Any
 
 import torch.distributed as dist
@@ -107,12 +107,15 @@ class GuardSnapshots:
         else:
             log.warning("the snapshot of step %d was not taken: %s", step, why)
 
-    def keep_emergency(self, step: int, state: Mapping[str, Any], seconds_left: float | None) -> None:
+    def keep_emergency(
+        self, step: int, state: Mapping[str, Any], seconds_left: float | None, leaving: Collection[int] = ()
+    ) -> None:
         """After the emergency's durable save, a snapshot of the same step (a collective): the job that
         starts next, at whatever world size, then reads it from the nodes' memory, not from storage.
         Taken only by a tier that has taken one already (its room agreed), never through the store (a
         rank that leaves first may take it down), and only when its last stall fits before
-        EMERGENCY_MARGIN_S ahead of the deadline; waited for (its replicas too) until then at most."""
+        EMERGENCY_MARGIN_S ahead of the deadline; waited for (its replicas too) until then at most. No replica
+        goes to the `leaving` ranks: the job goes on without them, in its processes."""
         started = time.monotonic()
         budget = EMERGENCY_WAIT_S if seconds_left is None else min(EMERGENCY_WAIT_S, seconds_left - EMERGENCY_MARGIN_S)
         tier = self.tier
@@ -131,7 +134,7 @@ class GuardSnapshots:
             tier.skip(step, f"the emergency's: {left:.1f} s left before the deadline's margin, its stall {stall:.1f} s")
             return
         try:
-            tier.snapshot(step, state, final=True)
+            tier.snapshot(step, state, final=True, leaving=leaving)
         except Exception:  # noqa: BLE001 - invariant 3, as for any snapshot
             log.exception("the snapshot of the emergency's step %d was not taken", step)
             return

@@ -1,0 +1,6 @@
+"""In-process recovery: the survivors of a departure go on in their processes (`spotguard.run`)."""
+
+from spotguard.inprocess.context import Context, Recovery
+from spotguard.inprocess.runner import run
+
+__all__ = ["Context", "Recovery", "run"]

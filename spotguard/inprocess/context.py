@@ -1,0 +1,116 @@
+"""What a training function run by `spotguard.run` is given: its guard's loop calls, where the job
+stands (generation, rank, world size), and the recoveries that kept this process."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+from spotguard.guard import Guard
+from spotguard.inprocess.generation import Generation
+
+log = logging.getLogger("spotguard.inprocess")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recovery:
+    """One in-process recovery, as this rank saw it."""
+
+    cause: str  # "interruption": a node announced its departure
+    generation: int  # the generation it formed
+    world_before: int
+    world_after: int
+    step: int  # the agreed step the job goes on from
+    left: tuple[int, ...]  # the previous generation's ranks that left
+    formed_s: float  # the last step before the agreed one -> the new generation's group formed
+    paused_s: float | None = None  # the last step before the agreed one -> the first step at the new size
+    source: str | None = None  # where the state came from: "snapshot" (the nodes' memory) or "durable"
+
+    def line(self) -> str:
+        source = {"snapshot": "the snapshot in the nodes' memory", "durable": "the durable checkpoint"}.get(
+            self.source or "", "nowhere (the function did not resume)"
+        )
+        paused = f"{self.paused_s:.2f} s" if self.paused_s is not None else "?"
+        return (
+            f"in-process recovery: generation {self.generation}, world {self.world_before} -> {self.world_after} "
+            f"after rank(s) {', '.join(map(str, self.left))} left at step {self.step}: this process (pid "
+            f"{os.getpid()}) paused {paused} (group formed after {self.formed_s:.2f} s), state from {source}"
+        )
+
+
+class Context:
+    """The guard of one generation, and the loop's calls on it (the same names as the Guard's):
+
+    def train(ctx):
+        model, optimizer = build()                   # everything bound to a process group, made here
+        state = {"model": model, "optim": optimizer}
+        start = ctx.resume(state)
+        for step in range(start, total_steps):
+            train_step()
+            if ctx.step(step, state):
+                break
+    """
+
+    def __init__(
+        self, guard: Guard, generation: Generation, recoveries: tuple[Recovery, ...] = (), since: float | None = None
+    ) -> None:
+        """`since`: when the step that ended the previous generation's run was reported (monotonic)."""
+        self.guard = guard
+        self.generation = generation.number
+        self.rank = generation.rank
+        self.world_size = generation.world_size
+        self.recoveries = recoveries  # every in-process recovery of this process so far, the newest last
+        self.stopped_at: float | None = None  # when the step that ended this generation's run was reported
+        self._since = since if recoveries else None  # the newest recovery's pause ends at the first step
+
+    @property
+    def recovered(self) -> Recovery | None:
+        """The recovery this run of the training function follows, or None for the first run."""
+        return self.recoveries[-1] if self.recoveries else None
+
+    def resume(self, state: MutableMapping[str, Any]) -> int:
+        """Load the newest state into `state` (after a recovery: the agreed step, from the nodes' memory when
+        snapshots are on); the step to start from. As `Guard.resume`."""
+        next_step = self.guard.resume(state)
+        if self._since is not None:
+            tier = next((e.detail.get("tier") for e in reversed(self.guard.timeline.entries) if e.event == "resumed"),
+                        None)  # fmt: skip
+            self._amend(source=tier)
+        return next_step
+
+    def step(self, step: int, state: Mapping[str, Any]) -> bool:
+        """As `Guard.step`: True once the job stops at this step; return from the training function then
+        (spotguard runs it again, in this process, when the job goes on without a departed node)."""
+        called = time.monotonic()
+        if self._since is not None:
+            self._amend(paused_s=called - self._since)
+            self._since = None
+            self._report(self.recoveries[-1])
+        if self.guard.step(step, state):
+            self.stopped_at = called
+            return True
+        return False
+
+    def _amend(self, **changes: Any) -> None:
+        self.recoveries = (*self.recoveries[:-1], dataclasses.replace(self.recoveries[-1], **changes))
+
+    def _report(self, recovery: Recovery) -> None:
+        log.warning("%s", recovery.line())
+        detail = {k: v for k, v in dataclasses.asdict(recovery).items() if k != "left"}
+        self.guard.timeline.add("recovered", **detail, left=",".join(map(str, recovery.left)))
+        self.guard.recovered(**detail)
+
+    # ---- the guard's other calls, for the training function's convenience -------------------------
+    def save(self, step: int, state: Mapping[str, Any]) -> Any:
+        return self.guard.save(step, state)
+
+    def heartbeat(self) -> None:
+        self.guard.heartbeat()
+
+    def long_phase(self, seconds: float, what: str = "a long phase") -> contextlib.AbstractContextManager[None]:
+        return self.guard.long_phase(seconds, what)

@@ -1,0 +1,111 @@
+"""`spotguard.run`: a training function run in one process for as long as the process stays in the job.
+
+    def train(ctx):                       # everything bound to a process group is made in here
+        ...
+        start = ctx.resume(state)
+        for step in range(start, total_steps):
+            train_step()
+            if ctx.step(step, state):
+                break
+
+    spotguard.run(train, "s3://bucket/run-7")
+
+The runner forms the job's process group (generation 0) and runs `train` under a Guard. When a node
+announces its departure, every rank agrees on a step and the emergency checkpoint is committed as
+always (the leaving ranks hand their shards over); then, instead of every worker exiting for the
+launcher to start the job again, the leaving ranks exit 0 and the survivors keep their processes:
+their guard closes, the group of the old generation is dropped, the survivors form the next
+generation's group among themselves, and `train` runs again in the same process, its `ctx.resume`
+loading the agreed step (from the snapshot in the nodes' memory when snapshots are on). Whatever this
+cannot do safely ends as it would without it: fewer than `min_nodes` nodes would stay, or the new
+group cannot be formed (the exit code, the exit file, the launcher's restart).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from spotguard.ending.exit_policy import ExitPolicy
+from spotguard.guard import Guard
+from spotguard.inprocess.context import Context, Recovery
+from spotguard.inprocess.generation import Generation, drop, form
+
+log = logging.getLogger("spotguard.inprocess")
+T = TypeVar("T")
+
+
+def run(
+    train: Callable[[Context], T],
+    checkpoint_dir: str,
+    cloud: str | None = None,
+    *,
+    backend: str | None = None,
+    timeout: timedelta | None = None,
+    **options: Any,
+) -> T:
+    """Run `train(ctx)` under a Guard for `checkpoint_dir` (`cloud` and `options` as the Guard takes them),
+    forming the job's process group first (`backend`: gloo, with NCCL for CUDA tensors where CUDA is
+    available; `timeout`: the group's), and again in-process after a node's departure. Returns what
+    the last run of `train` returned; on the ranks that leave, the process exits (0 when the job goes on
+    without them). Launch it as any torchrun script; with one process it runs `train` once."""
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError(
+            "spotguard.run forms the job's process group itself (and again after a recovery): call it without "
+            "calling torch.distributed.init_process_group() first"
+        )
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        with Guard(checkpoint_dir, cloud, **options) as guard:
+            return train(Context(guard, Generation(0, (0,), 0)))
+    base, rank, world_size = next(dist.rendezvous("env://"))  # the launcher's store, kept for every generation
+    backend = backend or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+    generation = Generation(0, tuple(range(world_size)), rank)
+    form(generation, base, backend, timeout)
+    recoveries: tuple[Recovery, ...] = ()
+    since: float | None = None
+    while True:
+        guard = Guard(checkpoint_dir, cloud, in_process=True, **options)
+        ctx = Context(guard, generation, recoveries, since)
+        with guard:  # its close ends the process after an emergency, unless the job goes on in it
+            result = train(ctx)
+        staying = guard.goes_on
+        if not staying or ctx.stopped_at is None:
+            drop()
+            return result
+        since = ctx.stopped_at
+        step = guard.last_save.step if guard.last_save is not None else -1
+        left = tuple(r for r in range(generation.world_size) if r not in staying)
+        del ctx, result
+        gc.collect()  # the old generation's wrappers (DDP's reducer, FSDP's mesh) hold its group
+        try:
+            drop()
+            following = generation.without(staying)
+            form(following, base, backend, timeout)
+        except Exception as exc:  # noqa: BLE001 - anything that fails here ends as without in-process recovery
+            _fall_back(guard, step, f"{type(exc).__name__}: {exc}")
+        recovery = Recovery("interruption", following.number, generation.world_size, following.world_size, step,
+                            left, formed_s=time.monotonic() - since)  # fmt: skip
+        recoveries = (*recoveries, recovery)
+        generation = following
+
+
+def _fall_back(guard: Guard, step: int, why: str) -> None:
+    """End as the job would without in-process recovery: the emergency checkpoint of `step` is committed,
+    so `exit_code` (the launcher restarts the job from it), with the exit file's record."""
+    exiting, topology = guard.options.exiting, guard.topology
+    code = exiting.exit_code if exiting.exit_code is not None else exiting.lost_exit_code
+    log.error("in-process recovery failed (%s): ending as without it, so that the job restarts from step %d", why,
+              step)  # fmt: skip
+    policy = ExitPolicy(
+        exiting.exit_code, exiting.lost_exit_code, node=topology.node, node_leader=topology.is_node_leader
+    )
+    policy.record(code, committed=True, step=step, leaving=False)
+    policy.exit(code, saved=True)

@@ -1,0 +1,101 @@
+"""In-process recovery (`spotguard.run`, the example's --in-process): real torchrun agents as nodes on
+127.0.0.1 (tests/nodes.py). Node 2 of 3 is reclaimed: the survivors keep their processes, form the next
+generation's group among themselves, load the agreed step from the nodes' memory and train on, ending
+bit-identical to the restart path from the same step (invariant 13); what it cannot do safely ends as
+it would without it."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+
+import pytest
+
+from spotguard.checkpoint import list_checkpoints
+from spotguard.cli import main
+from tests.nodes import run_nodes, start_nodes, stop_all, worker_exit_code, worker_pids
+
+STEPS = 40
+BASE = ["--steps", str(STEPS), "--step-time", "0.1"]
+SHARDING = {"ddp": [], "fsdp": ["--fsdp"]}
+SNAPSHOTS = {"SPOTGUARD_SNAPSHOT_EVERY": "4"}  # the agreed step's state comes from the nodes' memory
+RECOVERED = re.compile(
+    r"in-process recovery: generation 1, world 3 -> 2 after rank\(s\) 2 left at step (\d+): this process "
+    r"\(pid (\d+)\) paused ([\d.]+) s .*state from (.*)"
+)
+
+
+def reclaim_node_2(tmp_path, args, env, at_step=6, which=2):
+    """Three nodes running the example with `args`; node `which` reclaimed once rank 0 printed `at_step`.
+    Returns the nodes (ended), their exit statuses and each node's worker pids before the notice."""
+    nodes = start_nodes(3, str(tmp_path / "ckpt"), tmp_path, args, env)
+    try:
+        nodes[0].step_reached(at_step)
+        pids = [worker_pids(n) for n in nodes]
+        nodes[which].emulator.raise_notice()
+        codes = [n.finish(180) for n in nodes]
+    finally:
+        stop_all(nodes)
+    return nodes, codes, pids
+
+
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_node_2_of_3_reclaimed_the_survivors_go_on_in_their_processes_bit_identical(sharding, tmp_path, capsys):
+    args = [*BASE, *SHARDING[sharding], "--in-process", "--out", str(tmp_path / "out.json")]
+    nodes, codes, pids = reclaim_node_2(tmp_path, args, SNAPSHOTS)
+    text = [n.output() for n in nodes]
+    assert codes == [0, 0, 0], "\n".join(n.tail() for n in nodes)
+    found = [RECOVERED.search(t) for t in text[:2]]
+    assert all(found), "\n".join(n.tail() for n in nodes)
+    step = int(found[0][1])
+    for node, match, before in zip(nodes, found, pids):
+        assert int(match[1]) == step and int(match[2]) in before  # the same worker process trains on
+        assert match[4] == "the snapshot in the nodes' memory"
+        assert "Starting worker group" not in node.output().split("in-process recovery")[1]  # no torchrun restart
+    assert "in-process recovery" not in text[2]
+    assert re.search(r"this node leaves and the job goes on|exiting with code 0", text[2])
+    exit_file = json.loads(nodes[2].exit_file.read_text())
+    assert (exit_file["exit_code"], exit_file["leaving"], exit_file["job_goes_on"]) == (0, True, True)
+    assert not nodes[0].exit_file.exists() and not nodes[1].exit_file.exists()  # the survivors never exited early
+    ended = json.loads((tmp_path / "out.json").read_text())
+    assert ended["start"] == step + 1
+
+    # The ledger: the first generation's segment ended interrupted, the second began with the recovery.
+    assert main(["report", str(tmp_path / "ckpt"), "--json"]) == 0
+    segments = json.loads(capsys.readouterr().out)["segment_details"]
+    assert [s["ended"] for s in segments] == ["interrupted", "finished"]
+    recovered = segments[1]["recovered"]
+    assert (recovered["generation"], recovered["world_before"], recovered["world_after"]) == (1, 3, 2)
+    assert (recovered["step"], recovered["source"], recovered["cause"]) == (step, "snapshot", "interruption")
+    assert 0 < recovered["paused_s"] < 60 and segments[1]["first_step"] == step + 1
+    assert main(["report", str(tmp_path / "ckpt")]) == 0
+    assert re.search(rf"generation 1 +interruption +3 -> 2 +{step} .* snapshot", capsys.readouterr().out)
+
+    # The restart path from the same step: two fresh nodes resume the emergency checkpoint and train on.
+    (info,) = [c for c in list_checkpoints(str(tmp_path / "ckpt")) if c.committed]
+    assert (info.step, info.reason) == (step, "emergency")
+    fresh = tmp_path / "restart"
+    shutil.copytree(tmp_path / "ckpt", fresh / "ckpt")
+    restarted = run_nodes(2, fresh / "ckpt", fresh, [*BASE, *SHARDING[sharding]], fresh / "out.json")
+    assert restarted == ended
+
+
+FALLBACKS = [
+    # (the node reclaimed, the environment, what the survivors say)
+    (2, {"SPOTGUARD_MIN_NODES": "3"}, "2 node(s) would stay, fewer than min_nodes=3: the job ends as without it"),
+    (0, {}, "the node of rank 0 leaves, and the job's store may leave with it: the job ends as without it"),
+]
+
+
+@pytest.mark.parametrize("which,env,said", FALLBACKS, ids=["min_nodes", "store-host"])
+def test_what_cannot_go_on_in_process_ends_as_without_it(which, env, said, tmp_path):
+    nodes, codes, _ = reclaim_node_2(tmp_path, [*BASE, "--in-process"], env, which=which)
+    text = [n.output() for n in nodes]
+    assert "in-process recovery: generation" not in "".join(text)
+    assert said in text[(which + 1) % 3], text[(which + 1) % 3]
+    assert [worker_exit_code(n) for n in nodes] == [143, 143, 143], "\n".join(n.tail() for n in nodes)
+    exits = [json.loads(n.exit_file.read_text()) for n in nodes]
+    assert [(e["exit_code"], e["leaving"], "job_goes_on" in e) for e in exits] == [
+        (143, i == which, False) for i in range(3)
+    ]
