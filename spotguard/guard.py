@@ -166,8 +166,8 @@ class Guard:
 
     @property
     def goes_on(self) -> tuple[int, ...]:
-        """After an emergency under `spotguard.run`: the ranks the job goes on with in their processes (this
-        generation's ranks, in order), else ()."""
+        """Under `spotguard.run`, after a departure or a node lost without a notice: the ranks the job goes on
+        with in their processes (this generation's ranks, in order), else ()."""
         return self._emergency.goes_on
 
     # ---- lifecycle -------------------------------------------------------------
@@ -178,12 +178,7 @@ class Guard:
             raise RuntimeError("this Guard is started already: start a Guard once at a time")
         stated = self.options.coordination.stated
         self.topology = topology.explicit(*stated) if stated else topology.current()
-        self._exit = ExitPolicy(
-            self.options.exiting.exit_code,
-            self.options.exiting.lost_exit_code,
-            node=self.topology.node,
-            node_leader=self.topology.is_node_leader,
-        )
+        self._exit = ExitPolicy.on(self.topology, self.options.exiting.exit_code, self.options.exiting.lost_exit_code)
         self._group = self._ckpt = self._watcher = self._rounds = self._health = None
         self._last_step = None  # a guard entered again times nothing before its first step
         self._coordination = _NotStarted()
@@ -202,7 +197,7 @@ class Guard:
     def _start(self) -> None:
         has_group = dist.is_available() and dist.is_initialized()
         if self.topology.distributed and has_group:
-            self._group = new_gloo_group(timeout=timedelta(minutes=10))
+            self._group = new_gloo_group(timeout=timedelta(minutes=10), at_once=self._in_process)
         if has_group or not self.topology.distributed:
             self._checkpointer()  # now, so that a checkpoint_dir that cannot work fails here
         # The default group's store (a private accessor, present since torch 1.x) is the one every rank shares.
@@ -218,6 +213,8 @@ class Guard:
             min_nodes=self._min_nodes,
             last_step=lambda: self._last_step,
             ledger_store=lambda: self._ckpt.remote if self._ckpt is not None else None,
+            outcome=self._emergency,
+            in_process=self._in_process,
         )
         parts = GuardParts(
             topology=self.topology,
@@ -265,7 +262,7 @@ class Guard:
             )
         if self.topology.distributed and self._group is None:
             topology.explicit(self.topology.rank, self.topology.world_size)  # the group must be the stated one
-            self._group = new_gloo_group(timeout=timedelta(minutes=10))
+            self._group = new_gloo_group(timeout=timedelta(minutes=10), at_once=self._in_process)
         storage, saving = self.options.storage, self.options.saving
         self._ckpt = Checkpointer(
             self.checkpoint_dir,
@@ -298,6 +295,13 @@ class Guard:
         if self._health is not None:
             self._health.monitor.hold_if_ending()
         self._started = False
+        try:
+            self._end(error)
+        finally:
+            if self._health is not None and self.goes_on:  # back from the step the lost node held up
+                self._health.monitor.recovered()
+
+    def _end(self, error: BaseException | None) -> None:
         end(
             self._exit,
             self._emergency,

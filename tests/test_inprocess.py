@@ -9,20 +9,21 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import time
 
 import pytest
 
 from spotguard.checkpoint import list_checkpoints
 from spotguard.cli import main
-from tests.nodes import run_nodes, start_nodes, stop_all, worker_exit_code, worker_pids
+from tests.nodes import Node, run_nodes, start_nodes, stop_all, worker_exit_code, worker_pids
 
 STEPS = 40
 BASE = ["--steps", str(STEPS), "--step-time", "0.1"]
 SHARDING = {"ddp": [], "fsdp": ["--fsdp"]}
 SNAPSHOTS = {"SPOTGUARD_SNAPSHOT_EVERY": "4"}  # the agreed step's state comes from the nodes' memory
 RECOVERED = re.compile(
-    r"in-process recovery: generation 1, world 3 -> 2 after rank\(s\) 2 left at step (\d+): this process "
-    r"\(pid (\d+)\) paused ([\d.]+) s .*state from (.*)"
+    r"in-process recovery: generation 1, world 3 -> 2, rank\(s\) 2 (left after a notice|lost without a notice): "
+    r"this process \(pid (\d+)\) paused ([\d.]+) s .*going on from step (\d+) with the state from (.*)"
 )
 
 
@@ -48,10 +49,11 @@ def test_node_2_of_3_reclaimed_the_survivors_go_on_in_their_processes_bit_identi
     assert codes == [0, 0, 0], "\n".join(n.tail() for n in nodes)
     found = [RECOVERED.search(t) for t in text[:2]]
     assert all(found), "\n".join(n.tail() for n in nodes)
-    step = int(found[0][1])
+    step = int(found[0][4])
     for node, match, before in zip(nodes, found, pids):
-        assert int(match[1]) == step and int(match[2]) in before  # the same worker process trains on
-        assert match[4] == "the snapshot in the nodes' memory"
+        assert match[1] == "left after a notice" and int(match[4]) == step
+        assert int(match[2]) in before  # the same worker process trains on
+        assert match[5] == "the snapshot in the nodes' memory"
         assert "Starting worker group" not in node.output().split("in-process recovery")[1]  # no torchrun restart
     assert "in-process recovery" not in text[2]
     assert re.search(r"this node leaves and the job goes on|exiting with code 0", text[2])
@@ -99,3 +101,51 @@ def test_what_cannot_go_on_in_process_ends_as_without_it(which, env, said, tmp_p
     assert [(e["exit_code"], e["leaving"], "job_goes_on" in e) for e in exits] == [
         (143, i == which, False) for i in range(3)
     ]
+
+
+def workers_ended(nodes: list[Node], timeout: float = 120) -> None:
+    """Wait until the nodes' workers have all exited (their agents may still wait in torchrun's exit barrier
+    for a frozen node's agent, which never comes)."""
+    deadline = time.monotonic() + timeout
+    while any(worker_pids(n) for n in nodes):
+        assert time.monotonic() < deadline, "\n".join(n.tail() for n in nodes)
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_node_2_of_3_frozen_the_survivors_leave_the_step_and_go_on_from_the_snapshot(sharding, tmp_path):
+    """No notice: node 2 stops answering (SIGSTOP, no FIN) while the survivors wait on it in a collective.
+    Once its neighbour declares it lost, they shut their group's sockets down, leave the step, and go on
+    from the newest whole snapshot at world 2, as the restart path would, in the same processes."""
+    out = tmp_path / "out.json"
+    args = [*BASE, *SHARDING[sharding], "--in-process", "--save-every", "4", "--out", str(out)]
+    env = {**SNAPSHOTS, "SPOTGUARD_PEER_TIMEOUT": "5"}
+    nodes = start_nodes(3, str(tmp_path / "ckpt"), tmp_path, args, env)
+    try:
+        nodes[0].step_reached(10)  # between two snapshots (every 4 steps), the save of step 8 done
+        pids = [worker_pids(n) for n in nodes]
+        nodes[2].freeze()
+        workers_ended(nodes[:2])
+    finally:
+        stop_all(nodes)
+    text = [n.output() for n in nodes[:2]]
+    found = [RECOVERED.search(t) for t in text]
+    assert all(found), "\n".join(n.tail() for n in nodes[:2])
+    step = int(found[0][4])
+    for node, match, before in zip(nodes, found, pids):
+        assert match[1] == "lost without a notice" and int(match[4]) == step
+        assert int(match[2]) in before  # the same worker process trains on
+        assert match[5] == "the snapshot in the nodes' memory"
+        assert float(match[3]) < 60  # the step was left, not waited out (gloo's own timeout: 30 min)
+        assert "failed (exitcode" not in node.output()  # torchrun saw no worker fail
+        assert "node vm/node-2 lost" in node.output() and "go on in their processes" in node.output()
+    assert not nodes[0].exit_file.exists() and not nodes[1].exit_file.exists()
+    ended = json.loads(out.read_text())
+    assert ended["start"] == step + 1
+
+    # The restart path from the same step: two fresh nodes resume it (saved durably too: every 4 steps).
+    fresh = tmp_path / "restart"
+    (fresh / "ckpt").mkdir(parents=True)
+    shutil.copytree(tmp_path / "ckpt" / f"step-{step:010d}", fresh / "ckpt" / f"step-{step:010d}")
+    restarted = run_nodes(2, fresh / "ckpt", fresh, [*BASE, *SHARDING[sharding]], fresh / "out.json")
+    assert restarted == ended

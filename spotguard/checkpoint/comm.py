@@ -13,6 +13,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
+from spotguard.job.sockets import GROUP_SOCKETS
 from spotguard.job.topology import local_rank
 
 # DCP reports failures as CheckpointException, a BaseException: catch both.
@@ -21,7 +22,7 @@ LAZY_GLOO_ENV = "TORCH_GLOO_LAZY_INIT"
 _env_lock = threading.Lock()
 
 
-def new_gloo_group(ranks: Sequence[int] | None = None, **kwargs: Any) -> dist.ProcessGroup:
+def new_gloo_group(ranks: Sequence[int] | None = None, *, at_once: bool = False, **kwargs: Any) -> dist.ProcessGroup:
     """A gloo group whose ranks connect pair by pair, when a collective first needs the pair.
 
     Made the default way, a gloo group connects every pair of its N ranks at once, through the
@@ -29,15 +30,32 @@ def new_gloo_group(ranks: Sequence[int] | None = None, **kwargs: Any) -> dist.Pr
     an emergency's survivor group is made inside the deadline). torch reads TORCH_GLOO_LAZY_INIT
     when it makes a gloo group: with it, the group costs the N writes, and each collective only
     the pairs it uses (to and from rank 0 for the checkpoint's gathers and broadcasts).
+
+    `at_once`: connected the default way, its sockets recorded (`GROUP_SOCKETS`), so that a collective
+    waiting on a node gone silent can be left (in-process recovery: the default group is made so too).
     """
+    if not at_once:
+        with gloo_connects(lazily=True):
+            return dist.new_group(ranks, backend="gloo", **kwargs)
+    with gloo_connects(lazily=False), GROUP_SOCKETS.recording():
+        return dist.new_group(ranks, backend="gloo", **kwargs)
+
+
+@contextlib.contextmanager
+def gloo_connects(*, lazily: bool) -> Iterator[None]:
+    """Gloo groups made meanwhile connect their pairs lazily (at first use) or at once, whatever the
+    environment says (torch reads TORCH_GLOO_LAZY_INIT as it makes a group)."""
     with _env_lock:
         before = os.environ.get(LAZY_GLOO_ENV)
-        os.environ[LAZY_GLOO_ENV] = "1"
+        if lazily:
+            os.environ[LAZY_GLOO_ENV] = "1"
+        else:
+            os.environ.pop(LAZY_GLOO_ENV, None)
         try:
-            return dist.new_group(ranks, backend="gloo", **kwargs)
+            yield
         finally:
             if before is None:
-                del os.environ[LAZY_GLOO_ENV]
+                os.environ.pop(LAZY_GLOO_ENV, None)
             else:
                 os.environ[LAZY_GLOO_ENV] = before
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from cloud_adapters.notice import isoformat_z, utc_now
 from cloud_adapters.storage import write_durably
 from spotguard.ending import elastic
+from spotguard.job.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,11 @@ class ExitPolicy:
         self.node = node
         self.node_leader = node_leader
         self.withdrawal: str | None = None  # why this node's torchrun agent must not restart it
+
+    @classmethod
+    def on(cls, topology: Topology, exit_code: int | None, lost_exit_code: int) -> ExitPolicy:
+        """The policy with these codes on this rank (its node, and whether it speaks for it)."""
+        return cls(exit_code, lost_exit_code, node=topology.node, node_leader=topology.is_node_leader)
 
     def code(
         self,

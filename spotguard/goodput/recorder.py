@@ -166,10 +166,11 @@ class GoodputRecorder:
         interrupted: bool,
         committed: bool,
         last_step: int | None,
+        why: str | None = None,
     ) -> None:
-        """The segment's last record: why it ends, and the exit code spotguard ends it with (None: it
-        returns to the caller)."""
-        why = INTERRUPTED if interrupted else "finished" if error is None else f"error: {type(error).__name__}"
+        """The segment's last record: why it ends (`why`, else from the other arguments), and the exit code
+        spotguard ends it with (None: it returns to the caller)."""
+        why = why or (INTERRUPTED if interrupted else "finished" if error is None else f"error: {type(error).__name__}")
         if isinstance(error, SystemExit):
             code = error.code if isinstance(error.code, int) else 1
             why = "storage unavailable" if code == UNAVAILABLE_EXIT_CODE else "exit"
@@ -180,13 +181,16 @@ class GoodputRecorder:
         known = {f.name for f in dataclasses.fields(records.Recovered)} - {"segment", "seq", "at"}
         self._record(records.Recovered(**{k: v for k, v in fields.items() if k in known}))
 
-    def silent_failure(self, failure: SilentFailure, code: int, *, last_step: int | None) -> None:
-        """A failure without a notice ends the segment: what it was, then the exit record."""
+    def silent_failure(self, failure: SilentFailure, code: int | None, *, last_step: int | None) -> None:
+        """A failure without a notice ends the segment: what it was, then the exit record (`code` None: the job
+        goes on in this process, and the guard's close writes it)."""
         if failure.step is not None:  # a hang's step as judged (the furthest any rank reported)
             last_step = failure.step
-        said = {k: v for k, v in dataclasses.asdict(failure).items() if k != "step"}
+        known = {f.name for f in dataclasses.fields(records.SilentEnd)}
+        said = {k: v for k, v in dataclasses.asdict(failure).items() if k in known and k != "last_step"}
         self._record(records.SilentEnd(**said, last_step=last_step))
-        self._record(records.Exit(code=code, why=failure.cause, committed=False, last_step=last_step))
+        if code is not None:
+            self._record(records.Exit(code=code, why=failure.cause, committed=False, last_step=last_step))
 
     def next_interval(self, run_hours: float, cadence: Cadence | None = None) -> float:
         """The interval of an adaptive cadence (the saves', or `cadence`: the snapshots') now, having

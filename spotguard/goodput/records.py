@@ -134,12 +134,12 @@ class Recovered(Record):
     on in their processes, in a new generation of the job, without a restart."""
 
     EVENT: ClassVar[str] = "recovered"
-    cause: str  # "interruption": a node announced its departure
+    cause: str  # "interruption": a node announced its departure; "peer-lost": a node went silent
     generation: int
     world_before: int
     world_after: int
-    step: int  # the agreed step the job went on from
-    paused_s: float | None = None  # the last step before the agreed one -> the first step at the new size
+    step: int | None  # the step the job went on from (the agreed one, or after a loss the one resumed)
+    paused_s: float | None = None  # the last step before the recovery -> the first step at the new size
     formed_s: float | None = None  # ... -> the new generation's process group formed
     source: str | None = None  # where the state came from: "snapshot" (the nodes' memory) or "durable"
 

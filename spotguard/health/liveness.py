@@ -50,6 +50,7 @@ class PeerLoss:
     node: str  # the silent node
     silent_s: float  # how long it had been silent when declared lost
     watcher: str  # the node that noticed
+    index: int | None = None  # the silent node's place in the ring: its ranks are the index-th block of the job's
 
 
 class Liveness:
@@ -148,7 +149,8 @@ class Liveness:
         self._lost = True
         log.error("node %s has not answered for %.1f s (peer_timeout_s=%g): declared lost", node, silent_s,
                   self.timeout_s)  # fmt: skip
-        self.on_lost(PeerLoss(node=node, silent_s=round(silent_s, 3), watcher=self.node))
+        watched = (self.index - 1) % self.count  # the ring's upstream neighbour (_Upstream)
+        self.on_lost(PeerLoss(node=node, silent_s=round(silent_s, 3), watcher=self.node, index=watched))
         return True
 
 

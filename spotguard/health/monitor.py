@@ -60,6 +60,7 @@ class SilentFailure:
     seen_by: str  # the node (a loss) or the rank (a hang) that saw it first
     repeated: bool = False  # a hang at the step the previous start of the job hung at: restarting is no cure
     step: int | None = None  # a hang's step as judged: the furthest any rank reported
+    node_index: int | None = None  # a lost node's place in the ring (its ranks: that block of the job's)
 
     def describe(self) -> str:
         if self.cause == PEER_LOST:
@@ -76,6 +77,7 @@ class Ending:
     failure: SilentFailure  # as judged, for a hang
     speaks_for: str | None = None  # rank 0's ledger segment, when this rank judged in its place ("": unknown)
     ledger: bool = True  # False: rank 0 lost the judging to a rank that records the end in its place
+    goes_on: tuple[int, ...] = ()  # the ranks the job goes on with in their processes (in-process recovery)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +127,7 @@ class Health:
         end_now: Callable[[Ending], None],
         previous_end: Callable[[], PreviousEnd | None] = lambda: None,
         segment: Callable[[], str] = lambda: "",
+        goes_on: Callable[[SilentFailure], tuple[int, ...]] = lambda failure: (),
     ) -> None:
         self.topology = topology
         self.peer_timeout_s = peer_timeout_s
@@ -134,6 +137,7 @@ class Health:
         self.last_step = last_step
         self.previous_end = previous_end
         self.segment = segment
+        self.goes_on = goes_on
         self.hangs = (
             None
             if not hang_timeout_s
@@ -155,6 +159,7 @@ class Health:
         self._prefix = ""
         self._ending = threading.Lock()
         self._ending_now: Ending | None = None  # the end under way, as judged so far (the backstop's)
+        self._recovered = threading.Event()  # an end that goes on in-process got the training thread back
         self._alive_said = 0.0  # when this rank last told the job that its loop works without stepping
 
     def start(
@@ -217,10 +222,16 @@ class Health:
             self.job.stop()
 
     # ---- the training thread ---------------------------------------------------------------------
+    def recovered(self) -> None:
+        """The training thread left the step a lost node held up, and its guard closed: the job goes on in
+        this process, and the backstop stands down."""
+        self._recovered.set()
+
     def hold_if_ending(self) -> None:
         """A silent end under way owns the process's exit (its code, its records): a training thread that
-        fails meanwhile (a collective whose peer just ended) waits here for it instead of exiting with 1."""
-        if self._ending_now is not None:
+        fails meanwhile (a collective whose peer just ended) waits here for it instead of exiting with 1. Not
+        when the job goes on in this process: its training thread left the step for that."""
+        if self._ending_now is not None and not self._ending_now.goes_on:
             threading.Event().wait()  # the end, or its backstop, ends the process within END_WITHIN_S
 
     def busy(self) -> contextlib.AbstractContextManager[None]:
@@ -266,7 +277,7 @@ class Health:
         return None if wall is None else self.hangs.clock() - (time.time() - wall)  # type: ignore[union-attr]
 
     def _peer_lost(self, loss: PeerLoss) -> None:
-        self._announce(SilentFailure(PEER_LOST, loss.node, loss.silent_s, loss.watcher))
+        self._announce(SilentFailure(PEER_LOST, loss.node, loss.silent_s, loss.watcher, node_index=loss.index))
 
     def _hang(self, seen: HangSeen) -> None:
         self._announce(SilentFailure(HANG, "", seen.stalled_s, f"rank {self.topology.rank}", step=seen.last_step))
@@ -303,6 +314,8 @@ class Health:
             ending, words = self._judged(failure, mine, alone=alone)
             self._ending_now = ending
         assert self._ending_now is not None
+        if failure.cause == PEER_LOST and not alone:  # the job goes on only where every rank knows
+            self._ending_now = dataclasses.replace(self._ending_now, goes_on=self.goes_on(failure))
         self.record(self._ending_now)
         for line in words:
             log.error("%s", line)
@@ -318,7 +331,8 @@ class Health:
             threading.Thread(target=self._last_resort, name="spotguard-end-backstop", daemon=True).start()
 
     def _last_resort(self) -> None:
-        time.sleep(END_WITHIN_S)
+        if self._recovered.wait(END_WITHIN_S):  # an end that goes on in-process: the training thread is back
+            return
         assert self._ending_now is not None
         self.end_now(self._ending_now)  # as judged by then: a repeated hang's backstop keeps its code
 

@@ -21,14 +21,14 @@ log = logging.getLogger("spotguard.inprocess")
 class Recovery:
     """One in-process recovery, as this rank saw it."""
 
-    cause: str  # "interruption": a node announced its departure
+    cause: str  # "interruption": a node announced its departure; "peer-lost": a node went silent
     generation: int  # the generation it formed
     world_before: int
     world_after: int
-    step: int  # the agreed step the job goes on from
+    step: int | None  # the step the job goes on from: the agreed one, or (a loss) the one resumed
     left: tuple[int, ...]  # the previous generation's ranks that left
-    formed_s: float  # the last step before the agreed one -> the new generation's group formed
-    paused_s: float | None = None  # the last step before the agreed one -> the first step at the new size
+    formed_s: float  # this process's last step -> the new generation's group formed
+    paused_s: float | None = None  # this process's last step -> its first step at the new size
     source: str | None = None  # where the state came from: "snapshot" (the nodes' memory) or "durable"
 
     def line(self) -> str:
@@ -36,10 +36,11 @@ class Recovery:
             self.source or "", "nowhere (the function did not resume)"
         )
         paused = f"{self.paused_s:.2f} s" if self.paused_s is not None else "?"
+        how = "left after a notice" if self.cause == "interruption" else "lost without a notice"
         return (
-            f"in-process recovery: generation {self.generation}, world {self.world_before} -> {self.world_after} "
-            f"after rank(s) {', '.join(map(str, self.left))} left at step {self.step}: this process (pid "
-            f"{os.getpid()}) paused {paused} (group formed after {self.formed_s:.2f} s), state from {source}"
+            f"in-process recovery: generation {self.generation}, world {self.world_before} -> {self.world_after}, "
+            f"rank(s) {', '.join(map(str, self.left))} {how}: this process (pid {os.getpid()}) paused {paused} "
+            f"(group formed after {self.formed_s:.2f} s), going on from step {self.step} with the state from {source}"
         )
 
 
@@ -65,7 +66,7 @@ class Context:
         self.rank = generation.rank
         self.world_size = generation.world_size
         self.recoveries = recoveries  # every in-process recovery of this process so far, the newest last
-        self.stopped_at: float | None = None  # when the step that ended this generation's run was reported
+        self.last_step_at: float | None = None  # when the loop last reported a step (monotonic)
         self._since = since if recoveries else None  # the newest recovery's pause ends at the first step
 
     @property
@@ -80,7 +81,7 @@ class Context:
         if self._since is not None:
             tier = next((e.detail.get("tier") for e in reversed(self.guard.timeline.entries) if e.event == "resumed"),
                         None)  # fmt: skip
-            self._amend(source=tier)
+            self._amend(source=tier, step=next_step - 1 if next_step else None)
         return next_step
 
     def step(self, step: int, state: Mapping[str, Any]) -> bool:
@@ -91,10 +92,8 @@ class Context:
             self._amend(paused_s=called - self._since)
             self._since = None
             self._report(self.recoveries[-1])
-        if self.guard.step(step, state):
-            self.stopped_at = called
-            return True
-        return False
+        self.last_step_at = called
+        return self.guard.step(step, state)
 
     def _amend(self, **changes: Any) -> None:
         self.recoveries = (*self.recoveries[:-1], dataclasses.replace(self.recoveries[-1], **changes))

@@ -18,7 +18,9 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from spotguard.checkpoint.comm import gloo_connects
 from spotguard.job.kvstore import Connection
+from spotguard.job.sockets import GROUP_SOCKETS
 from spotguard.job.topology import ranks_per_node
 
 log = logging.getLogger(__name__)
@@ -73,7 +75,12 @@ def form(generation: Generation, base: dist.Store, backend: str, timeout: timede
         _meet(generation, store)
     _tell_environment(generation)
     options = {"timeout": timeout} if timeout is not None else {}
-    dist.init_process_group(backend, store=store, rank=generation.rank, world_size=generation.world_size, **options)
+    # Connected at once, so that its sockets are known: a collective waiting on a silent peer is left by
+    # shutting them down (job/sockets.py).
+    GROUP_SOCKETS.forget()
+    with gloo_connects(lazily=False), GROUP_SOCKETS.recording():
+        dist.init_process_group(backend, store=store, rank=generation.rank, world_size=generation.world_size,
+                                **options)  # fmt: skip
 
 
 def drop() -> None:

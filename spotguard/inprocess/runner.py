@@ -29,7 +29,7 @@ import os
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -74,38 +74,48 @@ def run(
     while True:
         guard = Guard(checkpoint_dir, cloud, in_process=True, **options)
         ctx = Context(guard, generation, recoveries, since)
-        with guard:  # its close ends the process after an emergency, unless the job goes on in it
-            result = train(ctx)
+        try:
+            with guard:  # its close ends the process after an emergency, unless the job goes on in it
+                result = train(ctx)
+        except Exception:
+            if not guard.goes_on:
+                raise
+            # A node was lost: its collective failed (its sockets shut down), as the guard meant it to.
+            log.info("the training function left its step: a node was lost and the job goes on", exc_info=True)
         staying = guard.goes_on
-        if not staying or ctx.stopped_at is None:
+        if generation.rank not in staying:  # the job ended, or goes on without this rank (exit_code=None)
             drop()
             return result
-        since = ctx.stopped_at
-        step = guard.last_save.step if guard.last_save is not None else -1
+        since = ctx.last_step_at if ctx.last_step_at is not None else time.monotonic()
+        step = guard.last_save.step if guard.interrupted and guard.last_save is not None else None
+        cause = "interruption" if guard.interrupted else "peer-lost"
         left = tuple(r for r in range(generation.world_size) if r not in staying)
-        del ctx, result
-        gc.collect()  # the old generation's wrappers (DDP's reducer, FSDP's mesh) hold its group
+        exiting = guard.options.exiting
+        fallback = ExitPolicy.on(guard.topology, exiting.exit_code, exiting.lost_exit_code)
+        # Nothing of the old generation may outlive it: its wrappers (DDP's reducer, FSDP's mesh) hold its group,
+        # and its model and optimizer the memory the next generation's are built in.
+        result = guard = ctx = None  # type: ignore[assignment]
+        gc.collect()
         try:
             drop()
             following = generation.without(staying)
             form(following, base, backend, timeout)
         except Exception as exc:  # noqa: BLE001 - anything that fails here ends as without in-process recovery
-            _fall_back(guard, step, f"{type(exc).__name__}: {exc}")
-        recovery = Recovery("interruption", following.number, generation.world_size, following.world_size, step,
-                            left, formed_s=time.monotonic() - since)  # fmt: skip
+            _fall_back(fallback, step, f"{type(exc).__name__}: {exc}")
+        recovery = Recovery(cause, following.number, generation.world_size, following.world_size, step, left,
+                            formed_s=time.monotonic() - since)  # fmt: skip
         recoveries = (*recoveries, recovery)
         generation = following
 
 
-def _fall_back(guard: Guard, step: int, why: str) -> None:
-    """End as the job would without in-process recovery: the emergency checkpoint of `step` is committed,
-    so `exit_code` (the launcher restarts the job from it), with the exit file's record."""
-    exiting, topology = guard.options.exiting, guard.topology
-    code = exiting.exit_code if exiting.exit_code is not None else exiting.lost_exit_code
-    log.error("in-process recovery failed (%s): ending as without it, so that the job restarts from step %d", why,
-              step)  # fmt: skip
-    policy = ExitPolicy(
-        exiting.exit_code, exiting.lost_exit_code, node=topology.node, node_leader=topology.is_node_leader
-    )
-    policy.record(code, committed=True, step=step, leaving=False)
-    policy.exit(code, saved=True)
+def _fall_back(policy: ExitPolicy, step: int | None, why: str) -> NoReturn:
+    """End as the job would without in-process recovery, with the exit file's record: after a departure the
+    checkpoint of `step` is committed, so `exit_code` (the launcher restarts the job from it); after a node
+    lost without a notice (`step` None) `lost_exit_code`, as the silent end would."""
+    saved = step is not None and policy.exit_code is not None
+    code = policy.exit_code if saved else policy.lost_exit_code
+    log.error("in-process recovery failed (%s): ending as without it", why)
+    cause = "interruption" if step is not None else "peer-lost"
+    policy.record(code, committed=saved, step=step, leaving=False, cause=cause)  # type: ignore[arg-type]
+    policy.exit(code, saved=saved)  # type: ignore[arg-type]
+    raise AssertionError("unreachable: exit() raises SystemExit")

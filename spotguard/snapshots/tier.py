@@ -233,6 +233,16 @@ class SnapshotTier:
             self._write_and_replicate(step, path, failure, stall, None if final else previous, report=not final,
                                       leaving=leaving)  # fmt: skip
 
+    def everyone_replicated(self, step: int, timeout_s: float) -> bool:
+        """After the final snapshot of `step`, once this rank's replicas are pushed (`wait()`), when the job goes
+        on without some ranks (its store stays): say so, and wait until every rank has, `timeout_s` at most;
+        whether all did. The leaving ranks' replicas are the survivors' to load: a survivor closing its peer
+        server before they came would leave the next generation without them."""
+        key = f"{self._prefix}{step}/final"
+        if self._conn.store.add(key, 1) == self.world_size:
+            self._conn.store.set(f"{key}/all", "1")
+        return self._conn.get(f"{key}/all", timeout_s) is not None
+
     def restore(self, state: MutableMapping[str, Any], durable: int | None) -> recovery.Plan | None:
         """Load the newest whole snapshot newer than (or as new as) the durable step `durable` (rank 0's
         word), at whatever world size it was taken (a collective): the plan it came from, or None when

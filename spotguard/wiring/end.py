@@ -37,8 +37,12 @@ def end(
         leaving=emergency.leaving,
     )
 
+    silent = goes_on and not emergency.interrupted  # a node lost without a notice: the job goes on in-process
+    why = emergency.cause if silent else None
+
     def ended() -> None:
-        goodput.ended(code, error, interrupted=emergency.interrupted, committed=emergency.saved, last_step=last_step)
+        goodput.ended(code, None if silent else error, interrupted=emergency.interrupted, committed=emergency.saved,
+                      last_step=last_step, why=why)  # fmt: skip
 
     if code is not None:
         step = last_save.step if last_save else None

@@ -24,8 +24,10 @@ from spotguard.goodput.recorder import GoodputRecorder
 from spotguard.goodput.timeline import Timeline
 from spotguard.health.monitor import PEER_LOST, Ending, Health, SilentFailure
 from spotguard.job.coordination import Coordination
+from spotguard.job.sockets import GROUP_SOCKETS
 from spotguard.job.topology import Topology, ranks_per_node
 from spotguard.options import HealthOptions
+from spotguard.wiring.rounds import EmergencyOutcome
 
 log = logging.getLogger("spotguard.guard")
 
@@ -44,8 +46,11 @@ class GuardHealth:
         min_nodes: int | None,
         last_step: Callable[[], int | None],
         ledger_store: Callable[[], ObjectStore | None],
+        outcome: EmergencyOutcome,
+        in_process: bool = False,
     ) -> None:
-        """`ledger_store()`: where the ledger is, for a rank that records a hang's end in rank 0's place."""
+        """`ledger_store()`: where the ledger is, for a rank that records a hang's end in rank 0's place;
+        `outcome`: the guard's, told when a lost node's survivors go on in their processes (`in_process`)."""
         self.beats = 0  # guard.step() calls: the loop's heartbeat, read by the hang watch
         self._topology = topology
         self._timeline = timeline
@@ -54,6 +59,8 @@ class GuardHealth:
         self._min_nodes = min_nodes
         self._last_step = last_step
         self._ledger_store = ledger_store
+        self._outcome = outcome
+        self._in_process = in_process
         self.monitor = Health(
             topology,
             peer_timeout_s=options.peer_timeout_s,
@@ -65,6 +72,7 @@ class GuardHealth:
             end_now=self._end_now,
             previous_end=goodput.previous_end,
             segment=goodput.segment,
+            goes_on=self._goes_on,
         )
 
     def start(self, store: dist.Store, coordination: Coordination) -> None:
@@ -89,10 +97,35 @@ class GuardHealth:
     def _code(self, failure: SilentFailure) -> int:
         return NO_RESTART_EXIT_CODE if failure.repeated else self._exit.lost_exit_code
 
+    def _goes_on(self, failure: SilentFailure) -> tuple[int, ...]:
+        """The ranks the job goes on with in their processes after the loss of a node (the same on every
+        rank: every rank reads the same event), or () to end as always: not in-process, no node named, rank
+        0's node lost (the job's store is kept there), or fewer than `min_nodes` would stay."""
+        if not self._in_process or failure.node_index is None:
+            return ()
+        per_node, world = ranks_per_node(), self._topology.world_size
+        lost = range(failure.node_index * per_node, (failure.node_index + 1) * per_node)
+        survivors = tuple(r for r in range(world) if r not in lost)
+        if 0 in lost:
+            log.warning("in-process recovery: the node of rank 0 is lost, and the job's store may be with it: "
+                        "the job ends as without it")  # fmt: skip
+            return ()
+        if len(survivors) // per_node < (self._min_nodes or 1):
+            log.warning("in-process recovery: %d node(s) would stay, fewer than min_nodes=%d: the job ends as "
+                        "without it", len(survivors) // per_node, self._min_nodes)  # fmt: skip
+            return ()
+        return survivors
+
     def _record(self, ending: Ending) -> None:
         """What a silent end leaves behind, before any log line (a log write may block on a full pipe): the
         exit file, the ledger's records, the agent's withdrawal. A rank that judged a hang in rank 0's place
-        writes its node's exit file and the end into rank 0's ledger segment."""
+        writes its node's exit file and the end into rank 0's ledger segment. A loss the job goes on from in
+        this process leaves the loss in the ledger, and nothing else: the guard's close says the rest."""
+        if ending.goes_on:
+            self._outcome.goes_on, self._outcome.cause = ending.goes_on, ending.failure.cause
+            if ending.ledger:
+                self._goodput.silent_failure(ending.failure, None, last_step=self._last_step())
+            return
         self._write_exit_file(ending)
         if ending.speaks_for is not None:
             self._goodput.open_for_the_end(self._ledger_store(), ending.speaks_for)
@@ -123,6 +156,11 @@ class GuardHealth:
             culprit=failure.culprit or "-",
             noticed_after_s=failure.noticed_after_s,
         )
+        if ending.goes_on:  # the training thread leaves the collective it waits in, and the guard
+            shut = GROUP_SOCKETS.shut_down()
+            log.error("%s: the survivors go on in their processes (in-process recovery); %d socket(s) of the "
+                      "process group shut down to leave the step", failure.describe(), shut)  # fmt: skip
+            return
         if self._exit.withdrawal and self._topology.is_node_leader:  # the rank that stopped the agent
             log.warning("leaving the elastic job: %s; stopped this node's torchrun agent", self._exit.withdrawal)
         if failure.repeated:

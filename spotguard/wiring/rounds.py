@@ -47,6 +47,7 @@ class EmergencyOutcome:
     # ... and the job goes on in the survivors' processes (in-process recovery): their global ranks, in order.
     # Empty: every process ends, as always (the guard is not in-process, or the job cannot go on this way).
     goes_on: tuple[int, ...] = ()
+    cause: str = "interruption"  # what the job goes on from: a notice, or a node lost without one ("peer-lost")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +99,7 @@ class Rounds:
         for timer in (self.interval_timer, self.snapshot_timer):
             if timer is not None:
                 timer.stop()
+        self.last_state = None  # the training's state is not the guard's to keep
 
     def request(self, reason: str) -> None:
         """Any thread: ask every rank to act at the next step they all agree on."""
@@ -198,13 +200,19 @@ class Rounds:
         )
         report = self.save(step, state, reason="emergency", wait=True, notice=plan.notice, departure=plan.departure)
         safe = is_safe(plan, step, report)
-        goes_on = self._goes_on(plan) if safe else ()
+        # A survivor goes on only from a committed step; a leaving rank by the plan alone, whatever it learnt of
+        # the commit in time (it exits 0 either way: nothing of it is to be restarted when the survivors go on).
+        goes_on = self._goes_on(plan) if safe or leaving else ()
         if p.topology.is_node_leader and safe:
             p.watcher().ack(plan.notice)  # Azure may proceed early only once the checkpoint is safe
         self.outcome.interrupted = True
         self.outcome.saved = safe
         self.outcome.upload_abandoned = report is not None and not report.durable
         self.outcome.goes_on = goes_on
+        if goes_on and leaving and p.exit_policy.withdrawal is None and elastic.agent_restarts():
+            # Its agent must neither start it again nor close the rendezvous behind it (an agent whose workers
+            # all end well does, after its exit barrier): the survivors' fallback may need the rendezvous.
+            p.exit_policy.withdrawal = "the job goes on in the survivors' processes"
         p.goodput.emergency(plan.notice, step, report, plan.leaving)
         # The next start, at any world size, reads the step from the nodes' memory; not when a cloud takes a
         # node and the job restarts (the plan is every rank's): its shards would be missing, and it must leave at

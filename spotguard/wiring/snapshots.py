@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 SNAPSHOT = "snapshot"  # the reason of an agreed step that is a snapshot's, not a save's
 EMERGENCY_WAIT_S = 60.0  # the longest an emergency waits for the snapshot of its step
 EMERGENCY_MARGIN_S = 5.0  # the time before the deadline that snapshot leaves alone
+FINAL_REPLICAS_WAIT_S = 10.0  # when the job goes on without some ranks: the longest a rank waits for their copies
 # Rank 0 could not list the committed steps: no snapshot is newer than this, so none is loaded.
 _UNKNOWN_STEP = sys.maxsize
 
@@ -140,6 +141,10 @@ class GuardSnapshots:
             return
         if tier.wait(timeout=max(0.0, budget - (time.monotonic() - started))) is None and tier.in_flight:
             log.warning("the snapshot of the emergency's step %d did not finish in %.0f s", step, budget)
+            return
+        wait_s = min(FINAL_REPLICAS_WAIT_S, max(0.0, budget - (time.monotonic() - started)))
+        if leaving and not tier.everyone_replicated(step, wait_s):
+            log.warning("not every rank's copy of the emergency's step %d reached a survivor in %.0f s", step, wait_s)
 
     def interval(self, goodput: GoodputRecorder, run_hours: float) -> float:
         """The snapshot timer's interval: fixed, or the snapshot cadence's choice now."""
