@@ -169,7 +169,7 @@ def test_a_node_whose_process_ends_is_not_lost(ring_of, how, caplog):
         ring.procs[1].kill()
     time.sleep(TIMEOUT_S * 3)
     assert ring.losses == []
-    assert "node node-1 closed its heartbeat: its process ended (not a loss)" in caplog.text
+    assert "node node-1 closed its heartbeat: its guard or its process ended (not a loss)" in caplog.text
 
 
 def test_a_silent_node_that_announced_its_interruption_is_excused_until_its_emergency_is_called_off(ring_of, caplog):

@@ -15,7 +15,7 @@ import pytest
 
 from spotguard.checkpoint import list_checkpoints
 from spotguard.cli import main
-from tests.nodes import Node, run_nodes, start_nodes, stop_all, worker_exit_code, worker_pids
+from tests.nodes import ROOT, Node, run_nodes, start_nodes, stop_all, worker_exit_code, worker_pids
 
 STEPS = 40
 BASE = ["--steps", str(STEPS), "--step-time", "0.1"]
@@ -27,10 +27,11 @@ RECOVERED = re.compile(
 )
 
 
-def reclaim_node_2(tmp_path, args, env, at_step=6, which=2):
-    """Three nodes running the example with `args`; node `which` reclaimed once rank 0 printed `at_step`.
-    Returns the nodes (ended), their exit statuses and each node's worker pids before the notice."""
-    nodes = start_nodes(3, str(tmp_path / "ckpt"), tmp_path, args, env)
+def reclaim_node_2(tmp_path, args, env, at_step=6, which=2, script=None):
+    """Three nodes running the example (or `script`) with `args`; node `which` reclaimed once rank 0 printed
+    `at_step`. Returns the nodes (ended), their exit statuses and each node's worker pids before the notice."""
+    more = {"script": [str(ROOT / "tests" / script)]} if script else {}
+    nodes = start_nodes(3, str(tmp_path / "ckpt"), tmp_path, args, env, **more)
     try:
         nodes[0].step_reached(at_step)
         pids = [worker_pids(n) for n in nodes]
@@ -100,6 +101,27 @@ def test_what_cannot_go_on_in_process_ends_as_without_it(which, env, said, tmp_p
     exits = [json.loads(n.exit_file.read_text()) for n in nodes]
     assert [(e["exit_code"], e["leaving"], "job_goes_on" in e) for e in exits] == [
         (143, i == which, False) for i in range(3)
+    ]
+
+
+def test_a_generation_that_cannot_be_formed_ends_as_without_in_process_recovery(tmp_path):
+    """The survivors' next group is never formed (a member does not come): they exit 143, the emergency step
+    being committed, and say why; the leaving node's share was handed over before (it exits 0)."""
+    nodes, codes, _ = reclaim_node_2(tmp_path, [*BASE, "--in-process"], {}, script="unformable_worker.py")
+    text = [n.output() for n in nodes]
+    for survivor in text[:2]:
+        assert (
+            "in-process recovery failed (FormError: generation 1: a member never came (injected)): ending as "
+            "without it" in survivor
+        ), survivor
+        assert "emergency checkpoint committed; exiting with code 143 so the job is restarted" in survivor
+    assert [worker_exit_code(n) for n in nodes] == [143, 143, 0], "\n".join(n.tail() for n in nodes)
+    exits = [json.loads(n.exit_file.read_text()) for n in nodes]
+    (info,) = [c for c in list_checkpoints(str(tmp_path / "ckpt")) if c.committed]
+    assert [(e["exit_code"], e["committed"], e["step"], e["leaving"]) for e in exits] == [
+        (143, True, info.step, False),
+        (143, True, info.step, False),
+        (0, True, info.step, True),
     ]
 
 

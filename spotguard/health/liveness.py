@@ -129,7 +129,7 @@ class Liveness:
                 elif kind == "ended" and rest_s == "refused":
                     log.info("node %s is not listening any more: its process ended (not a loss)", node)
                 elif kind == "ended":
-                    log.info("node %s closed its heartbeat: its process ended (not a loss)", node)
+                    log.info("node %s closed its heartbeat: its guard or its process ended (not a loss)", node)
                 elif kind == "error":
                     log.debug("the liveness beacon of node %s: %s %s", self.node, node, rest_s)
         except Exception:  # noqa: BLE001 - never take the training down: this node is then simply not watched
