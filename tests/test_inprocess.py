@@ -87,7 +87,7 @@ def test_node_2_of_3_reclaimed_the_survivors_go_on_in_their_processes_bit_identi
 FALLBACKS = [
     # (the node reclaimed, the environment, what the survivors say)
     (2, {"SPOTGUARD_MIN_NODES": "3"}, "2 node(s) would stay, fewer than min_nodes=3: the job ends as without it"),
-    (0, {}, "the node of rank 0 leaves, and the job's store may leave with it: the job ends as without it"),
+    (0, {}, "the node of rank 0 is gone, and the job's store may be gone with it: the job ends as without it"),
 ]
 
 

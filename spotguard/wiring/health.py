@@ -18,7 +18,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from cloud_adapters.storage import ObjectStore
-from spotguard.ending import elastic
+from spotguard.ending import elastic, going_on
 from spotguard.ending.exit_policy import NO_RESTART_EXIT_CODE, ExitPolicy
 from spotguard.goodput.recorder import GoodputRecorder
 from spotguard.goodput.timeline import Timeline
@@ -98,23 +98,13 @@ class GuardHealth:
         return NO_RESTART_EXIT_CODE if failure.repeated else self._exit.lost_exit_code
 
     def _goes_on(self, failure: SilentFailure) -> tuple[int, ...]:
-        """The ranks the job goes on with in their processes after the loss of a node (the same on every
-        rank: every rank reads the same event), or () to end as always: not in-process, no node named, rank
-        0's node lost (the job's store is kept there), or fewer than `min_nodes` would stay."""
+        """The ranks the job goes on with in their processes after the loss of a node (every rank reads the same
+        event), or () to end as always: not in-process, no node named, or `going_on.survivors` says so."""
         if not self._in_process or failure.node_index is None:
             return ()
-        per_node, world = ranks_per_node(), self._topology.world_size
+        per_node = ranks_per_node()
         lost = range(failure.node_index * per_node, (failure.node_index + 1) * per_node)
-        survivors = tuple(r for r in range(world) if r not in lost)
-        if 0 in lost:
-            log.warning("in-process recovery: the node of rank 0 is lost, and the job's store may be with it: "
-                        "the job ends as without it")  # fmt: skip
-            return ()
-        if len(survivors) // per_node < (self._min_nodes or 1):
-            log.warning("in-process recovery: %d node(s) would stay, fewer than min_nodes=%d: the job ends as "
-                        "without it", len(survivors) // per_node, self._min_nodes)  # fmt: skip
-            return ()
-        return survivors
+        return going_on.survivors(lost, self._topology.world_size, self._min_nodes or 1)
 
     def _record(self, ending: Ending) -> None:
         """What a silent end leaves behind, before any log line (a log write may block on a full pipe): the

@@ -18,7 +18,7 @@ from typing import Any
 from cloud_adapters.notice import INTERRUPTION, REBALANCE, Notice
 from spotguard.checkpoint import Checkpointer, CheckpointError, SaveReport
 from spotguard.checkpoint.io.progress import seconds
-from spotguard.ending import elastic
+from spotguard.ending import elastic, going_on
 from spotguard.ending.exit_policy import ExitPolicy
 from spotguard.goodput.cadence import IntervalTimer
 from spotguard.goodput.recorder import GoodputRecorder
@@ -27,7 +27,7 @@ from spotguard.job.agreement import Decision
 from spotguard.job.broadcast import EMERGENCY
 from spotguard.job.coordination import Coordination, EmergencyPlan
 from spotguard.job.departure import Departure
-from spotguard.job.topology import Topology, ranks_per_node
+from spotguard.job.topology import Topology
 from spotguard.options import GuardOptions
 from spotguard.watcher import Watcher
 from spotguard.wiring.snapshots import SNAPSHOT, GuardSnapshots
@@ -229,22 +229,11 @@ class Rounds:
 
     def _goes_on(self, plan: EmergencyPlan) -> tuple[int, ...]:
         """The ranks the job goes on with in their processes after `plan`'s departure, or () when it ends or
-        restarts as always: not in-process, the whole job stops, rank 0's node leaves, or fewer than
-        `min_nodes` nodes stay (the same on every rank)."""
+        restarts as always (not in-process, the whole job stops, or `going_on.survivors` says so)."""
         p = self._parts
         if not p.in_process or plan.departure is None:
             return ()
-        if 0 in plan.leaving:  # torchrun keeps the workers' store with rank 0's node (its agent, or rank 0 itself)
-            log.warning("in-process recovery: the node of rank 0 leaves, and the job's store may leave with it: "
-                        "the job ends as without it")  # fmt: skip
-            return ()
-        survivors = plan.departure.survivors()
-        nodes_left = len(survivors) // ranks_per_node()
-        if nodes_left < (p.min_nodes or 1):
-            log.warning("in-process recovery: %d node(s) would stay, fewer than min_nodes=%d: the job ends as "
-                        "without it", nodes_left, p.min_nodes)  # fmt: skip
-            return ()
-        return tuple(survivors)
+        return going_on.survivors(plan.leaving, p.topology.world_size, p.min_nodes or 1)
 
     def save(
         self,
