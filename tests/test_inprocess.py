@@ -125,6 +125,17 @@ def test_a_generation_that_cannot_be_formed_ends_as_without_in_process_recovery(
     ]
 
 
+def test_with_exit_code_none_the_leaving_rank_returns_to_its_caller_and_the_survivors_go_on(tmp_path):
+    out = tmp_path / "out.json"
+    nodes, codes, _ = reclaim_node_2(tmp_path, [*BASE, "--in-process", "--out", str(out)], {},
+                                     script="exit_none_worker.py")  # fmt: skip
+    text = [n.output() for n in nodes]
+    assert codes == [0, 0, 0] and [worker_exit_code(n) for n in nodes] == [0, 0, 0], "\n".join(n.tail() for n in nodes)
+    assert all(RECOVERED.search(t) for t in text[:2])
+    assert "in-process recovery failed" not in text[2] and not nodes[2].exit_file.exists()  # its caller's to say
+    assert json.loads(out.read_text())["start"] > 0
+
+
 def workers_ended(nodes: list[Node], timeout: float = 120) -> None:
     """Wait until the nodes' workers have all exited (their agents may still wait in torchrun's exit barrier
     for a frozen node's agent, which never comes)."""

@@ -17,6 +17,7 @@ import time
 from datetime import timedelta
 
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
 from spotguard.checkpoint.comm import gloo_connects
 from spotguard.job.kvstore import Connection
@@ -68,19 +69,22 @@ class Generation:
 def form(generation: Generation, base: dist.Store, backend: str, timeout: timedelta | None) -> None:
     """Make `generation`'s default process group on the job's store `base`, once every member has come
     (within FORM_TIMEOUT_S: else FormError, and nothing is made), and tell the processes' environment
-    its rank and size (RANK, WORLD_SIZE, GROUP_WORLD_SIZE), as a launcher would."""
+    its rank and size (RANK, WORLD_SIZE, GROUP_WORLD_SIZE), as a launcher would. The group's operations
+    time out after `timeout` (default: torch's for gloo, 30 minutes); its connecting, after
+    FORM_TIMEOUT_S, should a member die once it has come."""
     store = dist.PrefixStore(generation.prefix, base)
     if generation.number > 0:
         _fence(generation, base)
         _meet(generation, store)
     _tell_environment(generation)
-    options = {"timeout": timeout} if timeout is not None else {}
     # Connected at once, so that its sockets are known: a collective waiting on a silent peer is left by
     # shutting them down (job/sockets.py).
     GROUP_SOCKETS.forget()
+    connecting = timedelta(seconds=FORM_TIMEOUT_S)
     with gloo_connects(lazily=False), GROUP_SOCKETS.recording():
         dist.init_process_group(backend, store=store, rank=generation.rank, world_size=generation.world_size,
-                                **options)  # fmt: skip
+                                timeout=connecting)  # fmt: skip
+    dist.distributed_c10d._set_pg_timeout(timeout or default_pg_timeout)  # private, in torch since 2.2
 
 
 def drop() -> None:

@@ -54,7 +54,8 @@ def run(
 ) -> T:
     """Run `train(ctx)` under a Guard for `checkpoint_dir` (`cloud` and `options` as the Guard takes them),
     forming the job's process group first (`backend`: gloo, with NCCL for CUDA tensors where CUDA is
-    available; `timeout`: the group's), and again in-process after a node's departure. Returns what
+    available; `timeout`: its operations', 30 minutes by default), and again in-process after a node's
+    departure or loss. Returns what
     the last run of `train` returned; on the ranks that leave, the process exits (0 when the job goes on
     without them). Launch it as any torchrun script; with one process it runs `train` once."""
     if dist.is_available() and dist.is_initialized():
