@@ -88,8 +88,9 @@ class Guard:
             default, or `$SPOTGUARD_SNAPSHOT_EVERY`).
         health: failures without a notice, a node gone silent or a loop that stopped stepping (`HealthOptions`;
             on by default, or `$SPOTGUARD_PEER_TIMEOUT` and `$SPOTGUARD_HANG_TIMEOUT`).
-        in_process: set by `spotguard.run` (in-process recovery): after a departure the survivors' `close()`
-            returns instead of exiting, and the leaving ranks exit 0.
+        in_process: set by `spotguard.run` (in-process recovery): after a departure, or a node lost without a
+            notice, the survivors' `close()` returns instead of exiting (`goes_on` says with whom), and a
+            departure's leaving ranks exit 0.
         **options: any field of those groups by its name, e.g. `keep_last=3`, `save_interval_s=600`,
             `exit_code=None`, `store=..., rank=..., world_size=...` (see the configuration reference).
             `poll_interval` and `thread_count` are the deprecated names of `poll_interval_s` and
@@ -116,7 +117,7 @@ class Guard:
         groups = {"notices": notices, "saving": saving, "storage": storage, "exiting": exiting,
                   "coordination": coordination, "snapshots": snapshots, "health": health}  # fmt: skip
         self.options = GuardOptions.build(groups, options)
-        self._in_process = in_process  # set by spotguard.run: a departure's survivors go on in their processes
+        self._in_process = in_process  # set by spotguard.run: the survivors of a loss go on in their processes
         self.checkpoint_dir = check_location(checkpoint_dir)
         self._checkpoint_key = resolve_key(self.options.storage.checkpoint_key)  # kept out of reprs and logs
         self._min_nodes = elastic.min_nodes(self.options.exiting.min_nodes)

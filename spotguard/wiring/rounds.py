@@ -38,7 +38,9 @@ ROUTINE_SAVES = ("periodic", "interval")  # a save that is also another round's 
 
 @dataclasses.dataclass
 class EmergencyOutcome:
-    """What the emergency left for the guard's end (written by the training thread at the agreed step)."""
+    """What the emergency left for the guard's end (written by the training thread at the agreed step), or a
+    node lost without a notice that the job goes on from in-process (written by the thread that concluded it,
+    before the training thread leaves its step)."""
 
     interrupted: bool = False  # step() returned True for an emergency
     saved: bool = False  # ... and its checkpoint was committed where a new VM finds it
