@@ -1,4 +1,4 @@
-"""In-process recovery: the survivors of a departure go on in their processes (`spotguard.run`)."""
+"""In-process recovery: the survivors of a departure or a loss go on in their processes (`spotguard.run`)."""
 
 from spotguard.inprocess.context import Context, Recovery
 from spotguard.inprocess.runner import run

@@ -75,8 +75,8 @@ class Context:
         return self.recoveries[-1] if self.recoveries else None
 
     def resume(self, state: MutableMapping[str, Any]) -> int:
-        """Load the newest state into `state` (after a recovery: the agreed step, from the nodes' memory when
-        snapshots are on); the step to start from. As `Guard.resume`."""
+        """Load the newest state into `state` (after a recovery: the agreed step, or after a loss the newest whole
+        snapshot, from the nodes' memory when snapshots are on); the step to start from. As `Guard.resume`."""
         next_step = self.guard.resume(state)
         if self._since is not None:
             tier = next((e.detail.get("tier") for e in reversed(self.guard.timeline.entries) if e.event == "resumed"),
@@ -86,7 +86,7 @@ class Context:
 
     def step(self, step: int, state: Mapping[str, Any]) -> bool:
         """As `Guard.step`: True once the job stops at this step; return from the training function then
-        (spotguard runs it again, in this process, when the job goes on without a departed node)."""
+        (spotguard runs it again, in this process, when the job goes on without a departed or lost node)."""
         called = time.monotonic()
         if self._since is not None:
             self._amend(paused_s=called - self._since)

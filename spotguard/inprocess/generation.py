@@ -1,6 +1,6 @@
 """A generation of an in-process job: who is in it, and the process group it trains with.
 
-Generation 0 is the job as the launcher started it. After a departure the survivors form generation
+Generation 0 is the job as the launcher started it. After a departure or a loss the survivors form generation
 g + 1 among themselves, in their old rank order, without restarting: the group of generation g is
 dropped and a new one is made on the job's store under `spotguard/generation/<g>/`. A rank of an
 older generation can never write into a newer one: every key of a group, and of the guard that runs

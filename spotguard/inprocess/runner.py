@@ -13,12 +13,14 @@
 The runner forms the job's process group (generation 0) and runs `train` under a Guard. When a node
 announces its departure, every rank agrees on a step and the emergency checkpoint is committed as
 always (the leaving ranks hand their shards over); then, instead of every worker exiting for the
-launcher to start the job again, the leaving ranks exit 0 and the survivors keep their processes:
-their guard closes, the group of the old generation is dropped, the survivors form the next
-generation's group among themselves, and `train` runs again in the same process, its `ctx.resume`
-loading the agreed step (from the snapshot in the nodes' memory when snapshots are on). Whatever this
-cannot do safely ends as it would without it: fewer than `min_nodes` nodes would stay, or the new
-group cannot be formed (the exit code, the exit file, the launcher's restart).
+launcher to start the job again, the leaving ranks exit 0 and the survivors keep their processes.
+When a node goes silent, the survivors leave the collective it holds up (their groups' connections
+shut down: the guard's health side) and `train` raises: caught here. Either way their guard closes,
+the group of the old generation is dropped, the survivors form the next generation's group among
+themselves, and `train` runs again in the same process, its `ctx.resume` loading the agreed step, or
+after a loss the newest whole snapshot (from the nodes' memory when snapshots are on). Whatever this
+cannot do safely ends as it would without it (`ending/going_on.py`, or the new group cannot be
+formed): the exit code, the exit file, the launcher's restart.
 """
 
 from __future__ import annotations
@@ -55,9 +57,9 @@ def run(
     """Run `train(ctx)` under a Guard for `checkpoint_dir` (`cloud` and `options` as the Guard takes them),
     forming the job's process group first (`backend`: gloo, with NCCL for CUDA tensors where CUDA is
     available; `timeout`: its operations', 30 minutes by default), and again in-process after a node's
-    departure or loss. Returns what
-    the last run of `train` returned; on the ranks that leave, the process exits (0 when the job goes on
-    without them). Launch it as any torchrun script; with one process it runs `train` once."""
+    departure or loss. Returns what the last run of `train` returned; on the ranks that leave, the
+    process exits (0 when the job goes on without them). Launch it as any torchrun script; with one
+    process it runs `train` once."""
     if dist.is_available() and dist.is_initialized():
         raise RuntimeError(
             "spotguard.run forms the job's process group itself (and again after a recovery): call it without "
