@@ -442,7 +442,7 @@ class Guard:
         """Save now, on demand. With several ranks, every rank must call it at the same step."""
         return self._started_rounds("save").save(_as_step(step), state, reason="manual", wait=True)
 
-    def recovered(self, **fields: Any) -> None:
+    def record_recovery(self, **fields: Any) -> None:
         """`spotguard.run`'s word that this guard's run follows an in-process recovery (`fields`: those of
         the ledger's `recovered` record), for the goodput ledger."""
         self._goodput.recovered(**fields)

@@ -310,9 +310,51 @@ def guarded_snapshots(group, rank: int, ckpt: str, snapshot_dirs: list[str], ste
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(done))
 
 
+def cached_plans(group, rank: int, ckpt: str, out: str) -> None:
+    """Periodic saves, an emergency, then a save of a changed layout, of an FSDP2 model with Adam, each
+    resumed into a fresh model and checked on every rank. Rank 0 writes which saves reused the cached
+    plan and how many global plans DCP made."""
+    from cloud_adapters.notice import INTERRUPTION, Notice, deadline_after, utc_now
+    from spotguard.checkpoint import Checkpointer
+    from spotguard.checkpoint.save.plan_cache import CachedPlanner
+
+    made = []
+    global_plan = CachedPlanner._create_global_plan
+    CachedPlanner._create_global_plan = lambda self, plans: made.append(1) or global_plan(self, plans)
+    model, optim = _wrapped("fsdp2", seed=0)
+    extra = torch.full((3,), float(rank))
+    reused = []
+    with Checkpointer(ckpt, group=group) as ck:
+        for step in (1, 2, 3, 4):
+            train(model, optim, range(step, step + 1), rank)
+            keys = [f"extra_{rank}"] if step == 4 else []  # a layout the cached plan does not hold
+            state = {"model": model, "optim": optim, **{k: extra for k in keys}}
+            notice = Notice("aws", INTERRUPTION, "terminate", deadline_after(120), utc_now(), "test", "k1")
+            if step == 3:
+                ck.save(step, state, reason="emergency", notice=notice, deadline=notice.deadline)
+            else:
+                ck.save(step, state, reason="periodic")
+            reused.append(ck._protocol._planner.reused)
+            fresh_model, fresh_optim = _wrapped("fsdp2", seed=123)
+            fresh = {"model": fresh_model, "optim": fresh_optim, **{k: torch.zeros(3) for k in keys}}
+            assert ck.resume(fresh) == step
+            assert_same(_local(snapshot(fresh_model, fresh_optim)), _local(snapshot(model, optim)))
+            assert all(torch.equal(fresh[k], extra) for k in keys)
+    if rank == 0:
+        (Path(out) / "plans.json").write_text(json.dumps({"reused": reused, "made": len(made)}))
+
+
 SCENARIOS = {
     f.__name__: f
-    for f in (ddp_train_save, ddp_resume, emergency_during_periodic, big_save, wrapped_round_trip, guarded_snapshots)
+    for f in (
+        ddp_train_save,
+        ddp_resume,
+        emergency_during_periodic,
+        big_save,
+        wrapped_round_trip,
+        guarded_snapshots,
+        cached_plans,
+    )
 }
 
 

@@ -108,3 +108,12 @@ def test_without_local_rank_one_rank_leads_the_node_as_the_guard_sees_it():
     """Two ranks that both thought they were the node leader would race downloading into one local_dir."""
     answers = [out.strip().splitlines()[-1] for out in finish(launch_code(NODE_LEADER_PROBE, 2), timeout=60)]
     assert answers == ["leader 0", "follower 1"]
+
+
+def test_saves_of_one_layout_reuse_the_plan_the_first_made_the_emergency_too(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    run_ranks("cached_plans", 2, ckpt=str(tmp_path / "ckpt"), out=str(out))
+    plans = json.loads((out / "plans.json").read_text())
+    # Step 1 plans; 2 (periodic) and 3 (the emergency) reuse it; 4 adds a key per rank and plans anew.
+    assert plans == {"reused": [False, True, True, False], "made": 2}

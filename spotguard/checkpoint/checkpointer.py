@@ -331,6 +331,7 @@ class Checkpointer:
         """
         self._background.finish()
         self._background.shutdown()
+        self._protocol.close()
         close_store = getattr(self.remote, "close", None)
         if callable(close_store):
             close_store()

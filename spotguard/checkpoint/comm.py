@@ -34,10 +34,7 @@ def new_gloo_group(ranks: Sequence[int] | None = None, *, at_once: bool = False,
     `at_once`: connected the default way, its sockets recorded (`GROUP_SOCKETS`), so that a collective
     waiting on a node gone silent can be left (in-process recovery: the default group is made so too).
     """
-    if not at_once:
-        with gloo_connects(lazily=True):
-            return dist.new_group(ranks, backend="gloo", **kwargs)
-    with gloo_connects(lazily=False), GROUP_SOCKETS.recording():
+    with gloo_connects(lazily=not at_once), GROUP_SOCKETS.recording() if at_once else contextlib.nullcontext():
         return dist.new_group(ranks, backend="gloo", **kwargs)
 
 

@@ -102,7 +102,7 @@ class Context:
         log.warning("%s", recovery.line())
         detail = {k: v for k, v in dataclasses.asdict(recovery).items() if k != "left"}
         self.guard.timeline.add("recovered", **detail, left=",".join(map(str, recovery.left)))
-        self.guard.recovered(**detail)
+        self.guard.record_recovery(**detail)
 
     # ---- the guard's other calls, for the training function's convenience -------------------------
     def save(self, step: int, state: Mapping[str, Any]) -> Any:

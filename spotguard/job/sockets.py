@@ -1,8 +1,8 @@
-"""The TCP sockets of this process's process group, so that a collective waiting on a silent peer can be
+"""The TCP sockets of this process's process groups, so that a collective waiting on a silent peer can be
 left: gloo cannot abort an operation (torch 2.13: its `abort()` does nothing), but an operation whose
 sockets are shut down fails at once, as if the peer had died ("Connection closed by peer").
 
-The sockets are told apart by when they were made: those that appeared while the group was made (a gloo
+The sockets are told apart by when they were made: those that appeared while a group was made (a gloo
 group that connects every pair at once). Read from /proc (Linux); elsewhere nothing is recorded, and a
 collective is left only when its own timeout ends it.
 """
@@ -75,10 +75,6 @@ class GroupSockets:
         """The groups recorded so far are gone (a new generation's are recorded next)."""
         with self._lock:
             self._inodes = set()
-
-    @property
-    def count(self) -> int:
-        return len(self._inodes)
 
     def shut_down(self) -> int:
         """Shut down every recorded socket still open (any thread): each operation on it fails at once. The

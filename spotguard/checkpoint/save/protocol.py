@@ -39,6 +39,7 @@ from spotguard.checkpoint.moves.durable import Uploader
 from spotguard.checkpoint.moves.streaming import ShardStreams
 from spotguard.checkpoint.outcome import LocalCommit, SaveEvents, SaveReport
 from spotguard.checkpoint.save import retention
+from spotguard.checkpoint.save.plan_cache import CachedPlanner
 from spotguard.checkpoint.save.write import write_shards
 from spotguard.job.departure import SurvivorsOutcome
 
@@ -80,6 +81,9 @@ class SaveProtocol:
         self.keep_last = keep_last
         self.on_event = on_event
         self.job: str | None = None  # the location's job identity, once known: in every manifest committed
+        # The whole job's saves share one plan, made by the first and reused while the layout holds
+        # (an emergency then finds it made); a save on another group brings its own planner.
+        self._planner = CachedPlanner()
 
     def run(
         self,
@@ -101,6 +105,8 @@ class SaveProtocol:
         calls inside end by `cutoff`, also once it is brought forward (an emergency takes over)."""
         with calls_until(cutoff), self._streams(step, cutoff) as streams:
             comm = comm or self.comm
+            if planner is None and comm is self.comm:
+                planner = self._planner
             t0 = time.monotonic()
             stage_name, refusal = comm.broadcast(
                 (sibling_name(step, "tmp"), self.claim.refusal) if comm.is_coordinator else None
@@ -203,7 +209,7 @@ class SaveProtocol:
                 )
             if comm.is_coordinator:
                 log.info(
-                    "checkpoint step %d (%s) %s: %.1f MB in %d files, write %.2fs commit %.2fs upload %.2fs "
+                    "checkpoint step %d (%s) %s: %.1f MB in %d files, write %.2fs (%s) commit %.2fs upload %.2fs "
                     "(rank 0 streamed %.1f MB during the write)%s",
                     step,
                     reason,
@@ -211,6 +217,7 @@ class SaveProtocol:
                     report.bytes / 1e6,
                     report.files,
                     report.write_s,
+                    "plan reused" if planner is self._planner and self._planner.reused else "planned",
                     report.commit_s,
                     report.upload_s,
                     report.streamed_bytes / 1e6,
@@ -260,6 +267,10 @@ class SaveProtocol:
         except Exception as exc:  # returned, not raised: every rank waits for this outcome
             return LocalCommit(error=f"commit: {type(exc).__name__}: {exc}")
         return LocalCommit(path=str(final), created=created, bytes=manifest.total_bytes, files=len(manifest.files))
+
+    def close(self) -> None:
+        """Drop the cached plan (on rank 0 it holds every rank's)."""
+        self._planner.forget()
 
     @contextlib.contextmanager
     def _streams(self, step: int, cutoff: Deadline) -> Iterator[ShardStreams | None]:
