@@ -1,0 +1,655 @@
+"""The checkpoint save path's coordination at N ranks: what a save, its commit and a resume cost
+beyond writing the bytes, at N = 16 ... 1,024, with a per-rank state shaped like an FSDP2 model.
+
+Each rank's state: `--tensors` parameters, each a DTensor sharded Shard(0) over the N ranks
+(`--rows-per-rank` rows of 4 floats per rank), AdamW's exp_avg and exp_avg_sq sharded the same way,
+a replicated 0-dim `step` per parameter and the param_groups (non-tensor values), saved as DCP's
+`_save_state_dict` and spotguard's `SaveProtocol.run` save it. The bytes are a few rows per rank,
+so what is measured is coordination, not the disk.
+
+Phases, each timed at each N (seconds):
+
+1. local plan: DefaultSavePlanner set_up_planner + create_local_plan + FileSystemWriter
+   prepare_local_plan, on a rank's real state (the median of ranks 0, N/2 and N-1; every rank does
+   this at once in a real job). Every rank's state is made for real in this process, with torch's
+   fake process group re-initialised at each rank (a CPU DeviceMesh of N, `DTensor.from_local`),
+   and every rank's real local plan is kept: they feed the rank-0 phases below.
+2. plan gather: DCP's `gather_object` of the local plans to rank 0 (all_gather of the sizes, gather
+   of the padded pickles, unpickled on rank 0), over real gloo (see below).
+3. global plan: rank 0's `create_global_plan` (dedup, metadata, validation) + `prepare_global_plan`
+   with the N real local plans.
+4. write (information only, not coordination): rank 0's real `write_data` of its small bytes, through
+   spotguard's ChecksummingFileSystem as `write_shards` does.
+5. plan scatter: DCP's `scatter_object_list` of the N global plans (the max size broadcast, the
+   padded pickles scattered, the sizes scattered, each rank's unpickle).
+   results gather: the gather of the N ranks' write results (DCP's `all_reduce("write")`).
+6. finish: rank 0's `FileSystemWriter.finish(metadata, results)` (the `.metadata` pickle, its size in
+   the table's notes), then DCP's broadcast of that metadata to every rank (`all_reduce` returns it
+   to all ranks: `broadcast_object_list`), and one rank's unpickle of it.
+7. commit: the gather of spotguard's FileRecords, rank 0's `SaveProtocol._commit` (the real
+   function: the Manifest of N ranks' records, `commit_dir`), the broadcast of its LocalCommit.
+8. resume: one rank's `.metadata` read as `VerifiedReader` reads it (`load_metadata`) and its local
+   load plan (`WeightsOnlyLoadPlanner` set_up_planner + create_local_plan).
+9. snapshot index exchange (`snapshots.loading.PlanLoader._indexes` at another world size): the gather
+   of each rank's `ShardInfo` (items from `snapshots.items.laid_out` / `stored`, as `MappedShard` lays
+   them out), rank 0's merge, the broadcast of the merged dict, one rank's unpickle and `metadata_of`.
+
+The communication (2, 5, 6's broadcast, 7's gather and broadcast, 9's gather and broadcast) runs over
+a REAL gloo group: N ranks as threads spread over `--procs` processes around one TCPStore, each
+thread with its own `ProcessGroupGloo` (TORCH_GLOO_LAZY_INIT=1, as `comm.new_gloo_group` makes them:
+only the pairs a collective uses connect), calling the group's allgather / gather / scatter /
+broadcast the way torch's object collectives do, with the bytes a real rank sends (its pickled plan,
+results, records, index). A collective is timed from rank 0's start to the last rank done (one host,
+one clock). A broadcast of a large pickle (6, 9) needs a buffer per receiving rank: when N x its size
+is over `--bcast-mem-gb` it is not run, and the table says so (`-`), giving the size.
+
+How this differs from a real job:
+- ranks are threads on one host: no network latency or bandwidth limit between hosts, but all N
+  ranks' work in a collective shares this host's cores (a real job spreads it over N hosts), so the
+  collectives' times are an upper bound for CPU, a lower bound for the network;
+- the per-rank work that all ranks do at once (local plan, unpickles, load plan) is timed on one rank;
+- the rank-0 phases (global plan, finish, commit, merge) get the N ranks' real local plans, but the
+  other ranks' write results, FileRecords and snapshot indexes are made from their real plans and
+  states without writing their files (same names, sizes and layout as rank 0's real ones);
+- the bytes are a few rows per rank: the write is not what a real model's is.
+
+    python bench/save_scale.py [--ranks 16,64,256,1024] [--tensors 200] [--rows-per-rank 2]
+                               [--procs 4] [--phases ...] [--quick] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import types
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from _common import table  # also puts the checkout on sys.path
+
+COLS = 4  # each tensor's row: 4 floats
+PHASES = ("local_plan", "plan_gather", "global_plan", "write", "plan_scatter", "results_gather", "finish",
+          "metadata_bcast", "commit", "resume", "snapshot")  # fmt: skip
+# The rounds the gloo threads run, in order: (name, kind).
+ROUNDS = (("plan_gather", "gather"), ("plan_scatter", "scatter"), ("results_gather", "gather"),
+          ("metadata_bcast", "bcast"), ("records_gather", "gather"), ("commit_bcast", "bcast"),
+          ("index_gather", "gather"), ("index_bcast", "bcast"))  # fmt: skip
+ROUND_OF_PHASE = {"plan_gather": ("plan_gather",), "plan_scatter": ("plan_scatter",),
+                  "results_gather": ("results_gather",), "metadata_bcast": ("metadata_bcast",),
+                  "commit": ("records_gather", "commit_bcast"), "snapshot": ("index_gather", "index_bcast")}  # fmt: skip
+COORDINATION = ("local_plan", "plan_gather", "global_plan", "plan_scatter", "results_gather", "finish",
+                "metadata_bcast", "commit")  # fmt: skip
+
+
+# -- one rank's state, under torch's fake process group ---------------------------------------
+
+
+def rank_state(rank: int, world: int, tensors: int, rows: int) -> dict[str, Any]:
+    """Rank `rank`'s FSDP2-shaped state (a DCP state dict), its DTensors on a CPU mesh of `world` fake ranks."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    mesh = DeviceMesh("cpu", list(range(world)))
+    shape, stride = torch.Size((world * rows, COLS)), (COLS, 1)
+
+    def sharded() -> Any:
+        local = torch.full((rows, COLS), float(rank))
+        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
+
+    model = {f"layers.{i}.weight": sharded() for i in range(tensors)}
+    state = {fqn: {"step": torch.tensor(1.0), "exp_avg": sharded(), "exp_avg_sq": sharded()} for fqn in model}
+    groups = [{"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01, "params": list(model)}]
+    return {"model": model, "optim": {"state": state, "param_groups": groups}}
+
+
+def writer_for(path: Path, threads: int) -> Any:
+    """The FileSystemWriter `write_shards` makes (host memory), with spotguard's ChecksummingFileSystem."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from spotguard.checkpoint.save.shard_io import ChecksummingFileSystem
+
+    writer = FileSystemWriter(path, thread_count=threads, sync_files=True)
+    writer.fs = ChecksummingFileSystem(sha256=False)
+    return writer
+
+
+def local_plan(state: dict[str, Any], rank: int, writer: Any) -> tuple[Any, Any, float]:
+    """DCP's local step (state_dict_saver.local_step): (planner, plan, seconds)."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    t = time.perf_counter()
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state_dict=state, storage_meta=writer.storage_meta(), is_coordinator=rank == 0)
+    writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
+    plan = writer.prepare_local_plan(planner.create_local_plan())
+    return planner, plan, time.perf_counter() - t
+
+
+def shard_info(state: dict[str, Any], rank: int, world: int) -> Any:
+    """The index of rank's snapshot shard, as `MappedShard` lays it out and `finish` records it (no file)."""
+    from spotguard.snapshots.items import laid_out, stored
+    from spotguard.snapshots.shard_file import BLOCK, ShardInfo, _padded
+
+    entries, paths = laid_out(state)
+    items, offset = [], 0
+    for entry in entries:
+        items.append(stored(entry, offset))
+        offset += _padded(items[-1].nbytes)
+    blocks = tuple("%08x" % b for b in range(max(1, -(-offset // BLOCK))))
+    return ShardInfo("run", "job", "attempt", 1, rank, world, offset, BLOCK, blocks, tuple(items), paths)
+
+
+# -- the gloo threads ------------------------------------------------------------------------
+
+
+def _pg(store: Any, rank: int, world: int) -> Any:
+    import torch.distributed as dist
+
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+    opts._threads = 1
+    opts._timeout = timedelta(minutes=10)
+    return dist.ProcessGroupGloo(store, rank, world, opts)
+
+
+def gather_object(pg: Any, rank: int, world: int, data: bytes) -> list[Any] | None:
+    """torch's gather_object to rank 0 on `pg`, with `data` already pickled (as `_object_to_tensor` does)."""
+    import torch
+    import torch.distributed as dist
+
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    size = torch.tensor([payload.numel()], dtype=torch.long)
+    sizes = torch.zeros(world, dtype=torch.long)
+    pg.allgather([[sizes[i].unsqueeze(0) for i in range(world)]], [size]).wait()
+    top = int(sizes.max())
+    payload = torch.cat([payload, torch.zeros(top - payload.numel(), dtype=torch.uint8)])
+    opts = dist.GatherOptions()
+    opts.rootRank = 0
+    if rank != 0:
+        pg.gather([], [payload], opts).wait()
+        return None
+    out = torch.empty(top * world, dtype=torch.uint8)
+    pg.gather([[out[top * i : top * (i + 1)] for i in range(world)]], [payload], opts).wait()
+    return [pickle.loads(out[top * i : top * i + int(sizes[i])].numpy().tobytes()) for i in range(world)]
+
+
+def scatter_object(pg: Any, rank: int, world: int, datas: list[bytes] | None) -> Any:
+    """torch's scatter_object_list from rank 0 (its `datas` already pickled): this rank's object."""
+    import torch
+    import torch.distributed as dist
+
+    size = torch.tensor([max(map(len, datas)) if rank == 0 else 0], dtype=torch.long)
+    bopts = dist.BroadcastOptions()
+    bopts.rootRank, bopts.rootTensor = 0, 0
+    pg.broadcast([size], bopts).wait()
+    top = int(size)
+    out = torch.empty(top, dtype=torch.uint8)
+    opts = dist.ScatterOptions()
+    opts.rootRank = 0
+    sizes_out = torch.zeros(1, dtype=torch.long)
+    if rank == 0:
+        tensors = [torch.frombuffer(bytearray(d.ljust(top, b"\0")), dtype=torch.uint8) for d in datas]
+        pg.scatter([out], [tensors], opts).wait()
+        pg.scatter([sizes_out], [[torch.tensor([len(d)], dtype=torch.long) for d in datas]], opts).wait()
+    else:
+        pg.scatter([out], [], opts).wait()
+        pg.scatter([sizes_out], [], opts).wait()
+    return pickle.loads(out[: int(sizes_out)].numpy().tobytes())
+
+
+def broadcast_object(pg: Any, rank: int, data: bytes | None, unpickle: bool) -> Any:
+    """torch's broadcast_object_list of one object from rank 0 (already pickled): the sizes, then the bytes."""
+    import torch
+    import torch.distributed as dist
+
+    bopts = dist.BroadcastOptions()
+    bopts.rootRank, bopts.rootTensor = 0, 0
+    size = torch.tensor([len(data) if rank == 0 else 0], dtype=torch.long)
+    pg.broadcast([size], bopts).wait()
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if rank == 0 else torch.empty(int(size), dtype=torch.uint8)
+    pg.broadcast([buf], bopts).wait()
+    if rank != 0 and unpickle:
+        return pickle.loads(buf.numpy().tobytes())
+    return None
+
+
+def comm_worker(pipe: Any, ranks: list[int], world: int, port: int, payloads: str) -> None:
+    """Some of the ranks, as threads, each with its own gloo group; runs the rounds the parent starts."""
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    base = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(minutes=10))
+    pgs: dict[int, Any] = {}
+
+    def make(rank: int) -> None:
+        pgs[rank] = _pg(dist.PrefixStore("g", base.clone()), rank, world)
+
+    t = time.perf_counter()
+    threads = [threading.Thread(target=make, args=(r,)) for r in ranks]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    # The first collectives connect the pairs they use (lazy init): done once, before the timed rounds,
+    # as a job's earlier saves (and the stage name's broadcast at the start of each save) would have.
+    def warm(rank: int) -> None:
+        gather_object(pgs[rank], rank, world, pickle.dumps(rank))
+        scatter_object(pgs[rank], rank, world, [pickle.dumps(r) for r in range(world)] if rank == 0 else None)
+        broadcast_object(pgs[rank], rank, pickle.dumps(0) if rank == 0 else None, unpickle=True)
+
+    made = time.perf_counter() - t
+    t = time.perf_counter()
+    threads = [threading.Thread(target=warm, args=(r,)) for r in ranks]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    pipe.send(("ready", made, time.perf_counter() - t))
+    while True:
+        command = pipe.recv()
+        if command == "quit":
+            pipe.send("bye")
+            return
+        name, kind, skip = command
+        folder = Path(payloads) / name
+        done: dict[int, float] = {}
+        errors: list[str] = []
+        ready = threading.Barrier(len(ranks) + 1)
+        go = threading.Event()
+
+        def one(rank: int) -> None:
+            try:
+                mine = (folder / f"{rank}.pkl").read_bytes() if kind == "gather" else None
+                datas = None
+                if rank == 0 and kind == "scatter":
+                    datas = [(folder / f"{r}.pkl").read_bytes() for r in range(world)]
+                if rank == 0 and kind == "bcast":
+                    mine = (folder / "root.pkl").read_bytes()
+                ready.wait()
+                go.wait()
+                if kind == "gather":
+                    gather_object(pgs[rank], rank, world, mine)
+                elif kind == "scatter":
+                    scatter_object(pgs[rank], rank, world, datas)
+                else:  # one rank's unpickle of a large broadcast is timed apart, in the parent
+                    broadcast_object(pgs[rank], rank, mine, unpickle=name == "commit_bcast")
+                done[rank] = time.time()
+            except Exception as exc:  # noqa: BLE001 - reported to the parent
+                errors.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+
+        threads = [threading.Thread(target=one, args=(r,)) for r in ranks]
+        for th in threads:
+            th.start()
+        ready.wait()  # this process's ranks have their payloads
+        pipe.send("loaded")
+        start = pipe.recv()
+        go.set()
+        for th in threads:
+            th.join()
+        pipe.send({"start": start, "done": done, "errors": errors})
+        gc.collect()
+
+
+class Comms:
+    """N gloo ranks as threads over `procs` processes around one TCPStore (in the parent)."""
+
+    def __init__(self, world: int, procs: int, payloads: Path) -> None:
+        import torch.distributed as dist
+
+        self.store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                   timeout=timedelta(minutes=10))  # fmt: skip
+        ctx = mp.get_context("spawn")
+        self.pipes, self.procs = [], []
+        for i in range(procs):
+            parent, child = ctx.Pipe()
+            ranks = list(range(i, world, procs))
+            proc = ctx.Process(target=comm_worker, args=(child, ranks, world, self.store.port, str(payloads)),
+                               daemon=True)  # fmt: skip
+            proc.start()
+            self.pipes.append(parent)
+            self.procs.append(proc)
+        ready = [self._recv(p, 900) for p in self.pipes]
+        self.setup_s = max(r[1] for r in ready)
+        self.connect_s = max(r[2] for r in ready)
+
+    @staticmethod
+    def _recv(pipe: Any, timeout_s: float) -> Any:
+        if not pipe.poll(timeout_s):
+            raise TimeoutError("a gloo worker did not answer")
+        return pipe.recv()
+
+    def round(self, name: str, kind: str) -> float:
+        """Seconds from rank 0's start to the last rank done."""
+        for p in self.pipes:
+            p.send((name, kind, False))
+        for p in self.pipes:
+            self._recv(p, 600)
+        start = time.time()
+        for p in self.pipes:
+            p.send(start)
+        results = [self._recv(p, 600) for p in self.pipes]
+        errors = [e for r in results for e in r["errors"]]
+        if errors:
+            raise RuntimeError(f"{name}: {errors[:3]}")
+        return max(t for r in results for t in r["done"].values()) - start
+
+    def close(self) -> None:
+        for p in self.pipes:
+            try:
+                p.send("quit")
+                self._recv(p, 30)
+            except (OSError, TimeoutError, EOFError):
+                pass
+        for proc in self.procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+
+
+# -- one N ---------------------------------------------------------------------------------------
+
+
+def measure(world: int, args: argparse.Namespace, phases: set[str], work: Path) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.storage import WriteResult
+
+    from spotguard.checkpoint.format.layout import DCP_METADATA_NAME, sibling_name
+    from spotguard.checkpoint.format.manifest import FileRecord
+    from spotguard.checkpoint.format.runs import RunClaim
+    from spotguard.checkpoint.format.safe_pickle import WeightsOnlyLoadPlanner, load_metadata
+    from spotguard.checkpoint.save.protocol import SaveProtocol
+    from spotguard.checkpoint.save.shard_io import without_zip_crc32
+    from spotguard.snapshots.items import metadata_of
+
+    out: dict[str, Any] = {"ranks": world, "s": {}, "notes": {}}
+    s, notes = out["s"], out["notes"]
+    payloads = work / f"payloads-{world}"
+    stage = work / f"ckpt-{world}" / sibling_name(1, "tmp")
+    stage.mkdir(parents=True)
+    for name, _ in ROUNDS:
+        (payloads / name).mkdir(parents=True)
+
+    def put(name: str, rank: int | str, obj: Any) -> int:
+        data = pickle.dumps(obj)
+        (payloads / name / f"{rank}.pkl").write_bytes(data)
+        return len(data)
+
+    # 1. every rank's real state and local plan; the sampled ranks' times; the snapshot indexes.
+    samples = sorted({0, world // 2, world - 1})
+    plans, times = [], {}
+    planner0 = writer0 = None
+    t_all = time.perf_counter()
+    plan_bytes = index_bytes = 0
+    for rank in range(world):
+        state = rank_state(rank, world, args.tensors, args.rows_per_rank)
+        writer = writer_for(stage, args.write_threads)
+        planner, plan, took = local_plan(state, rank, writer)
+        if rank in samples:
+            times[rank] = took
+        plans.append(plan)
+        plan_bytes = max(plan_bytes, put("plan_gather", rank, plan))
+        if "snapshot" in phases:
+            index_bytes = max(index_bytes, put("index_gather", rank, ({rank: shard_info(state, rank, world)}, False)))
+        if rank == 0:
+            planner0, writer0, state0 = planner, writer, state
+    s["local_plan"] = statistics.median(times.values())
+    notes["make_all_plans_s"] = round(time.perf_counter() - t_all, 1)
+    notes["plan_pickle_bytes"] = plan_bytes
+    notes["index_pickle_bytes"] = index_bytes
+    notes["items_per_rank"] = len(plans[0].items)
+
+    # 3. the global plan on rank 0.
+    t = time.perf_counter()
+    global_plans, metadata = planner0.create_global_plan(plans)
+    global_plans = writer0.prepare_global_plan(global_plans)
+    s["global_plan"] = time.perf_counter() - t
+    del plans
+    for rank, gp in enumerate(global_plans):
+        put("plan_scatter", rank, gp)
+
+    # 4. rank 0's real write.
+    t = time.perf_counter()
+    final0 = planner0.finish_plan(global_plans[0])
+    with without_zip_crc32():
+        fut = writer0.write_data(final0, planner0)
+        fut.wait()
+    results0 = fut.value()
+    s["write"] = time.perf_counter() - t
+    # The other ranks' write results: their final plans' items laid out as rank 0's were written
+    # (same file names with their prefix, each item's length as rank 0's of the same fqn).
+    length = {r.index.fqn: r.storage_data.length for r in results0}
+    files0 = sorted({r.storage_data.relative_path for r in results0})
+    all_results = [results0]
+    for rank in range(1, world):
+        gp = global_plans[rank]
+        offsets: dict[str, int] = {}
+        res = []
+        for i, item in enumerate(gp.items):
+            rel = f"{gp.storage_data.prefix}{i % len(files0)}.distcp"
+            n = length.get(item.index.fqn, length[next(iter(length))])
+            res.append(WriteResult(index=item.index, size_in_bytes=n,
+                                   storage_data=_StorageInfo(rel, offsets.get(rel, 0), n)))  # fmt: skip
+            offsets[rel] = offsets.get(rel, 0) + n
+        all_results.append(res)
+    for rank, res in enumerate(all_results):
+        put("results_gather", rank, res)
+    del global_plans
+
+    # 6. finish: the .metadata on rank 0.
+    t = time.perf_counter()
+    writer0.finish(metadata=metadata, results=all_results)
+    s["finish"] = time.perf_counter() - t
+    del all_results, metadata
+    meta_path = stage / DCP_METADATA_NAME
+    meta_bytes = meta_path.stat().st_size
+    notes["metadata_bytes"] = meta_bytes
+    shutil.copyfile(meta_path, payloads / "metadata_bcast" / "root.pkl")
+
+    # 7. the FileRecords (rank 0's real ones, the others' of the same sizes) and rank 0's commit.
+    fs = writer0.fs
+    mine0 = sorted(p for p in stage.iterdir() if p.name.startswith("__0_"))
+    records0 = [fs.record_for(p) for p in mine0] + [fs.record_for(meta_path)]
+    put("records_gather", 0, (records0, None))
+    gathered = [(records0, None)]
+    for rank in range(1, world):
+        recs = [FileRecord(r.name.replace("__0_", f"__{rank}_", 1), r.size, r.crc32c) for r in records0[:-1]]
+        gathered.append((recs, None))
+        put("records_gather", rank, (recs, None))
+    comm = types.SimpleNamespace(members=list(range(world)), world_size=world, is_coordinator=True, rank=0)
+    proto = types.SimpleNamespace(comm=comm, key=None, run_id="bench-run", job=None,
+                                  claim=RunClaim("bench-run", __import__("datetime").datetime.now()))  # fmt: skip
+    t = time.perf_counter()
+    commit = SaveProtocol._commit(proto, 1, "bench", None, stage, gathered, comm, ())
+    s["commit_rank0"] = time.perf_counter() - t
+    if commit.error:
+        raise RuntimeError(commit.error)
+    put("commit_bcast", "root", commit)
+    del gathered
+
+    # 8. resume: one rank's .metadata read and its local load plan.
+    final_meta = Path(commit.path) / DCP_METADATA_NAME
+    data = final_meta.read_bytes()
+    t = time.perf_counter()
+    loaded = load_metadata(data)
+    s["metadata_read"] = time.perf_counter() - t
+    del data
+    t = time.perf_counter()
+    pickle.loads(meta_path.read_bytes() if meta_path.exists() else final_meta.read_bytes())
+    s["metadata_unpickle"] = time.perf_counter() - t  # a rank's unpickle of DCP's broadcast (plain pickle)
+    rank = world - 1
+    state = rank_state(rank, world, args.tensors, args.rows_per_rank)
+    t = time.perf_counter()
+    lp = WeightsOnlyLoadPlanner()
+    lp.set_up_planner(state, loaded, is_coordinator=False)
+    lp.create_local_plan()
+    s["load_plan"] = time.perf_counter() - t
+    del loaded, lp
+
+    # 9. the snapshot indexes merged on rank 0; one rank's unpickle and metadata_of.
+    if "snapshot" in phases:
+        gathered = [pickle.loads((payloads / "index_gather" / f"{r}.pkl").read_bytes()) for r in range(world)]
+        t = time.perf_counter()
+        indexes = None
+        if not any(failed for _, failed in gathered):  # loading.PlanLoader._indexes, on rank 0
+            indexes = {shard: info for part, _ in gathered for shard, info in part.items()}
+        merged = pickle.dumps(indexes)
+        s["index_merge"] = time.perf_counter() - t
+        notes["index_merged_bytes"] = len(merged)
+        (payloads / "index_bcast" / "root.pkl").write_bytes(merged)
+        del gathered, indexes
+        t = time.perf_counter()
+        indexes = pickle.loads(merged)
+        s["index_unpickle"] = time.perf_counter() - t
+        del merged
+        t = time.perf_counter()
+        whole = all(info.world_size == len(indexes) for info in indexes.values())  # loading.load_shards
+        metadata_of({shard: info.items for shard, info in indexes.items()}, whole=whole)
+        s["index_metadata_of"] = time.perf_counter() - t
+        del indexes
+    del state, state0, planner0, writer0
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+
+    # The communication, over real gloo threads.
+    comm_rounds = [(n, k) for n, k in ROUNDS if any(n in ROUND_OF_PHASE.get(p, ()) for p in phases)]
+    if comm_rounds:
+        big = {"metadata_bcast": meta_bytes, "index_bcast": notes.get("index_merged_bytes", 0)}
+        comms = Comms(world, min(args.procs, world), payloads)
+        notes["gloo_groups_s"] = round(comms.setup_s, 2)
+        notes["gloo_first_collectives_s"] = round(comms.connect_s, 2)
+        try:
+            for name, kind in comm_rounds:
+                if name in big and world * big[name] > args.bcast_mem_gb * 1e9:
+                    s[name] = None
+                    notes[f"{name}_skipped"] = f"{world} x {big[name] / 1e6:.0f} MB over --bcast-mem-gb"
+                    continue
+                s[name] = comms.round(name, kind)
+        finally:
+            comms.close()
+    shutil.rmtree(payloads, ignore_errors=True)
+    shutil.rmtree(work / f"ckpt-{world}", ignore_errors=True)
+    return out
+
+
+def phase_rows(s: dict[str, float | None]) -> dict[str, float | None]:
+    """The table's phases from the measured parts (None: a part not measured)."""
+
+    def add(*parts: str) -> float | None:
+        vals = [s.get(p) for p in parts]
+        return None if any(v is None for v in vals) else sum(vals)
+
+    rows = {
+        "1 local plan (a rank)": s.get("local_plan"),
+        "2 plan gather": s.get("plan_gather"),
+        "3 global plan (rank 0)": s.get("global_plan"),
+        "4 write (rank 0, not coord.)": s.get("write"),
+        "5 plan scatter": s.get("plan_scatter"),
+        "5 results gather": s.get("results_gather"),
+        "6 finish .metadata (rank 0)": s.get("finish"),
+        "6 metadata bcast + unpickle": add("metadata_bcast", "metadata_unpickle"),
+        "7 records gather": s.get("records_gather"),
+        "7 commit (rank 0)": s.get("commit_rank0"),
+        "7 commit bcast": s.get("commit_bcast"),
+        "8 metadata read (a rank)": s.get("metadata_read"),
+        "8 load plan (a rank)": s.get("load_plan"),
+        "9 index gather": s.get("index_gather"),
+        "9 index merge+pickle (rank 0)": s.get("index_merge"),
+        "9 index bcast": s.get("index_bcast"),
+        "9 unpickle+metadata_of (a rank)": add("index_unpickle", "index_metadata_of"),
+    }
+    coord = ["1 local plan (a rank)", "2 plan gather", "3 global plan (rank 0)", "5 plan scatter",
+             "5 results gather", "6 finish .metadata (rank 0)", "6 metadata bcast + unpickle", "7 records gather",
+             "7 commit (rank 0)", "7 commit bcast"]  # fmt: skip
+    rows["= coordination total"] = sum(rows[k] for k in coord if rows[k] is not None)
+    rows["= coordination, all measured"] = "yes" if all(rows[k] is not None for k in coord) else "no"
+    rows["= resume (8)"] = add("metadata_read", "load_plan")
+    rows["= index exchange (9)"] = add("index_gather", "index_merge", "index_bcast", "index_unpickle", "index_metadata_of")
+    return rows
+
+
+def fmt(v: Any) -> str:
+    return "-" if v is None else (v if isinstance(v, str) else f"{v:.3f}")
+
+
+def report(results: list[dict[str, Any]]) -> str:
+    per = [phase_rows(r["s"]) for r in results]
+    ns = [r["ranks"] for r in results]
+    headers = ["phase"] + [f"N={n} s" for n in ns]
+    headers += [f"x{ns[i]}->{ns[i + 1]}" for i in range(len(ns) - 1)]
+    if len(ns) > 1:
+        headers.append(f"N={ns[-1]} / linear from N={ns[0]}")
+    rows = []
+    for key in per[0]:
+        vals = [p[key] for p in per]
+        row = [key] + [fmt(v) for v in vals]
+        for i in range(len(ns) - 1):
+            a, b = vals[i], vals[i + 1]
+            row.append(f"{b / a:.1f}" if isinstance(a, float) and isinstance(b, float) and a > 0 else "")
+        if len(ns) > 1:
+            a, b = vals[0], vals[-1]
+            row.append(f"{b / (a * ns[-1] / ns[0]):.2f}" if isinstance(a, float) and isinstance(b, float) and a > 0 else "")
+        rows.append(row)
+    lines = [table(headers, rows), ""]
+    for r in results:
+        lines.append(f"N={r['ranks']}: " + ", ".join(f"{k}={v}" for k, v in r["notes"].items()))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--ranks", default="16,64,256,1024")
+    p.add_argument("--quick", action="store_true", help="N = 16, 64 only")
+    p.add_argument("--tensors", type=int, default=200)
+    p.add_argument("--rows-per-rank", type=int, default=2)
+    p.add_argument("--write-threads", type=int, default=2, help="the FileSystemWriter's files per rank")
+    p.add_argument("--procs", type=int, default=4, help="processes the gloo threads are spread over")
+    p.add_argument("--bcast-mem-gb", type=float, default=4.0,
+                   help="skip a broadcast when N x its pickle is over this (a buffer per receiving thread)")
+    p.add_argument("--phases", default=",".join(PHASES), help=f"a subset of {','.join(PHASES)}")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    ranks = [16, 64] if args.quick else [int(n) for n in args.ranks.split(",")]
+    phases = set(args.phases.split(","))
+    if unknown := phases - set(PHASES):
+        p.error(f"unknown phases {sorted(unknown)}")
+    warnings.simplefilter("ignore")
+    results = []
+    with tempfile.TemporaryDirectory(prefix="spotguard-save-scale-") as tmp:
+        for world in ranks:
+            t = time.perf_counter()
+            results.append(measure(world, args, phases, Path(tmp)))
+            results[-1]["notes"]["wall_s"] = round(time.perf_counter() - t, 1)
+            print(f"N={world} done in {results[-1]['notes']['wall_s']} s", file=sys.stderr, flush=True)
+    if args.json:
+        print(json.dumps(results))
+    else:
+        print(report(results))
+
+
+if __name__ == "__main__":
+    main()
