@@ -182,3 +182,39 @@ def test_node_2_of_3_frozen_the_survivors_leave_the_step_and_go_on_from_the_snap
     shutil.copytree(tmp_path / "ckpt" / f"step-{step:010d}", fresh / "ckpt" / f"step-{step:010d}")
     restarted = run_nodes(2, fresh / "ckpt", fresh, [*BASE, *SHARDING[sharding]], fresh / "out.json")
     assert restarted == ended
+
+
+def test_two_departures_in_a_row_make_generation_2_at_world_1_bit_identical(tmp_path, capsys):
+    """Node 2 reclaimed, then node 1: rank 0's one process goes through two recoveries (generations 1 and
+    2, worlds 3 -> 2 -> 1) and ends where a restart from the second emergency step ends."""
+    out = tmp_path / "out.json"
+    nodes = start_nodes(3, str(tmp_path / "ckpt"), tmp_path, [*BASE, "--in-process", "--out", str(out)], SNAPSHOTS)
+    try:
+        nodes[0].step_reached(6)
+        before = worker_pids(nodes[0])
+        nodes[2].emulator.raise_notice()
+        nodes[0].step_reached(14)
+        nodes[1].emulator.raise_notice()
+        codes = [n.finish(180) for n in nodes]
+    finally:
+        stop_all(nodes)
+    assert codes == [0, 0, 0], "\n".join(n.tail() for n in nodes)
+    text = nodes[0].output()
+    first = re.search(r"in-process recovery: generation 1, world 3 -> 2, rank\(s\) 2 left after a notice: "
+                      r"this process \(pid (\d+)\)", text)  # fmt: skip
+    second = re.search(r"in-process recovery: generation 2, world 2 -> 1, rank\(s\) 1 left after a notice: "
+                       r"this process \(pid (\d+)\) .*going on from step (\d+)", text)  # fmt: skip
+    assert first and second, nodes[0].tail()
+    assert int(first[1]) == int(second[1]) and int(first[1]) in before  # one process throughout
+    step = int(second[2])
+    assert json.loads(out.read_text())["start"] == step + 1
+    assert main(["report", str(tmp_path / "ckpt"), "--json"]) == 0
+    segments = json.loads(capsys.readouterr().out)["segment_details"]
+    assert [(s["recovered"] or {}).get("generation") for s in segments] == [None, 1, 2]
+    assert [(s["recovered"] or {}).get("world_after") for s in segments[1:]] == [2, 1]
+
+    newest = max(c.step for c in list_checkpoints(str(tmp_path / "ckpt")) if c.committed)
+    assert newest == step
+    fresh = tmp_path / "restart"
+    shutil.copytree(tmp_path / "ckpt", fresh / "ckpt")
+    assert run_nodes(1, fresh / "ckpt", fresh, BASE, fresh / "out.json") == json.loads(out.read_text())

@@ -33,6 +33,7 @@ from spotguard.checkpoint.moves.durable import Uploader
 from spotguard.checkpoint.save.plan_cache import CachedPlanner
 from spotguard.checkpoint.save.protocol import SaveProtocol
 from spotguard.snapshots.items import StoredItem, metadata_of
+from spotguard.snapshots.needed import Layout, shard_layout, shards_needed
 
 TENSORS = 6
 ROWS = 2  # of each tensor, per rank
@@ -146,18 +147,31 @@ def commit(world: int, tmp: Path) -> Callable[[], Any]:
     return phase
 
 
-def snapshot_index(world: int, tmp: Path) -> Callable[[], Any]:
-    indexes = {
+def snapshot_index_items(world: int) -> dict[int, list[StoredItem]]:
+    return {
         r: [
             StoredItem(fqn(t), 64 * t, 64, "float32", (ROWS * r, 0), (ROWS, COLS), (ROWS * world, COLS))
             for t in range(TENSORS)
         ]
         for r in range(world)
     }
+
+
+def snapshot_index(world: int, tmp: Path) -> Callable[[], Any]:
+    """A rank's DCP metadata from the shards' indexes it got."""
+    indexes = snapshot_index_items(world)
     return lambda: metadata_of(indexes, whole=True)
 
 
-@pytest.mark.parametrize("make", [global_plan, metadata_write, metadata_read, commit, snapshot_index])
+def snapshot_needed(world: int, tmp: Path) -> Callable[[], Any]:
+    """Rank 0 at a reshard to half the ranks: which shards each rank needs."""
+    shards = {r: shard_layout(items) for r, items in snapshot_index_items(world).items()}
+    half = world // 2
+    wants = [Layout.of([(fqn(t), (2 * ROWS * r, 0), (2 * ROWS, COLS)) for t in range(TENSORS)]) for r in range(half)]
+    return lambda: shards_needed(shards, wants, [[2 * r, 2 * r + 1] for r in range(half)])
+
+
+@pytest.mark.parametrize("make", [global_plan, metadata_write, metadata_read, commit, snapshot_index, snapshot_needed])
 def test_a_rank_0_phase_grows_linearly_with_the_ranks(tmp_path, make):
     counted = {}
     for world in (SMALL, LARGE):

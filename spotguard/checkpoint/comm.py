@@ -121,6 +121,14 @@ class Comm:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def scatter(self, objs: list[Any] | None) -> Any:
+        """Rank i's `objs[i]`, from rank 0's `objs` (the others pass None)."""
+        if not self.distributed:
+            return objs[0] if objs else None
+        out: list[Any] = [None]
+        dist.scatter_object_list(out, objs if self.is_coordinator else None, src=self._global(0), group=self.group)
+        return out[0]
+
     def gather(self, obj: Any) -> list[Any] | None:
         """Every rank's `obj` on rank 0 (None elsewhere)."""
         if not self.distributed:

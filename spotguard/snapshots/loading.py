@@ -2,9 +2,10 @@
 
 The index of each shard (its trailer) says which chunks it holds. At the world size the snapshot
 was taken at, a rank reads its own shard's index (from its node's copy or a holder's) and nothing
-else: no exchange. At another world size every shard's index is needed: each is read once, by
-the first rank whose node holds it, gathered on rank 0 and broadcast (the size of DCP's own
-metadata, which a durable resume reads on every rank too). DCP's load planner then works out the
+else: no exchange. At another world size each shard's index is read once, by the first rank whose
+node holds it; the chunks it lists, and those of each rank's state, go to rank 0 as arrays, which
+tells each rank the shards it needs (`needed`); each rank then reads the indexes of those shards
+only, from their holders. DCP's load planner then works out the
 reads (`items.CoveringPlanner`) and `reading.SnapshotReader` does them: from this node's files
 first, else from a holder, spread over the holders by rank.
 """
@@ -22,6 +23,7 @@ from torch.distributed.checkpoint import CheckpointException
 from spotguard.checkpoint.comm import Comm
 from spotguard.snapshots import shard_file
 from spotguard.snapshots.items import CoveringPlanner, metadata_of, top_level_keys
+from spotguard.snapshots.needed import Layout, shard_layout, shards_needed, state_layout
 from spotguard.snapshots.node_dir import NodeDir, name_of
 from spotguard.snapshots.peers import PeerRuns, fetch_info
 from spotguard.snapshots.reading import FileRuns, OpenShard, ShardUnusable, SnapshotReader, Source
@@ -89,11 +91,32 @@ class PlanLoader:
                     mine[shard] = self._info(plan, shard, self.comm.rank)
                 except Exception as exc:  # noqa: BLE001 - this copy is unusable
                     problems.append(Problem(f"{type(exc).__name__}: {exc}", shard, self.comm.rank))
-        gathered = self.comm.gather((mine, bool(problems)))
-        indexes = None
-        if gathered is not None and not any(failed for _, failed in gathered):
-            indexes = {shard: info for part, _ in gathered for shard, info in part.items()}
-        return self.comm.broadcast(indexes), problems
+        layouts = {shard: shard_layout(info.items) for shard, info in mine.items()}
+        gathered = self.comm.gather((layouts, bool(problems), state_layout(self.live())))
+        needed = None
+        if gathered is not None and not any(failed for _, failed, _ in gathered):  # rank 0
+            needed = self._needed(plan, gathered)
+        needed = self.comm.scatter(needed or [None] * self.comm.world_size)
+        if needed is None:
+            return None, problems
+        indexes = {}
+        for shard in needed:  # the indexes of the shards this rank reads, from their holders
+            holder = self._source(plan, shard)
+            try:
+                indexes[shard] = mine[shard] if shard in mine else self._info(plan, shard, holder)
+            except Exception as exc:  # noqa: BLE001 - this copy is unusable
+                return None, [Problem(f"{type(exc).__name__}: {exc}", shard, holder)]
+        return indexes, problems
+
+    def _needed(self, plan: Plan, gathered: list[tuple[dict[int, Layout], bool, Layout]]) -> list[list[int]]:
+        """Rank 0: the shards each rank reads (`needed.shards_needed`)."""
+        shards = {shard: layout for part, _, _ in gathered for shard, layout in part.items()}
+        on_node: dict[int, list[int]] = {}  # node -> the shards held there, in order
+        for shard, holders in enumerate(plan.holders):
+            for node in sorted({h // self.ranks_per_node for h in holders}):
+                on_node.setdefault(node, []).append(shard)
+        local = [on_node.get(rank // self.ranks_per_node, []) for rank in range(self.comm.world_size)]
+        return shards_needed(shards, [wants for _, _, wants in gathered], local)
 
     def _info(self, plan: Plan, shard: int, holder: int) -> ShardInfo:
         name = name_of(plan.step, shard, plan.world_size)
