@@ -9,12 +9,14 @@ from cloud_adapters.storage import temp_target
 
 MANIFEST_NAME = "spotguard.json"
 DCP_METADATA_NAME = ".metadata"
+METADATA_INDEX_NAME = ".metadata.index"  # the same metadata without pickle (metadata_index.py)
 
 _STEP_RE = re.compile(r"^step-(\d{10,})$")
 # Staging (`tmp`), download (`dl`) and set-aside (`stale`) siblings of a step directory.
 _LEFTOVER_RE = re.compile(r"^\.(step-\d{10,})\.(tmp|dl|stale)-[0-9a-f]+$")
-# What a step directory holds: DCP's shards and metadata, and the manifest.
-_FILE_RE = re.compile(rf"^(__\d+_\d+\.distcp|{re.escape(DCP_METADATA_NAME)}|{re.escape(MANIFEST_NAME)})$")
+# What a step directory holds: DCP's shards and metadata, its index, and the manifest.
+_NAMES = "|".join(re.escape(name) for name in (DCP_METADATA_NAME, METADATA_INDEX_NAME, MANIFEST_NAME))
+_FILE_RE = re.compile(rf"^(__\d+_\d+\.distcp|{_NAMES})$")
 
 
 def step_dir_name(step: int) -> str:
@@ -44,7 +46,7 @@ def parse_leftover(name: str) -> int | None:
 
 
 def is_step_file(name: str) -> bool:
-    """A name spotguard writes into a step directory (a shard, DCP's metadata, the manifest, or a
+    """A name spotguard writes into a step directory (a shard, DCP's metadata or its index, the manifest, or a
     temporary of one of them): a directory holding anything else is not only ours."""
     return _FILE_RE.match(temp_target(name) or name) is not None
 

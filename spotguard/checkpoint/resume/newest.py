@@ -330,7 +330,11 @@ def _load(
     reader, failure, damaged_on = _on_every_rank(
         comm,
         lambda: VerifiedReader(
-            step_dir, Manifest.from_bytes((step_dir / MANIFEST_NAME).read_bytes()), key, threads=threads
+            step_dir,
+            Manifest.from_bytes((step_dir / MANIFEST_NAME).read_bytes()),
+            key,
+            threads=threads,
+            state_dict=loaded,
         ),
     )
     if failure is None:

@@ -15,9 +15,11 @@ from torch.futures import Future
 from spotguard.checkpoint.comm import Comm
 from spotguard.checkpoint.errors import CheckpointError
 from spotguard.checkpoint.format.auth import signature_problem
-from spotguard.checkpoint.format.layout import DCP_METADATA_NAME
+from spotguard.checkpoint.format.layout import DCP_METADATA_NAME, METADATA_INDEX_NAME
 from spotguard.checkpoint.format.manifest import Manifest, checksum_bytes, mismatch
+from spotguard.checkpoint.format.metadata_index import read_index
 from spotguard.checkpoint.format.safe_pickle import WeightsOnlyLoadPlanner, load_metadata
+from spotguard.checkpoint.resume.local_chunks import local_boxes
 from spotguard.checkpoint.resume.shard_read import read_checked
 from spotguard.checkpoint.state import load_from_dcp, optional_keys
 
@@ -29,28 +31,47 @@ class VerifiedReader(FileSystemReader):
 
     `.metadata` is a pickle: its bytes are checked against the manifest in memory (with a
     checkpoint `key`, the manifest's HMAC and the file's SHA-256 too), then unpickled with only
-    DCP's metadata types allowed; every shard it points to must be a manifest file; non-tensor
+    DCP's metadata types allowed. When the manifest lists `.metadata.index` and the reader is given
+    `state_dict` (the DCP form of the state it loads into), that index is read instead (checked
+    the same way, then parsed without pickle), keeping only the chunks this rank loads
+    (`local_boxes`). Every shard the metadata points to must be a manifest file; non-tensor
     values are loaded by `WeightsOnlyLoadPlanner`. The shard files are read by `threads` threads and
     checked as they are read (`read_checked`): a damaged one raises `Damaged` at its end.
     """
 
-    def __init__(self, path: Path, manifest: Manifest, key: bytes | None = None, *, threads: int = 4) -> None:
+    def __init__(
+        self,
+        path: Path,
+        manifest: Manifest,
+        key: bytes | None = None,
+        *,
+        threads: int = 4,
+        state_dict: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__(path)
         self.threads = threads
         self.key = key
         # Checked again here, not only by _verify: the manifest read now is the one whose files DCP reads.
         if key is not None and (unsigned := signature_problem(manifest, key)):
             raise CheckpointError(f"{path}: {unsigned}")
-        record = manifest.file(DCP_METADATA_NAME)
-        if record is None:
-            raise CheckpointError(f"{path}: the manifest does not list {DCP_METADATA_NAME}")
-        data, sha256 = (path / DCP_METADATA_NAME).read_bytes(), key is not None
-        wrong = mismatch(checksum_bytes(DCP_METADATA_NAME, data, sha256=sha256), record, sha256=sha256)
-        if wrong:
-            raise CheckpointError(f"{path}/{wrong}")
-        # Read here rather than in read_metadata, whose errors DCP logs as "metadata not found".
-        self.metadata = load_metadata(data)
         self.manifest = manifest
+        # Read here rather than in read_metadata, whose errors DCP logs as "metadata not found".
+        if state_dict is not None and manifest.file(METADATA_INDEX_NAME) is not None:
+            listed = {f.name for f in manifest.files}
+            self.metadata = read_index(self._checked(METADATA_INDEX_NAME), local_boxes(state_dict), listed.__contains__)
+        else:  # an older step, or one whose metadata no index could say
+            self.metadata = load_metadata(self._checked(DCP_METADATA_NAME))
+
+    def _checked(self, name: str) -> bytes:
+        """The bytes of the step's file `name`, as its manifest record vouches for them."""
+        record = self.manifest.file(name)
+        if record is None:
+            raise CheckpointError(f"{self.path}: the manifest does not list {name}")
+        data, sha256 = (self.path / name).read_bytes(), self.key is not None
+        wrong = mismatch(checksum_bytes(name, data, sha256=sha256), record, sha256=sha256)
+        if wrong:
+            raise CheckpointError(f"{self.path}/{wrong}")
+        return data
 
     def read_metadata(self) -> Any:  # no rank kwarg: DCP must not fall back to rank-local metadata
         return self.metadata

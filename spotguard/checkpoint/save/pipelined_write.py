@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _split_by_size_and_type, _StorageInfo
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, TensorWriteData, WriteItem, WriteItemType
@@ -32,6 +31,7 @@ from cloud_adapters.deadline import Deadline
 from spotguard.checkpoint.errors import CheckpointError
 from spotguard.checkpoint.io import bounce
 from spotguard.checkpoint.io.bounce import BouncePool, Pipeline
+from spotguard.checkpoint.save.indexed_write import IndexedWriter
 
 Slice = tuple[WriteItem, int, int]  # the item planned, and the rows of it (first, count) a slice holds
 
@@ -42,8 +42,9 @@ def record_room(buffer_bytes: int) -> int:
     return min(64 << 10, buffer_bytes // 2)
 
 
-class PipelinedWriter(FileSystemWriter):
-    """DCP's file writer with every tensor that is not in host memory copied out through `pool`."""
+class PipelinedWriter(IndexedWriter):
+    """DCP's file writer (its coordinator writing the metadata's index too) with every tensor that is not
+    in host memory copied out through `pool`."""
 
     def __init__(self, path: Path, *, threads: int, pool: BouncePool, cutoff: Deadline | None = None) -> None:
         super().__init__(path, thread_count=threads, sync_files=True)

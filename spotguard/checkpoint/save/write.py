@@ -11,10 +11,11 @@ from torch.distributed.checkpoint import FileSystemWriter, SavePlanner
 
 from cloud_adapters.deadline import Deadline
 from spotguard.checkpoint.comm import Comm
-from spotguard.checkpoint.format.layout import DCP_METADATA_NAME, shard_prefix
+from spotguard.checkpoint.format.layout import DCP_METADATA_NAME, METADATA_INDEX_NAME, shard_prefix
 from spotguard.checkpoint.format.manifest import FileRecord
 from spotguard.checkpoint.io import bounce
 from spotguard.checkpoint.moves.streaming import StreamedFile
+from spotguard.checkpoint.save.indexed_write import IndexedWriter
 from spotguard.checkpoint.save.pipelined_write import PipelinedWriter
 from spotguard.checkpoint.save.shard_io import ChecksummingFileSystem, without_zip_crc32
 from spotguard.checkpoint.state import tensors_of
@@ -45,7 +46,7 @@ def write_shards(
     pool = bounce.pool_for(list(tensors_of(state_dict)), count=threads + bounce.IN_FLIGHT)
     writer: FileSystemWriter
     if pool is None:
-        writer = FileSystemWriter(stage_dir, thread_count=threads, sync_files=True)
+        writer = IndexedWriter(stage_dir, thread_count=threads, sync_files=True)
     else:
         writer = PipelinedWriter(stage_dir, threads=threads, pool=pool, cutoff=cutoff)
     writer.fs = fs = ChecksummingFileSystem(sha256=sha256, tee=tee)
@@ -54,4 +55,5 @@ def write_shards(
     mine = sorted(p for p in stage_dir.iterdir() if p.name.startswith(shard_prefix(comm.rank)))
     if comm.is_coordinator:
         mine.append(stage_dir / DCP_METADATA_NAME)  # written to a temporary name, then renamed: read it back
+        mine += [p for p in [stage_dir / METADATA_INDEX_NAME] if p.exists()]  # absent if no index fits
     return [fs.record_for(path) for path in mine]
