@@ -56,7 +56,10 @@ class RefusedIndex(CheckpointError):
 def index_bytes(metadata: Metadata) -> bytes | None:
     """The index of `metadata` as DCP's writer finished it; None when it holds what the index cannot
     say (storage transforms, another planner's data, a chunk with no storage or storage with no chunk):
-    then no index is written and every rank reads `.metadata`."""
+    then no index is written and every rank reads `.metadata`. None too when no tensor is split in
+    chunks (an unsharded or DDP state): no rank would leave any out."""
+    if not any(len(getattr(md, "chunks", ())) > 1 for md in metadata.state_dict_metadata.values()):
+        return None
     # map() and attrgetter keep the loops over a million chunks in C (a Python loop: seconds at 1,024 ranks).
     keys, infos = metadata.storage_data.keys(), list(metadata.storage_data.values())
     if set(map(type, infos)) - {_StorageInfo} or (_TRANSFORMS and any(map(attrgetter("transform_descriptors"), infos))):
