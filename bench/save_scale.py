@@ -30,9 +30,11 @@ Phases, each timed at each N (seconds):
    function: the Manifest of N ranks' records, `commit_dir`), the broadcast of its LocalCommit.
 8. resume: one rank's `.metadata` read as `VerifiedReader` reads it (`load_metadata`) and its local
    load plan (`WeightsOnlyLoadPlanner` set_up_planner + create_local_plan).
-9. snapshot index exchange (`snapshots.loading.PlanLoader._indexes` at another world size): the gather
-   of each rank's `ShardInfo` (items from `snapshots.items.laid_out` / `stored`, as `MappedShard` lays
-   them out), rank 0's merge, the broadcast of the merged dict, one rank's unpickle and `metadata_of`.
+9. snapshot index exchange (`snapshots.loading.PlanLoader._indexes` at another world size: the snapshot
+   taken by the N ranks, resumed by N - 8, one node lost): the gather of what each rank sends (the
+   chunks of the shards it read, a lost node's read by its buddy, and of its own state at the new size,
+   `snapshots.needed.Layout`), rank 0's `shards_needed`, the scatter of each rank's list, and one rank's
+   read of those shards' indexes (their trailers parsed as `fetch_info` gets them, then `metadata_of`).
 
 The communication (2, 5, 6's broadcast, 7's gather and broadcast, 9's gather and broadcast) runs over
 a REAL gloo group: N ranks as threads spread over `--procs` processes around one TCPStore, each
@@ -60,6 +62,7 @@ How this differs from a real job:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import multiprocessing as mp
@@ -80,15 +83,17 @@ from typing import Any
 from _common import table  # also puts the checkout on sys.path
 
 COLS = 4  # each tensor's row: 4 floats
+RANKS_PER_NODE = 8
 PHASES = ("local_plan", "plan_gather", "global_plan", "write", "plan_scatter", "results_gather", "finish",
           "metadata_bcast", "commit", "resume", "snapshot")  # fmt: skip
 # The rounds the gloo threads run, in order: (name, kind).
 ROUNDS = (("plan_gather", "gather"), ("plan_scatter", "scatter"), ("results_gather", "gather"),
           ("metadata_bcast", "bcast"), ("records_gather", "gather"), ("commit_bcast", "bcast"),
-          ("index_gather", "gather"), ("index_bcast", "bcast"))  # fmt: skip
+          ("index_gather", "gather"), ("needed_scatter", "scatter"))  # fmt: skip
 ROUND_OF_PHASE = {"plan_gather": ("plan_gather",), "plan_scatter": ("plan_scatter",),
                   "results_gather": ("results_gather",), "metadata_bcast": ("metadata_bcast",),
-                  "commit": ("records_gather", "commit_bcast"), "snapshot": ("index_gather", "index_bcast")}  # fmt: skip
+                  "commit": ("records_gather", "commit_bcast"),
+                  "snapshot": ("index_gather", "needed_scatter")}  # fmt: skip
 COORDINATION = ("local_plan", "plan_gather", "global_plan", "plan_scatter", "results_gather", "finish",
                 "metadata_bcast", "commit")  # fmt: skip
 
@@ -96,8 +101,9 @@ COORDINATION = ("local_plan", "plan_gather", "global_plan", "plan_scatter", "res
 # -- one rank's state, under torch's fake process group ---------------------------------------
 
 
-def rank_state(rank: int, world: int, tensors: int, rows: int) -> dict[str, Any]:
-    """Rank `rank`'s FSDP2-shaped state (a DCP state dict), its DTensors on a CPU mesh of `world` fake ranks."""
+def rank_state(rank: int, world: int, tensors: int, rows: int, total: int | None = None) -> dict[str, Any]:
+    """Rank `rank`'s FSDP2-shaped state (a DCP state dict), its DTensors on a CPU mesh of `world` fake ranks:
+    `rows` rows of each tensor, or its part of `total` rows as FSDP2 splits them (ceil, the last fewer)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
@@ -108,10 +114,13 @@ def rank_state(rank: int, world: int, tensors: int, rows: int) -> dict[str, Any]
         dist.destroy_process_group()
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     mesh = DeviceMesh("cpu", list(range(world)))
-    shape, stride = torch.Size((world * rows, COLS)), (COLS, 1)
+    total = world * rows if total is None else total
+    shape, stride = torch.Size((total, COLS)), (COLS, 1)
+    per = -(-total // world)
+    mine = max(0, min(per, total - rank * per))
 
     def sharded() -> Any:
-        local = torch.full((rows, COLS), float(rank))
+        local = torch.full((mine, COLS), float(rank))
         return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=shape, stride=stride)
 
     model = {f"layers.{i}.weight": sharded() for i in range(tensors)}
@@ -224,11 +233,46 @@ def broadcast_object(pg: Any, rank: int, data: bytes | None, unpickle: bool) -> 
     bopts.rootRank, bopts.rootTensor = 0, 0
     size = torch.tensor([len(data) if rank == 0 else 0], dtype=torch.long)
     pg.broadcast([size], bopts).wait()
-    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if rank == 0 else torch.empty(int(size), dtype=torch.uint8)
+    buf = (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8) if rank == 0 else torch.empty(int(size), dtype=torch.uint8)
+    )
     pg.broadcast([buf], bopts).wait()
     if rank != 0 and unpickle:
         return pickle.loads(buf.numpy().tobytes())
     return None
+
+
+@dataclasses.dataclass
+class _Round:
+    """One collective over a worker's ranks: each loads its payload, waits for the go, runs it."""
+
+    folder: Path
+    name: str
+    kind: str
+    ready: threading.Barrier
+    go: threading.Event = dataclasses.field(default_factory=threading.Event)
+    done: dict[int, float] = dataclasses.field(default_factory=dict)
+    errors: list[str] = dataclasses.field(default_factory=list)
+
+    def run(self, rank: int, pg: Any, world: int) -> None:
+        try:
+            mine = (self.folder / f"{rank}.pkl").read_bytes() if self.kind == "gather" else None
+            datas = None
+            if rank == 0 and self.kind == "scatter":
+                datas = [(self.folder / f"{r}.pkl").read_bytes() for r in range(world)]
+            if rank == 0 and self.kind == "bcast":
+                mine = (self.folder / "root.pkl").read_bytes()
+            self.ready.wait()
+            self.go.wait()
+            if self.kind == "gather":
+                gather_object(pg, rank, world, mine)
+            elif self.kind == "scatter":
+                scatter_object(pg, rank, world, datas)
+            else:  # one rank's unpickle of a large broadcast is timed apart, in the parent
+                broadcast_object(pg, rank, mine, unpickle=self.name == "commit_bcast")
+            self.done[rank] = time.time()
+        except Exception as exc:  # noqa: BLE001 - reported to the parent
+            self.errors.append(f"rank {rank}: {type(exc).__name__}: {exc}")
 
 
 def comm_worker(pipe: Any, ranks: list[int], world: int, port: int, payloads: str) -> None:
@@ -251,6 +295,7 @@ def comm_worker(pipe: Any, ranks: list[int], world: int, port: int, payloads: st
         th.start()
     for th in threads:
         th.join()
+
     # The first collectives connect the pairs they use (lazy init): done once, before the timed rounds,
     # as a job's earlier saves (and the stage name's broadcast at the start of each save) would have.
     def warm(rank: int) -> None:
@@ -272,42 +317,18 @@ def comm_worker(pipe: Any, ranks: list[int], world: int, port: int, payloads: st
             pipe.send("bye")
             return
         name, kind, skip = command
-        folder = Path(payloads) / name
-        done: dict[int, float] = {}
-        errors: list[str] = []
-        ready = threading.Barrier(len(ranks) + 1)
-        go = threading.Event()
+        rnd = _Round(Path(payloads) / name, name, kind, threading.Barrier(len(ranks) + 1))
 
-        def one(rank: int) -> None:
-            try:
-                mine = (folder / f"{rank}.pkl").read_bytes() if kind == "gather" else None
-                datas = None
-                if rank == 0 and kind == "scatter":
-                    datas = [(folder / f"{r}.pkl").read_bytes() for r in range(world)]
-                if rank == 0 and kind == "bcast":
-                    mine = (folder / "root.pkl").read_bytes()
-                ready.wait()
-                go.wait()
-                if kind == "gather":
-                    gather_object(pgs[rank], rank, world, mine)
-                elif kind == "scatter":
-                    scatter_object(pgs[rank], rank, world, datas)
-                else:  # one rank's unpickle of a large broadcast is timed apart, in the parent
-                    broadcast_object(pgs[rank], rank, mine, unpickle=name == "commit_bcast")
-                done[rank] = time.time()
-            except Exception as exc:  # noqa: BLE001 - reported to the parent
-                errors.append(f"rank {rank}: {type(exc).__name__}: {exc}")
-
-        threads = [threading.Thread(target=one, args=(r,)) for r in ranks]
+        threads = [threading.Thread(target=rnd.run, args=(r, pgs[r], world)) for r in ranks]
         for th in threads:
             th.start()
-        ready.wait()  # this process's ranks have their payloads
+        rnd.ready.wait()  # this process's ranks have their payloads
         pipe.send("loaded")
         start = pipe.recv()
-        go.set()
+        rnd.go.set()
         for th in threads:
             th.join()
-        pipe.send({"start": start, "done": done, "errors": errors})
+        pipe.send({"start": start, "done": rnd.done, "errors": rnd.errors})
         gc.collect()
 
 
@@ -371,9 +392,7 @@ class Comms:
 
 
 def measure(world: int, args: argparse.Namespace, phases: set[str], work: Path) -> dict[str, Any]:
-    import torch
     import torch.distributed as dist
-    from torch.distributed.checkpoint import DefaultSavePlanner
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.storage import WriteResult
 
@@ -384,6 +403,8 @@ def measure(world: int, args: argparse.Namespace, phases: set[str], work: Path) 
     from spotguard.checkpoint.save.protocol import SaveProtocol
     from spotguard.checkpoint.save.shard_io import without_zip_crc32
     from spotguard.snapshots.items import metadata_of
+    from spotguard.snapshots.needed import Layout, shard_layout, shards_needed, state_layout
+    from spotguard.snapshots.shard_file import parse_trailer
 
     out: dict[str, Any] = {"ranks": world, "s": {}, "notes": {}}
     s, notes = out["s"], out["notes"]
@@ -404,6 +425,7 @@ def measure(world: int, args: argparse.Namespace, phases: set[str], work: Path) 
     planner0 = writer0 = None
     t_all = time.perf_counter()
     plan_bytes = index_bytes = 0
+    infos: dict[int, Any] = {}
     for rank in range(world):
         state = rank_state(rank, world, args.tensors, args.rows_per_rank)
         writer = writer_for(stage, args.write_threads)
@@ -413,9 +435,23 @@ def measure(world: int, args: argparse.Namespace, phases: set[str], work: Path) 
         plans.append(plan)
         plan_bytes = max(plan_bytes, put("plan_gather", rank, plan))
         if "snapshot" in phases:
-            index_bytes = max(index_bytes, put("index_gather", rank, ({rank: shard_info(state, rank, world)}, False)))
+            infos[rank] = shard_info(state, rank, world)
         if rank == 0:
             planner0, writer0, state0 = planner, writer, state
+    if "snapshot" in phases:  # 9. at one node (8 ranks) fewer: what each rank of the new world sends
+        lost = min(RANKS_PER_NODE, world // 2)
+        survivors = world - lost
+        for rank in range(world):
+            read = [rank, *([survivors + rank] if rank < lost else [])]  # a lost node's shards: its buddy's
+            if rank < survivors:
+                wants = state_layout(
+                    rank_state(rank, survivors, args.tensors, args.rows_per_rank, world * args.rows_per_rank)
+                )
+                part = ({shard: shard_layout(infos[shard].items) for shard in read}, False, wants)
+            else:  # gone: sends nothing (a group of the survivors in a real job)
+                part = ({}, False, Layout.of([]))
+            index_bytes = max(index_bytes, put("index_gather", rank, part))
+        notes["reshard"] = f"{world} -> {survivors}"
     s["local_plan"] = statistics.median(times.values())
     notes["make_all_plans_s"] = round(time.perf_counter() - t_all, 1)
     notes["plan_pickle_bytes"] = plan_bytes
@@ -509,27 +545,26 @@ def measure(world: int, args: argparse.Namespace, phases: set[str], work: Path) 
     s["load_plan"] = time.perf_counter() - t
     del loaded, lp
 
-    # 9. the snapshot indexes merged on rank 0; one rank's unpickle and metadata_of.
+    # 9. rank 0 finds the shards each rank needs (loading.PlanLoader._needed); a rank reads their indexes.
     if "snapshot" in phases:
         gathered = [pickle.loads((payloads / "index_gather" / f"{r}.pkl").read_bytes()) for r in range(world)]
         t = time.perf_counter()
-        indexes = None
-        if not any(failed for _, failed in gathered):  # loading.PlanLoader._indexes, on rank 0
-            indexes = {shard: info for part, _ in gathered for shard, info in part.items()}
-        merged = pickle.dumps(indexes)
-        s["index_merge"] = time.perf_counter() - t
-        notes["index_merged_bytes"] = len(merged)
-        (payloads / "index_bcast" / "root.pkl").write_bytes(merged)
-        del gathered, indexes
+        shards = {shard: layout for part, _, _ in gathered for shard, layout in part.items()}
+        local = [[r // RANKS_PER_NODE * RANKS_PER_NODE + i for i in range(RANKS_PER_NODE)] for r in range(world)]
+        needed = shards_needed(shards, [wants for _, _, wants in gathered], local)
+        s["index_match"] = time.perf_counter() - t
+        for r, shards_of in enumerate(needed):
+            put("needed_scatter", r, shards_of)
+        sample = survivors // 2
+        notes["shards_a_rank_needs"] = max(len(n) for n in needed[:survivors])
+        trailers = [infos[shard].encoded() for shard in needed[sample]]  # as `fetch_info` gets them
+        del gathered, shards, needed
         t = time.perf_counter()
-        indexes = pickle.loads(merged)
-        s["index_unpickle"] = time.perf_counter() - t
-        del merged
-        t = time.perf_counter()
-        whole = all(info.world_size == len(indexes) for info in indexes.values())  # loading.load_shards
-        metadata_of({shard: info.items for shard, info in indexes.items()}, whole=whole)
-        s["index_metadata_of"] = time.perf_counter() - t
-        del indexes
+        read = {info.rank: info for info in map(parse_trailer, trailers)}
+        metadata_of({shard: info.items for shard, info in read.items()}, whole=len(read) == world)
+        s["index_read"] = time.perf_counter() - t
+        del read, trailers
+    infos.clear()
     del state, state0, planner0, writer0
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -538,7 +573,7 @@ def measure(world: int, args: argparse.Namespace, phases: set[str], work: Path) 
     # The communication, over real gloo threads.
     comm_rounds = [(n, k) for n, k in ROUNDS if any(n in ROUND_OF_PHASE.get(p, ()) for p in phases)]
     if comm_rounds:
-        big = {"metadata_bcast": meta_bytes, "index_bcast": notes.get("index_merged_bytes", 0)}
+        big = {"metadata_bcast": meta_bytes}
         comms = Comms(world, min(args.procs, world), payloads)
         notes["gloo_groups_s"] = round(comms.setup_s, 2)
         notes["gloo_first_collectives_s"] = round(comms.connect_s, 2)
@@ -578,9 +613,9 @@ def phase_rows(s: dict[str, float | None]) -> dict[str, float | None]:
         "8 metadata read (a rank)": s.get("metadata_read"),
         "8 load plan (a rank)": s.get("load_plan"),
         "9 index gather": s.get("index_gather"),
-        "9 index merge+pickle (rank 0)": s.get("index_merge"),
-        "9 index bcast": s.get("index_bcast"),
-        "9 unpickle+metadata_of (a rank)": add("index_unpickle", "index_metadata_of"),
+        "9 shards each rank needs (rank 0)": s.get("index_match"),
+        "9 scatter of the lists": s.get("needed_scatter"),
+        "9 its shards' indexes (a rank)": s.get("index_read"),
     }
     coord = ["1 local plan (a rank)", "2 plan gather", "3 global plan (rank 0)", "5 plan scatter",
              "5 results gather", "6 finish .metadata (rank 0)", "6 metadata bcast + unpickle", "7 records gather",
@@ -588,7 +623,7 @@ def phase_rows(s: dict[str, float | None]) -> dict[str, float | None]:
     rows["= coordination total"] = sum(rows[k] for k in coord if rows[k] is not None)
     rows["= coordination, all measured"] = "yes" if all(rows[k] is not None for k in coord) else "no"
     rows["= resume (8)"] = add("metadata_read", "load_plan")
-    rows["= index exchange (9)"] = add("index_gather", "index_merge", "index_bcast", "index_unpickle", "index_metadata_of")
+    rows["= index exchange (9)"] = add("index_gather", "index_match", "needed_scatter", "index_read")
     return rows
 
 
@@ -612,7 +647,9 @@ def report(results: list[dict[str, Any]]) -> str:
             row.append(f"{b / a:.1f}" if isinstance(a, float) and isinstance(b, float) and a > 0 else "")
         if len(ns) > 1:
             a, b = vals[0], vals[-1]
-            row.append(f"{b / (a * ns[-1] / ns[0]):.2f}" if isinstance(a, float) and isinstance(b, float) and a > 0 else "")
+            row.append(
+                f"{b / (a * ns[-1] / ns[0]):.2f}" if isinstance(a, float) and isinstance(b, float) and a > 0 else ""
+            )
         rows.append(row)
     lines = [table(headers, rows), ""]
     for r in results:
@@ -628,8 +665,12 @@ def main() -> None:
     p.add_argument("--rows-per-rank", type=int, default=2)
     p.add_argument("--write-threads", type=int, default=2, help="the FileSystemWriter's files per rank")
     p.add_argument("--procs", type=int, default=4, help="processes the gloo threads are spread over")
-    p.add_argument("--bcast-mem-gb", type=float, default=4.0,
-                   help="skip a broadcast when N x its pickle is over this (a buffer per receiving thread)")
+    p.add_argument(
+        "--bcast-mem-gb",
+        type=float,
+        default=4.0,
+        help="skip a broadcast when N x its pickle is over this (a buffer per receiving thread)",
+    )
     p.add_argument("--phases", default=",".join(PHASES), help=f"a subset of {','.join(PHASES)}")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()

@@ -14,7 +14,7 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import torch
+import numpy as np
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItemType
 
@@ -27,8 +27,8 @@ class Layout:
     dimension a chunk lacks, as a non-tensor value lacks all, counts as one of size 1 at 0)."""
 
     fqns: tuple[str, ...]
-    offsets: torch.Tensor
-    sizes: torch.Tensor
+    offsets: np.ndarray
+    sizes: np.ndarray
 
     @classmethod
     def of(cls, chunks: Sequence[tuple[str, tuple[int, ...], tuple[int, ...]]]) -> Layout:
@@ -37,18 +37,14 @@ class Layout:
         sizes = [list(s) + [1] * (dims - len(s)) for _, _, s in chunks]
         return cls(
             tuple(f for f, _, _ in chunks),
-            torch.tensor(offsets, dtype=torch.int64).reshape(len(chunks), dims),
-            torch.tensor(sizes, dtype=torch.int64).reshape(len(chunks), dims),
+            np.array(offsets, dtype=np.int64).reshape(len(chunks), dims),
+            np.array(sizes, dtype=np.int64).reshape(len(chunks), dims),
         )
 
-    def widened(self, dims: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def widened(self, dims: int) -> tuple[np.ndarray, np.ndarray]:
         """offsets and sizes with `dims` dimensions."""
-        more = dims - self.offsets.shape[1]
-        n = len(self.fqns)
-        return (
-            torch.cat([self.offsets, torch.zeros(n, more, dtype=torch.int64)], 1),
-            torch.cat([self.sizes, torch.ones(n, more, dtype=torch.int64)], 1),
-        )
+        more = ((0, 0), (0, dims - self.offsets.shape[1]))
+        return np.pad(self.offsets, more), np.pad(self.sizes, more, constant_values=1)
 
 
 def shard_layout(items: Iterable[StoredItem]) -> Layout:
@@ -71,7 +67,6 @@ def state_layout(state_dict: Mapping[str, Any]) -> Layout:
 
 
 _FQN_SHIFT = 40  # sort keys: a chunk's name's number above its start (starts below 2**40)
-_EMPTY = torch.zeros(0, dtype=torch.int64)
 
 
 def shards_needed(
@@ -82,18 +77,19 @@ def shards_needed(
     Of the shards holding the same chunk (a replicated tensor, a value every rank saved), a rank reads
     one: one held on its node (`local_by_rank[r]`, in order) that it needs anyway, else its own shard,
     else the first there; with none on its node, one it needs anyway, else its own, else the first.
-    A chunk no shard holds needs none: the rank's load planner reports what is missing.
+    A chunk no shard holds needs none: the rank's load planner reports what is missing. numpy, not
+    torch: torch's sorts start threads of their own, which a rank's busy cores make many times slower.
     """
     if not wants or not any(len(layout.fqns) for layout in shards.values()):
         return [[] for _ in wants]
     names = _Names()
-    dims = max(layout.offsets.shape[1] for layout in [*shards.values(), *wants, Layout.of([])])
+    dims = max(layout.offsets.shape[1] for layout in [*shards.values(), *wants])
     stored = _Chunks.of(shards, names, dims)
-    rank_of = torch.cat([torch.full((len(w.fqns),), r, dtype=torch.int64) for r, w in enumerate(wants)] or [_EMPTY])
-    want_fqn = torch.cat([names.of(w.fqns, add=False) for w in wants] or [_EMPTY])
+    rank_of = np.repeat(np.arange(len(wants)), [len(w.fqns) for w in wants])
+    want_fqn = np.concatenate([names.of(w.fqns, add=False) for w in wants])
     widened = [w.widened(dims) for w in wants]
-    want_off = torch.cat([o for o, _ in widened] or [_EMPTY.reshape(0, dims)])
-    want_size = torch.cat([s for _, s in widened] or [_EMPTY.reshape(0, dims)])
+    want_off = np.concatenate([o for o, _ in widened])
+    want_size = np.concatenate([s for _, s in widened])
     known = want_fqn >= 0
     rank_of, want_fqn, want_off, want_size = rank_of[known], want_fqn[known], want_off[known], want_size[known]
 
@@ -102,24 +98,21 @@ def shards_needed(
     # layout that is no grid may lose a chunk here, and the rank's load then fails on what it misses)
     # up to its end.
     sweep = stored.sweep[want_fqn]
-    start = want_off.gather(1, sweep[:, None]).squeeze(1)
-    end = start + want_size.gather(1, sweep[:, None]).squeeze(1)
+    start = np.take_along_axis(want_off, sweep[:, None], 1)[:, 0]
+    end = start + np.take_along_axis(want_size, sweep[:, None], 1)[:, 0]
     base = want_fqn << _FQN_SHIFT
-    last = torch.searchsorted(stored.keys, base + start, right=True) - 1
-    same = (last >= 0) & (stored.keys[last.clamp(min=0)] >= base)
-    first = torch.where(
-        same, torch.searchsorted(stored.keys, stored.keys[last.clamp(min=0)]), torch.searchsorted(stored.keys, base)
-    )
-    stop = torch.searchsorted(stored.keys, base + end)
-    counts = (stop - first).clamp(min=0)
-    want = torch.repeat_interleave(torch.arange(len(counts)), counts)
-    chunk = first[want] + torch.arange(len(want)) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+    last = np.searchsorted(stored.keys, base + start, side="right") - 1
+    before = stored.keys[np.maximum(last, 0)]
+    same = (last >= 0) & (before >= base)  # a chunk of this tensor starts at or before the wanted one
+    first = np.where(same, np.searchsorted(stored.keys, before), np.searchsorted(stored.keys, base))
+    counts = np.maximum(np.searchsorted(stored.keys, base + end) - first, 0)
+    want = np.repeat(np.arange(len(counts)), counts)
+    chunk = first[want] + np.arange(len(want)) - np.repeat(np.cumsum(counts) - counts, counts)
     overlap = (
         (stored.offsets[chunk] < want_off[want] + want_size[want])
         & (want_off[want] < stored.offsets[chunk] + stored.sizes[chunk])
     ).all(1)
-    want, chunk = want[overlap], chunk[overlap]
-    return stored.pick(rank_of[want], chunk, len(wants), local_by_rank)
+    return stored.pick(rank_of[want[overlap]], chunk[overlap], len(wants), local_by_rank)
 
 
 @dataclasses.dataclass
@@ -127,38 +120,41 @@ class _Chunks:
     """Every distinct saved chunk, sorted by its name's number and its start along its tensor's sweep
     dimension (the one cut into the most pieces), with the shards that hold it."""
 
-    keys: torch.Tensor  # the sort key of each chunk
-    offsets: torch.Tensor
-    sizes: torch.Tensor
-    sweep: torch.Tensor  # by name's number: the sweep dimension
-    holder: torch.Tensor  # the shard holding each chunk; -1: several (`groups`)
-    group: torch.Tensor  # of a chunk several shards hold: which of `groups`
+    keys: np.ndarray  # the sort key of each chunk
+    offsets: np.ndarray
+    sizes: np.ndarray
+    sweep: np.ndarray  # by name's number: the sweep dimension
+    holder: np.ndarray  # the shard holding each chunk; -1: several (`groups`)
+    group: np.ndarray  # of a chunk several shards hold: which of `groups`
     groups: list[list[int]]  # sets of shards holding the same chunks, in order
 
     @classmethod
     def of(cls, shards: Mapping[int, Layout], names: _Names, dims: int) -> _Chunks:
         order = sorted(shards)
-        fqn = torch.cat([names.of(shards[s].fqns, add=True) for s in order] or [_EMPTY])
-        shard = torch.cat([torch.full((len(shards[s].fqns),), s, dtype=torch.int64) for s in order] or [_EMPTY])
+        fqn = np.concatenate([names.of(shards[s].fqns, add=True) for s in order])
+        shard = np.repeat(np.array(order, dtype=np.int64), [len(shards[s].fqns) for s in order])
         widened = [shards[s].widened(dims) for s in order]
-        offsets = torch.cat([o for o, _ in widened] or [_EMPTY.reshape(0, dims)])
-        sizes = torch.cat([s for _, s in widened] or [_EMPTY.reshape(0, dims)])
+        offsets = np.concatenate([o for o, _ in widened])
+        sizes = np.concatenate([s for _, s in widened])
         # One row per distinct chunk (name and offsets); its copies together, in shard order.
-        rows, inverse = _unique_rows(torch.cat([fqn[:, None], offsets], 1))
-        copies = torch.bincount(inverse, minlength=len(rows))
-        by_chunk = inverse.argsort(stable=True)
-        bounds = torch.cat([torch.zeros(1, dtype=torch.int64), copies.cumsum(0)])
-        first_copy = by_chunk[bounds[:-1]]
-        holder = torch.where(copies == 1, shard[first_copy], -1)
-        group = torch.full((len(rows),), -1, dtype=torch.int64)
+        by_chunk = np.lexsort([*offsets.T[::-1], fqn])  # stable: shards in order within a chunk
+        rows = np.column_stack([fqn, offsets])[by_chunk]
+        new = np.ones(len(rows), dtype=bool)
+        new[1:] = (rows[1:] != rows[:-1]).any(1)
+        starts = np.flatnonzero(new)
+        copies = np.diff(np.append(starts, len(rows)))
+        first_copy = by_chunk[starts]
+        rows = rows[starts]
+        holder = np.where(copies == 1, shard[first_copy], -1)
+        group = np.full(len(rows), -1, dtype=np.int64)
         seen: dict[tuple[int, ...], int] = {}
         held_by = shard[by_chunk].tolist()
-        edges = bounds.tolist()
-        for u in (copies > 1).nonzero().squeeze(1).tolist():  # replicated tensors and values: few
-            group[u] = seen.setdefault(tuple(held_by[edges[u] : edges[u + 1]]), len(seen))
+        for u in np.flatnonzero(copies > 1).tolist():  # replicated tensors and values: few
+            members = tuple(held_by[starts[u] : starts[u] + copies[u]])
+            group[u] = seen.setdefault(members, len(seen))
         sweep = _sweep_dims(rows[:, 0], rows[:, 1:], len(names))
-        keys = (rows[:, 0] << _FQN_SHIFT) + rows[:, 1:].gather(1, sweep[rows[:, 0]][:, None]).squeeze(1)
-        by_key = keys.argsort(stable=True)
+        keys = (rows[:, 0] << _FQN_SHIFT) + np.take_along_axis(rows[:, 1:], sweep[rows[:, 0]][:, None], 1)[:, 0]
+        by_key = np.argsort(keys, kind="stable")
         return cls(
             keys[by_key],
             rows[by_key, 1:],
@@ -170,18 +166,21 @@ class _Chunks:
         )
 
     def pick(
-        self, ranks: torch.Tensor, chunks: torch.Tensor, world: int, local_by_rank: Sequence[Sequence[int]]
+        self, ranks: np.ndarray, chunks: np.ndarray, world: int, local_by_rank: Sequence[Sequence[int]]
     ) -> list[list[int]]:
         """The shards each rank reads, from the (rank, chunk) pairs it overlaps."""
         single = self.holder[chunks] >= 0
-        pairs = torch.unique(ranks[single] * (1 << 32) + self.holder[chunks[single]])
         needed: list[set[int]] = [set() for _ in range(world)]
-        for rank, shard in zip((pairs >> 32).tolist(), (pairs & 0xFFFFFFFF).tolist()):
+        for rank, shard in _distinct_pairs(ranks[single], self.holder[chunks[single]]):
             needed[rank].add(shard)
-        shared = torch.unique(ranks[~single] * (1 << 32) + self.group[chunks[~single]])
-        for rank, group in zip((shared >> 32).tolist(), (shared & 0xFFFFFFFF).tolist()):
+        for rank, group in _distinct_pairs(ranks[~single], self.group[chunks[~single]]):
             needed[rank].add(_one_of(self.groups[group], rank, local_by_rank[rank], needed[rank]))
         return [sorted(shards) for shards in needed]
+
+
+def _distinct_pairs(a: np.ndarray, b: np.ndarray) -> Iterable[tuple[int, int]]:
+    pairs = np.unique((a << 32) + b)
+    return zip((pairs >> 32).tolist(), (pairs & 0xFFFFFFFF).tolist())
 
 
 def _one_of(members: list[int], rank: int, local: Sequence[int], needed: set[int]) -> int:
@@ -199,42 +198,25 @@ class _Names:
 
     def __init__(self) -> None:
         self.numbers: dict[str, int] = {}
-        self._lists: dict[tuple[tuple[str, ...], bool], torch.Tensor] = {}
+        self._lists: dict[tuple[tuple[str, ...], bool], np.ndarray] = {}
 
     def __len__(self) -> int:
         return len(self.numbers)
 
-    def of(self, fqns: tuple[str, ...], *, add: bool) -> torch.Tensor:
+    def of(self, fqns: tuple[str, ...], *, add: bool) -> np.ndarray:
         """The numbers of `fqns` (-1: unknown), numbering new ones with `add`."""
         found = self._lists.get((fqns, add))
         if found is None:
-            get = (
-                (lambda f: self.numbers.setdefault(f, len(self.numbers)))
-                if add
-                else (lambda f: self.numbers.get(f, -1))
-            )
-            found = self._lists[fqns, add] = torch.tensor([get(f) for f in fqns], dtype=torch.int64)
+            known = self.numbers
+            numbers = [known.setdefault(f, len(known)) if add else known.get(f, -1) for f in fqns]
+            found = self._lists[fqns, add] = np.array(numbers, dtype=np.int64)
         return found
 
 
-def _sweep_dims(fqn: torch.Tensor, offsets: torch.Tensor, names: int) -> torch.Tensor:
+def _sweep_dims(fqn: np.ndarray, offsets: np.ndarray, names: int) -> np.ndarray:
     """By name's number: the dimension along which its chunks start at the most places."""
-    dims = offsets.shape[1]
-    cuts = torch.zeros(names, dims, dtype=torch.int64)
-    for d in range(dims):
-        starts = torch.unique((fqn << _FQN_SHIFT) + offsets[:, d])
-        cuts[:, d] = torch.bincount(starts >> _FQN_SHIFT, minlength=names)
+    cuts = np.zeros((names, offsets.shape[1]), dtype=np.int64)
+    for d in range(offsets.shape[1]):
+        starts = np.unique((fqn << _FQN_SHIFT) + offsets[:, d])
+        cuts[:, d] = np.bincount(starts >> _FQN_SHIFT, minlength=names)
     return cuts.argmax(1)
-
-
-def _unique_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch.unique(rows, dim=0, return_inverse=True), by one stable sort per column (many times faster)."""
-    order = torch.arange(len(rows))
-    for column in reversed(range(rows.shape[1])):
-        order = order[rows[order, column].argsort(stable=True)]
-    ordered = rows[order]
-    new = torch.ones(len(rows), dtype=torch.bool)
-    new[1:] = (ordered[1:] != ordered[:-1]).any(1)
-    inverse = torch.empty_like(order)
-    inverse[order] = new.cumsum(0) - 1
-    return ordered[new], inverse
