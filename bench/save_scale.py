@@ -242,6 +242,15 @@ def broadcast_object(pg: Any, rank: int, data: bytes | None, unpickle: bool) -> 
     return None
 
 
+def _on_threads(fn: Any, ranks: list[int]) -> None:
+    """`fn(rank)` for each of `ranks`, each on a thread of its own, all at once."""
+    threads = [threading.Thread(target=fn, args=(r,)) for r in ranks]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+
+
 @dataclasses.dataclass
 class _Round:
     """One collective over a worker's ranks: each loads its payload, waits for the go, runs it."""
@@ -290,11 +299,7 @@ def comm_worker(pipe: Any, ranks: list[int], world: int, port: int, payloads: st
         pgs[rank] = _pg(dist.PrefixStore("g", base.clone()), rank, world)
 
     t = time.perf_counter()
-    threads = [threading.Thread(target=make, args=(r,)) for r in ranks]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    _on_threads(make, ranks)
 
     # The first collectives connect the pairs they use (lazy init): done once, before the timed rounds,
     # as a job's earlier saves (and the stage name's broadcast at the start of each save) would have.
@@ -305,11 +310,7 @@ def comm_worker(pipe: Any, ranks: list[int], world: int, port: int, payloads: st
 
     made = time.perf_counter() - t
     t = time.perf_counter()
-    threads = [threading.Thread(target=warm, args=(r,)) for r in ranks]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    _on_threads(warm, ranks)
     pipe.send(("ready", made, time.perf_counter() - t))
     while True:
         command = pipe.recv()

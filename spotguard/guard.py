@@ -131,6 +131,7 @@ class Guard:
 
         self._emergency = EmergencyOutcome()  # what an emergency left for the end
         self.timeline = Timeline()
+        self.resumed_from: str | None = None  # the last resume's tier: "snapshot", "durable"; None: a fresh start
         self._started = False
         self._ckpt: Checkpointer | None = None
         self._last_step: int | None = None  # the last step the loop reported (for the ledger)
@@ -370,6 +371,7 @@ class Guard:
             log.error("%s; exiting with code %d (start again once the storage answers)", exc, UNAVAILABLE_EXIT_CODE)
             raise SystemExit(UNAVAILABLE_EXIT_CODE) from None
         next_step = 0 if step is None else step + 1
+        self.resumed_from = None if step is None else tier
         resharded = self._snapshots.resharded
         took = time.monotonic() - started
         self._goodput.resumed(step, next_step, took, self._ckpt.run, tier=tier, resharded=resharded)

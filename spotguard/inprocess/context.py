@@ -79,9 +79,7 @@ class Context:
         snapshot, from the nodes' memory when snapshots are on); the step to start from. As `Guard.resume`."""
         next_step = self.guard.resume(state)
         if self._since is not None:
-            tier = next((e.detail.get("tier") for e in reversed(self.guard.timeline.entries) if e.event == "resumed"),
-                        None)  # fmt: skip
-            self._amend(source=tier, step=next_step - 1 if next_step else None)
+            self._amend(source=self.guard.resumed_from, step=next_step - 1 if next_step else None)
         return next_step
 
     def step(self, step: int, state: Mapping[str, Any]) -> bool:
