@@ -11,7 +11,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.checkpoint import SavePlanner
+from torch.distributed.checkpoint import DefaultSavePlanner
 
 from cloud_adapters.deadline import Deadline
 from cloud_adapters.notice import parse_iso8601
@@ -32,7 +32,7 @@ DECLARE_GRACE_S = 3.0
 
 # The save protocol on the survivors' group: (their comm, the planner that adds the handed shards,
 # what to call with the outcome of the local commit, on the group's rank 0).
-SurvivorSave = Callable[[Comm, SavePlanner, Callable[[SurvivorsOutcome], None]], SaveReport]
+SurvivorSave = Callable[[Comm, DefaultSavePlanner, Callable[[SurvivorsOutcome], None]], SaveReport]
 
 
 def leave(

@@ -1,7 +1,9 @@
 """The save protocol, on every rank of the saving group, in the same order:
 
-1. DCP writes the shards into a fresh hidden sibling `.step-N.tmp-<random>` (`save`);
-2. every rank checksums its own files and sends the records to rank 0;
+1. DCP's planning and writing, step by step (`dcp_steps`), write the shards into a fresh hidden sibling
+   `.step-N.tmp-<random>` (`write`);
+2. every rank checksums its own files as it writes them and sends the records to rank 0, with where its
+   items went, in one gather; rank 0 writes DCP's `.metadata` from those;
 3. rank 0 writes the manifest last and renames the sibling to `step-N` (`commit`; `runs.RunClaim`
    says whether an existing step of that number is kept or replaced);
 4. for an object store, every rank uploads its own files, then rank 0 uploads the manifest
@@ -21,18 +23,18 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint import SavePlanner
+from torch.distributed.checkpoint import DefaultSavePlanner
 
 from cloud_adapters.deadline import Deadline
 from cloud_adapters.notice import Notice, isoformat_z, utc_now
 from cloud_adapters.retry import calls_until
 from cloud_adapters.storage import ObjectStore, PartsStore
-from spotguard.checkpoint.comm import FAILURES, Comm, describe
+from spotguard.checkpoint.comm import Comm
 from spotguard.checkpoint.errors import CheckpointError
 from spotguard.checkpoint.format.auth import KEY_ENV, sign
 from spotguard.checkpoint.format.commit import commit_dir
 from spotguard.checkpoint.format.layout import manifest_key, sibling_name, step_dir_name
-from spotguard.checkpoint.format.manifest import FileRecord, Manifest, versions
+from spotguard.checkpoint.format.manifest import Manifest, versions
 from spotguard.checkpoint.format.runs import RunClaim, SharedDirectory
 from spotguard.checkpoint.io.progress import seconds
 from spotguard.checkpoint.moves.durable import Uploader
@@ -40,7 +42,7 @@ from spotguard.checkpoint.moves.streaming import ShardStreams
 from spotguard.checkpoint.outcome import LocalCommit, SaveEvents, SaveReport
 from spotguard.checkpoint.save import retention
 from spotguard.checkpoint.save.plan_cache import CachedPlanner
-from spotguard.checkpoint.save.write import write_shards
+from spotguard.checkpoint.save.write import Written, write_shards
 from spotguard.job.departure import SurvivorsOutcome
 
 log = logging.getLogger(__name__)
@@ -96,7 +98,7 @@ class SaveProtocol:
         started_at: datetime,
         *,
         comm: Comm | None = None,
-        planner: SavePlanner | None = None,
+        planner: DefaultSavePlanner | None = None,
         leaving: tuple[int, ...] = (),
         on_commit: Callable[[SurvivorsOutcome], None] | None = None,
         stall_s: float = 0.0,
@@ -114,25 +116,19 @@ class SaveProtocol:
             if refusal:
                 raise SharedDirectory(refusal)
             stage = self.stage_root / stage_name
-            records: list[FileRecord] = []
-            error = None
-            try:
-                stage.parent.mkdir(parents=True, exist_ok=True)
-                records = write_shards(
-                    stage,
-                    state_dict,
-                    comm,
-                    threads=self.write_threads,
-                    planner=planner,
-                    sha256=self.key is not None,
-                    tee=streams.open if streams is not None else None,
-                    cutoff=cutoff,
-                )
-            except FAILURES as exc:
-                error = describe(exc, comm.rank)
+            mine, gathered = write_shards(
+                stage,
+                state_dict,
+                comm,
+                threads=self.write_threads,
+                planner=planner,
+                sha256=self.key is not None,
+                tee=streams.open if streams is not None else None,
+                cutoff=cutoff,
+            )
+            records = list(mine.records)
             t_written = time.monotonic()
-            gathered = comm.gather((records, error))
-            commit = self._commit(step, reason, notice, stage, gathered, comm, leaving) if comm.is_coordinator else None
+            commit = None if gathered is None else self._commit(step, reason, notice, stage, gathered, comm, leaving)
             commit = comm.broadcast(commit)
             t_committed = time.monotonic()
             committed_at = utc_now()
@@ -231,17 +227,17 @@ class SaveProtocol:
         reason: str,
         notice: Notice | None,
         stage: Path,
-        gathered: list,
+        gathered: list[Written],
         comm: Comm,
         leaving: tuple[int, ...],
     ) -> LocalCommit:
         """The saving group's rank 0: write the manifest last and rename the staging directory into place."""
-        errors = [err for _, err in gathered if err]
+        errors = [w.error for w in gathered if w.error]
         if self.key is not None:  # a rank without the key left its files unhashed: signing would vouch for them blind
             errors += [
                 f"rank {comm.members[i]}: no checkpoint key (set {KEY_ENV} on every node)"
-                for i, (recs, _) in enumerate(gathered)
-                if any(r.sha256 is None for r in recs)
+                for i, w in enumerate(gathered)
+                if any(r.sha256 is None for r in w.records)
             ]
         if errors:
             return LocalCommit(error="; ".join(errors))
@@ -251,7 +247,7 @@ class SaveProtocol:
                 reason=reason,
                 world_size=self.comm.world_size,
                 created_at=isoformat_z(utc_now()),
-                files=tuple(sorted((r for recs, _ in gathered for r in recs), key=lambda r: r.name)),
+                files=tuple(sorted((r for w in gathered for r in w.records), key=lambda r: r.name)),
                 notice=notice.to_json() if isinstance(notice, Notice) else notice,
                 versions=versions(),
                 saved_by=tuple(comm.members),

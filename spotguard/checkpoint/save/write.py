@@ -1,24 +1,38 @@
-"""Write one step's shards with DCP into a staging directory and checksum what this rank wrote."""
+"""Write one step's shards with DCP into a staging directory, checksum what each rank wrote, and
+bring it all to rank 0 in one gather, which writes `.metadata`."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter, SavePlanner
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 
 from cloud_adapters.deadline import Deadline
-from spotguard.checkpoint.comm import Comm
+from spotguard.checkpoint.comm import FAILURES, Comm, describe
 from spotguard.checkpoint.format.layout import DCP_METADATA_NAME, METADATA_INDEX_NAME, shard_prefix
 from spotguard.checkpoint.format.manifest import FileRecord
 from spotguard.checkpoint.io import bounce
 from spotguard.checkpoint.moves.streaming import StreamedFile
+from spotguard.checkpoint.save.dcp_steps import DcpSave, Placements, PlanFailed, no_gc
 from spotguard.checkpoint.save.indexed_write import IndexedWriter
 from spotguard.checkpoint.save.pipelined_write import PipelinedWriter
 from spotguard.checkpoint.save.shard_io import ChecksummingFileSystem, without_zip_crc32
 from spotguard.checkpoint.state import tensors_of
+
+
+@dataclass(frozen=True)
+class Written:
+    """What a rank sends rank 0 once its bytes are written: its files, where its items went in
+    them (None: it wrote nothing), or why it failed."""
+
+    records: tuple[FileRecord, ...]
+    placements: Placements | None
+    error: str | None
 
 
 def write_shards(
@@ -27,12 +41,13 @@ def write_shards(
     comm: Comm,
     *,
     threads: int,
-    planner: SavePlanner | None = None,
+    planner: DefaultSavePlanner | None = None,
     sha256: bool = False,
     tee: Callable[[Path], StreamedFile | None] | None = None,
     cutoff: Deadline | None = None,
-) -> list[FileRecord]:
-    """Save `state_dict` into `stage_dir` (all ranks of `comm` together) and return this rank's files.
+) -> tuple[Written, list[Written] | None]:
+    """Save `state_dict` into `stage_dir` (all ranks of `comm` together): this rank's `Written`, and
+    on rank 0 every rank's (rank 0's own with `.metadata`, or the error that kept it from being written).
 
     DCP's default planner (or `planner`) de-duplicates replicated tensors (DDP) and spreads
     them over the ranks, so each tensor is written once. Rank r writes `threads` files
@@ -40,8 +55,49 @@ def write_shards(
     (a checkpoint key is set) the records carry each file's SHA-256 too. `tee` (see
     `streaming.ShardStreams.open`) streams each file to the object store as it is written.
     A state with tensors on a GPU is copied out through the process's pool of pinned buffers
-    (`pipelined_write`), and stops at `cutoff`.
+    (`pipelined_write`), and stops at `cutoff`. Failures are reported, not raised: every rank
+    reaches the gather.
     """
+    fs = ChecksummingFileSystem(sha256=sha256, tee=tee)
+    make_writer = functools.partial(_writer, stage_dir, state_dict, fs, threads=threads, cutoff=cutoff)
+    save = DcpSave(comm, planner or DefaultSavePlanner(), make_writer)
+    records: list[FileRecord] = []
+    placements = error = None
+    try:
+        with without_zip_crc32():
+            placements = save.write(save.plan(state_dict))
+        records = [fs.record_for(p) for p in sorted(stage_dir.iterdir()) if p.name.startswith(shard_prefix(comm.rank))]
+    except PlanFailed as exc:  # every rank has it: rank 0 reports it
+        error = str(exc) if comm.is_coordinator else None
+    except FAILURES as exc:
+        error = describe(exc, comm.rank)
+    with no_gc():  # rank 0 unpickles N ranks' records
+        gathered = comm.gather(Written(tuple(records), placements, error))
+    if gathered is None:
+        return Written(tuple(records), None, error), None
+    gathered[0] = _finish(save, gathered, stage_dir, fs)
+    return gathered[0], gathered
+
+
+def _finish(save: DcpSave, gathered: list[Written], stage_dir: Path, fs: ChecksummingFileSystem) -> Written:
+    """Rank 0, once every rank wrote its shards: `.metadata`, its record added to rank 0's."""
+    mine = gathered[0]
+    placements = [w.placements for w in gathered]
+    if any(p is None for p in placements):  # a rank failed: nothing will be committed
+        return mine
+    try:
+        save.finish(placements)  # type: ignore[arg-type]
+        # written to a temporary name, then renamed: read back; the index is absent when none fits
+        written = [fs.record_for(stage_dir / name) for name in (DCP_METADATA_NAME, METADATA_INDEX_NAME)
+                   if name == DCP_METADATA_NAME or (stage_dir / name).exists()]  # fmt: skip
+    except FAILURES as exc:
+        return dataclasses.replace(mine, error=describe(exc, save.comm.rank))
+    return dataclasses.replace(mine, records=mine.records + tuple(written))
+
+
+def _writer(
+    stage_dir: Path, state_dict: dict[str, Any], fs: ChecksummingFileSystem, *, threads: int, cutoff: Deadline | None
+) -> FileSystemWriter:
     # The stage directory is always fresh (random name), so nothing can be overwritten.
     pool = bounce.pool_for(list(tensors_of(state_dict)), count=threads + bounce.IN_FLIGHT)
     writer: FileSystemWriter
@@ -49,11 +105,5 @@ def write_shards(
         writer = IndexedWriter(stage_dir, thread_count=threads, sync_files=True)
     else:
         writer = PipelinedWriter(stage_dir, threads=threads, pool=pool, cutoff=cutoff)
-    writer.fs = fs = ChecksummingFileSystem(sha256=sha256, tee=tee)
-    with comm.dcp_args() as dist_args, without_zip_crc32():
-        dcp.save(state_dict, storage_writer=writer, planner=planner, **dist_args)
-    mine = sorted(p for p in stage_dir.iterdir() if p.name.startswith(shard_prefix(comm.rank)))
-    if comm.is_coordinator:
-        mine.append(stage_dir / DCP_METADATA_NAME)  # written to a temporary name, then renamed: read it back
-        mine += [p for p in [stage_dir / METADATA_INDEX_NAME] if p.exists()]  # absent if no index fits
-    return [fs.record_for(path) for path in mine]
+    writer.fs = fs
+    return writer

@@ -1,0 +1,150 @@
+"""DCP's save (`state_dict_saver._save_state_dict`), step by step on spotguard's `Comm`.
+
+The planner and storage-writer calls are DCP's own, in DCP's order; what differs is what crosses
+the ranks after the write. DCP gathers every rank's WriteResult objects to rank 0 (N lists of
+hundreds of pickled objects, unpickled there) and broadcasts the whole Metadata back to every rank
+(26 MB at 256 ranks, each rank unpickling it, and spotguard has no use for it). Here each rank
+sends where its items went as `Placements` (three arrays in the order of its final plan, plus its
+file names), inside the one gather of the save protocol; rank 0 rebuilds the storage data from its
+global plan's items, writes `.metadata` and tells the ranks no more than the commit's outcome.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from array import array
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.storage import WriteResult
+
+from spotguard.checkpoint.comm import FAILURES, Comm, describe
+from spotguard.checkpoint.errors import CheckpointError
+
+
+class PlanFailed(CheckpointError):
+    """The save's planning failed on some rank: every rank raises it, with the same message."""
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """A failure in place of a plan, in the plan gather (a rank's) or the scatter (rank 0's, to all)."""
+
+    why: str
+
+
+@dataclass(frozen=True)
+class Placements:
+    """Where a rank's items went: item i of its final plan is `length[i]` bytes at `offset[i]` of
+    file `files[file[i]]`. Arrays pickle as their raw bytes: rank 0 unpickles N of these, not
+    N x items objects."""
+
+    files: tuple[str, ...]
+    file: array
+    offset: array
+    length: array
+
+    @classmethod
+    def of(cls, plan: SavePlan, results: Sequence[WriteResult]) -> Placements:
+        position = {item.index: i for i, item in enumerate(plan.items)}
+        if len(position) != len(results):
+            raise CheckpointError(f"the write reported {len(results)} items of a plan of {len(position)}")
+        files: dict[str, int] = {}
+        file, offset, length = (array("q", bytes(8 * len(results))) for _ in range(3))
+        for result in results:
+            info: _StorageInfo = result.storage_data
+            if info.transform_descriptors:  # spotguard's writers set up no stream transforms
+                raise CheckpointError(f"{result.index.fqn}: transformed storage is not supported")
+            i = position[result.index]
+            file[i] = files.setdefault(info.relative_path, len(files))
+            offset[i], length[i] = info.offset, info.length
+        return cls(tuple(files), file, offset, length)
+
+    def results(self, plan: SavePlan) -> list[WriteResult]:
+        """The WriteResults they stand for, the items' indexes taken from rank 0's copy of the plan."""
+        if len(plan.items) != len(self.file):
+            raise CheckpointError(f"{len(self.file)} items placed for a plan of {len(plan.items)}")
+        files = self.files
+        return [
+            WriteResult(item.index, n, _StorageInfo(files[f], o, n))
+            for item, f, o, n in zip(plan.items, self.file, self.offset, self.length)
+        ]
+
+
+@contextlib.contextmanager
+def no_gc() -> Iterator[None]:
+    """Rank 0 unpickles and builds hundreds of thousands of small objects, none of them garbage:
+    every few thousand allocations the collector would walk all of them again (a cost that grows
+    faster than the ranks). Objects alive before are frozen out of the later collections too."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+class DcpSave:
+    """One save's DCP steps on `comm`: `plan` (collective), `write` (this rank's bytes), then on
+    rank 0 `finish` with every rank's `Placements` (gathered by the caller with its own records)."""
+
+    def __init__(self, comm: Comm, planner: DefaultSavePlanner, make_writer: Callable[[], FileSystemWriter]) -> None:
+        self.comm = comm
+        self.planner = planner
+        self._make_writer = make_writer
+        self.writer: FileSystemWriter | None = None
+        self._metadata: Metadata | None = None  # rank 0's, from the global plan
+
+    def plan(self, state_dict: dict[str, Any]) -> SavePlan:
+        """This rank's final plan (DCP's reduce_scatter "plan"). The writer is made inside the local
+        step, so that failing to make it is reported like a failed plan instead of leaving the others waiting."""
+        try:
+            local: SavePlan | _Failed = self._local_plan(state_dict)
+        except FAILURES as exc:
+            local = _Failed(describe(exc, self.comm.rank))
+        with no_gc():
+            gathered = self.comm.gather(local)
+            plans = self._global_plan(gathered) if gathered is not None else None
+        mine = self.comm.scatter(plans)
+        if isinstance(mine, _Failed):
+            raise PlanFailed(mine.why)
+        return self.planner.finish_plan(mine)
+
+    def write(self, plan: SavePlan) -> Placements:
+        assert self.writer is not None
+        return Placements.of(plan, self.writer.write_data(plan, self.planner).wait())
+
+    def finish(self, placements: Sequence[Placements]) -> None:
+        """Rank 0: write `.metadata` from every rank's placements, as DCP's `finish_checkpoint` does."""
+        assert self.writer is not None and self._metadata is not None
+        # Under plan caching the scattered plans may be empty: the planner keeps the whole global plan.
+        plans = self.planner.global_plan
+        with no_gc():
+            results = [p.results(plan) for p, plan in zip(placements, plans, strict=True)]
+            self.writer.finish(metadata=self._metadata, results=results)
+
+    def _local_plan(self, state_dict: dict[str, Any]) -> SavePlan:
+        self.writer = writer = self._make_writer()
+        self.planner.set_up_planner(
+            state_dict=state_dict, storage_meta=writer.storage_meta(), is_coordinator=self.comm.is_coordinator
+        )
+        writer.set_up_storage_writer(self.comm.is_coordinator, rank=self.comm.rank, use_collectives=True)
+        return writer.prepare_local_plan(self.planner.create_local_plan())
+
+    def _global_plan(self, gathered: list[SavePlan | _Failed]) -> list[SavePlan | _Failed]:
+        """Rank 0: the N plans to scatter, or one failure for all (a rank's, or the global plan's)."""
+        failed = [g.why for g in gathered if isinstance(g, _Failed)]
+        if not failed:
+            try:
+                plans, self._metadata = self.planner.create_global_plan(gathered)  # type: ignore[arg-type]
+                return list(self.writer.prepare_global_plan(plans))  # type: ignore[union-attr]
+            except FAILURES as exc:
+                failed = [describe(exc, self.comm.rank)]
+        return [_Failed("; ".join(failed))] * len(gathered)
