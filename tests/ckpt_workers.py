@@ -344,6 +344,55 @@ def cached_plans(group, rank: int, ckpt: str, out: str) -> None:
         (Path(out) / "plans.json").write_text(json.dumps({"reused": reused, "made": len(made)}))
 
 
+def save_traffic(group, rank: int, ckpt: str, out: str, failing: int) -> None:
+    """Three saves of a state with a replicated tensor and one of each rank's own: the first commits;
+    in the second rank `failing`'s write fails; in the third rank 0's global plan fails. Each rank
+    writes the types of what it gathered and broadcast in each save and the errors it got."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from spotguard.checkpoint import Checkpointer
+    from spotguard.checkpoint.save.plan_cache import CachedPlanner
+
+    traffic: list[tuple[str, str]] = []
+
+    def traced(name: str, collective: Callable[..., Any], payload: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            done = collective(*args, **kwargs)
+            traffic.append((name, type(payload(*args, **kwargs)).__name__))
+            return done
+
+        return call
+
+    dist.gather_object = traced("gather", dist.gather_object, lambda *a, **k: a[0] if a else k["obj"])
+    dist.broadcast_object_list = traced(
+        "broadcast", dist.broadcast_object_list, lambda *a, **k: (a[0] if a else k["object_list"])[0]
+    )
+    state = {"shared": torch.arange(6.0), f"own_{rank}": torch.full((4,), float(rank))}
+    saves: list[dict[str, Any]] = []
+    with Checkpointer(ckpt, group=group) as ck:
+        for step in (1, 2, 3):
+            if step == 2 and rank == failing:
+                FileSystemWriter.write_data = _raising(OSError("disk gone"))
+            if step == 3 and rank == 0:
+                CachedPlanner.create_global_plan = _raising(ValueError("bad plan"))
+            traffic.clear()
+            try:
+                ck.save(step, state, reason="periodic")
+                error = None
+            except Exception as exc:
+                error = str(exc)
+            saves.append({"error": error, "traffic": list(traffic)})
+    (Path(out) / f"saves-{rank}.json").write_text(json.dumps(saves))
+
+
+def _raising(exc: Exception) -> Callable[..., Any]:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        raise exc
+
+    return call
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -354,6 +403,7 @@ SCENARIOS = {
         wrapped_round_trip,
         guarded_snapshots,
         cached_plans,
+        save_traffic,
     )
 }
 
