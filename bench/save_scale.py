@@ -3,9 +3,9 @@ beyond writing the bytes, at N = 16 ... 1,024, with a per-rank state shaped like
 
 Each rank's state: `--tensors` parameters, each a DTensor sharded Shard(0) over the N ranks
 (`--rows-per-rank` rows of 4 floats per rank), AdamW's exp_avg and exp_avg_sq sharded the same way,
-a replicated 0-dim `step` per parameter and the param_groups (non-tensor values), saved as DCP's
-`_save_state_dict` and spotguard's `SaveProtocol.run` save it. The bytes are a few rows per rank,
-so what is measured is coordination, not the disk.
+a replicated 0-dim `step` per parameter and the param_groups (non-tensor values), saved as
+spotguard's `SaveProtocol.run` saves it (DCP's steps run by `save.dcp_steps`). The bytes are a few
+rows per rank, so what is measured is coordination, not the disk.
 
 Phases, each timed at each N (seconds):
 
@@ -22,12 +22,15 @@ Phases, each timed at each N (seconds):
    spotguard's ChecksummingFileSystem as `write_shards` does.
 5. plan scatter: DCP's `scatter_object_list` of the N global plans (the max size broadcast, the
    padded pickles scattered, the sizes scattered, each rank's unpickle).
-   results gather: the gather of the N ranks' write results (DCP's `all_reduce("write")`).
-6. finish: rank 0's `FileSystemWriter.finish(metadata, results)` (the `.metadata` pickle, its size in
-   the table's notes), then DCP's broadcast of that metadata to every rank (`all_reduce` returns it
-   to all ranks: `broadcast_object_list`), and one rank's unpickle of it.
-7. commit: the gather of spotguard's FileRecords, rank 0's `SaveProtocol._commit` (the real
-   function: the Manifest of N ranks' records, `commit_dir`), the broadcast of its LocalCommit.
+   written gather: the save's one gather after the write (`write.Written`, unpickled on rank 0 with the
+   collector off, as `write_shards` does): each rank's FileRecords, error and `dcp_steps.Placements`
+   (where its items went: three arrays in its final plan's order and its file names). It replaces
+   DCP's gather of N lists of WriteResult objects and spotguard's separate gather of the records.
+6. finish: rank 0's `dcp_steps.write_metadata` (the WriteResults rebuilt from the placements and the
+   global plan's items, then `FileSystemWriter.finish`: the `.metadata` pickle, its size in the
+   notes). DCP's broadcast of the whole Metadata to every rank is gone: no rank receives it.
+7. commit: rank 0's `SaveProtocol._commit` (the real function: the Manifest of N ranks' records,
+   `commit_dir`), the broadcast of its LocalCommit.
 8. resume: one rank's `.metadata` read as `VerifiedReader` reads it (`load_metadata`) and its local
    load plan (`WeightsOnlyLoadPlanner` set_up_planner + create_local_plan).
 9. snapshot index exchange (`snapshots.loading.PlanLoader._indexes` at another world size: the snapshot
@@ -36,14 +39,13 @@ Phases, each timed at each N (seconds):
    `snapshots.needed.Layout`), rank 0's `shards_needed`, the scatter of each rank's list, and one rank's
    read of those shards' indexes (their trailers parsed as `fetch_info` gets them, then `metadata_of`).
 
-The communication (2, 5, 6's broadcast, 7's gather and broadcast, 9's gather and broadcast) runs over
+The communication (2, 5, 7's broadcast, 9's gather and scatter) runs over
 a REAL gloo group: N ranks as threads spread over `--procs` processes around one TCPStore, each
 thread with its own `ProcessGroupGloo` (TORCH_GLOO_LAZY_INIT=1, as `comm.new_gloo_group` makes them:
 only the pairs a collective uses connect), calling the group's allgather / gather / scatter /
 broadcast the way torch's object collectives do, with the bytes a real rank sends (its pickled plan,
-results, records, index). A collective is timed from rank 0's start to the last rank done (one host,
-one clock). A broadcast of a large pickle (6, 9) needs a buffer per receiving rank: when N x its size
-is over `--bcast-mem-gb` it is not run, and the table says so (`-`), giving the size.
+results, records, layouts). A collective is timed from rank 0's start to the last rank done (one host,
+one clock).
 
 How this differs from a real job:
 - ranks are threads on one host: no network latency or bandwidth limit between hosts, but all N
@@ -62,6 +64,7 @@ How this differs from a real job:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -84,18 +87,15 @@ from _common import table  # also puts the checkout on sys.path
 
 COLS = 4  # each tensor's row: 4 floats
 RANKS_PER_NODE = 8
-PHASES = ("local_plan", "plan_gather", "global_plan", "write", "plan_scatter", "results_gather", "finish",
-          "metadata_bcast", "commit", "resume", "snapshot")  # fmt: skip
+PHASES = ("local_plan", "plan_gather", "global_plan", "write", "plan_scatter", "written_gather", "finish",
+          "commit", "resume", "snapshot")  # fmt: skip
 # The rounds the gloo threads run, in order: (name, kind).
-ROUNDS = (("plan_gather", "gather"), ("plan_scatter", "scatter"), ("results_gather", "gather"),
-          ("metadata_bcast", "bcast"), ("records_gather", "gather"), ("commit_bcast", "bcast"),
-          ("index_gather", "gather"), ("needed_scatter", "scatter"))  # fmt: skip
+ROUNDS = (("plan_gather", "gather"), ("plan_scatter", "scatter"), ("written_gather", "gather"),
+          ("commit_bcast", "bcast"), ("index_gather", "gather"), ("needed_scatter", "scatter"))  # fmt: skip
+NO_GC_GATHERS = {"plan_gather", "written_gather"}  # unpickled on rank 0 with the collector off (`dcp_steps.no_gc`)
 ROUND_OF_PHASE = {"plan_gather": ("plan_gather",), "plan_scatter": ("plan_scatter",),
-                  "results_gather": ("results_gather",), "metadata_bcast": ("metadata_bcast",),
-                  "commit": ("records_gather", "commit_bcast"),
+                  "written_gather": ("written_gather",), "commit": ("commit_bcast",),
                   "snapshot": ("index_gather", "needed_scatter")}  # fmt: skip
-COORDINATION = ("local_plan", "plan_gather", "global_plan", "plan_scatter", "results_gather", "finish",
-                "metadata_bcast", "commit")  # fmt: skip
 
 
 # -- one rank's state, under torch's fake process group ---------------------------------------
@@ -179,10 +179,12 @@ def _pg(store: Any, rank: int, world: int) -> Any:
     return dist.ProcessGroupGloo(store, rank, world, opts)
 
 
-def gather_object(pg: Any, rank: int, world: int, data: bytes) -> list[Any] | None:
+def gather_object(pg: Any, rank: int, world: int, data: bytes, without_gc: bool = False) -> list[Any] | None:
     """torch's gather_object to rank 0 on `pg`, with `data` already pickled (as `_object_to_tensor` does)."""
     import torch
     import torch.distributed as dist
+
+    from spotguard.checkpoint.save.dcp_steps import no_gc
 
     payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     size = torch.tensor([payload.numel()], dtype=torch.long)
@@ -197,7 +199,8 @@ def gather_object(pg: Any, rank: int, world: int, data: bytes) -> list[Any] | No
         return None
     out = torch.empty(top * world, dtype=torch.uint8)
     pg.gather([[out[top * i : top * (i + 1)] for i in range(world)]], [payload], opts).wait()
-    return [pickle.loads(out[top * i : top * i + int(sizes[i])].numpy().tobytes()) for i in range(world)]
+    with no_gc() if without_gc else contextlib.nullcontext():
+        return [pickle.loads(out[top * i : top * i + int(sizes[i])].numpy().tobytes()) for i in range(world)]
 
 
 def scatter_object(pg: Any, rank: int, world: int, datas: list[bytes] | None) -> Any:
@@ -274,7 +277,7 @@ class _Round:
             self.ready.wait()
             self.go.wait()
             if self.kind == "gather":
-                gather_object(pg, rank, world, mine)
+                gather_object(pg, rank, world, mine, without_gc=self.name in NO_GC_GATHERS)
             elif self.kind == "scatter":
                 scatter_object(pg, rank, world, datas)
             else:  # one rank's unpickle of a large broadcast is timed apart, in the parent
@@ -401,8 +404,10 @@ def measure(world: int, args: argparse.Namespace, phases: set[str], work: Path) 
     from spotguard.checkpoint.format.manifest import FileRecord
     from spotguard.checkpoint.format.runs import RunClaim
     from spotguard.checkpoint.format.safe_pickle import WeightsOnlyLoadPlanner, load_metadata
+    from spotguard.checkpoint.save.dcp_steps import Placements, write_metadata
     from spotguard.checkpoint.save.protocol import SaveProtocol
     from spotguard.checkpoint.save.shard_io import without_zip_crc32
+    from spotguard.checkpoint.save.write import Written
     from spotguard.snapshots.items import metadata_of
     from spotguard.snapshots.needed import Layout, shard_layout, shards_needed, state_layout
     from spotguard.snapshots.shard_file import parse_trailer
@@ -480,7 +485,11 @@ def measure(world: int, args: argparse.Namespace, phases: set[str], work: Path) 
     # (same file names with their prefix, each item's length as rank 0's of the same fqn).
     length = {r.index.fqn: r.storage_data.length for r in results0}
     files0 = sorted({r.storage_data.relative_path for r in results0})
-    all_results = [results0]
+    # 5. what each rank sends after its write: its records and placements (rank 0's real ones, the
+    # others' of the same sizes, in their final plans' order).
+    fs = writer0.fs
+    records0 = tuple(fs.record_for(p) for p in sorted(stage.iterdir()) if p.name.startswith("__0_"))
+    gathered = [Written(records0, Placements.of(final0, results0), None)]
     for rank in range(1, world):
         gp = global_plans[rank]
         offsets: dict[str, int] = {}
@@ -491,31 +500,21 @@ def measure(world: int, args: argparse.Namespace, phases: set[str], work: Path) 
             res.append(WriteResult(index=item.index, size_in_bytes=n,
                                    storage_data=_StorageInfo(rel, offsets.get(rel, 0), n)))  # fmt: skip
             offsets[rel] = offsets.get(rel, 0) + n
-        all_results.append(res)
-    for rank, res in enumerate(all_results):
-        put("results_gather", rank, res)
+        recs = tuple(FileRecord(r.name.replace("__0_", f"__{rank}_", 1), r.size, r.crc32c) for r in records0)
+        gathered.append(Written(recs, Placements.of(gp, res), None))
+    notes["written_pickle_bytes"] = max(put("written_gather", rank, w) for rank, w in enumerate(gathered))
     del global_plans
 
-    # 6. finish: the .metadata on rank 0.
+    # 6. finish: the .metadata on rank 0, from the placements.
     t = time.perf_counter()
-    writer0.finish(metadata=metadata, results=all_results)
+    write_metadata(writer0, metadata, planner0.global_plan, [w.placements for w in gathered])
     s["finish"] = time.perf_counter() - t
-    del all_results, metadata
+    del metadata
     meta_path = stage / DCP_METADATA_NAME
-    meta_bytes = meta_path.stat().st_size
-    notes["metadata_bytes"] = meta_bytes
-    shutil.copyfile(meta_path, payloads / "metadata_bcast" / "root.pkl")
+    notes["metadata_bytes"] = meta_path.stat().st_size
 
-    # 7. the FileRecords (rank 0's real ones, the others' of the same sizes) and rank 0's commit.
-    fs = writer0.fs
-    mine0 = sorted(p for p in stage.iterdir() if p.name.startswith("__0_"))
-    records0 = [fs.record_for(p) for p in mine0] + [fs.record_for(meta_path)]
-    put("records_gather", 0, (records0, None))
-    gathered = [(records0, None)]
-    for rank in range(1, world):
-        recs = [FileRecord(r.name.replace("__0_", f"__{rank}_", 1), r.size, r.crc32c) for r in records0[:-1]]
-        gathered.append((recs, None))
-        put("records_gather", rank, (recs, None))
+    # 7. rank 0's commit, with the .metadata's record added to its own (as `write._finish` does).
+    gathered[0] = dataclasses.replace(gathered[0], records=records0 + (fs.record_for(meta_path),))
     comm = types.SimpleNamespace(members=list(range(world)), world_size=world, is_coordinator=True, rank=0)
     proto = types.SimpleNamespace(comm=comm, key=None, run_id="bench-run", job=None,
                                   claim=RunClaim("bench-run", __import__("datetime").datetime.now()))  # fmt: skip
@@ -534,9 +533,6 @@ def measure(world: int, args: argparse.Namespace, phases: set[str], work: Path) 
     loaded = load_metadata(data)
     s["metadata_read"] = time.perf_counter() - t
     del data
-    t = time.perf_counter()
-    pickle.loads(meta_path.read_bytes() if meta_path.exists() else final_meta.read_bytes())
-    s["metadata_unpickle"] = time.perf_counter() - t  # a rank's unpickle of DCP's broadcast (plain pickle)
     rank = world - 1
     state = rank_state(rank, world, args.tensors, args.rows_per_rank)
     t = time.perf_counter()
@@ -574,16 +570,11 @@ def measure(world: int, args: argparse.Namespace, phases: set[str], work: Path) 
     # The communication, over real gloo threads.
     comm_rounds = [(n, k) for n, k in ROUNDS if any(n in ROUND_OF_PHASE.get(p, ()) for p in phases)]
     if comm_rounds:
-        big = {"metadata_bcast": meta_bytes}
         comms = Comms(world, min(args.procs, world), payloads)
         notes["gloo_groups_s"] = round(comms.setup_s, 2)
         notes["gloo_first_collectives_s"] = round(comms.connect_s, 2)
         try:
             for name, kind in comm_rounds:
-                if name in big and world * big[name] > args.bcast_mem_gb * 1e9:
-                    s[name] = None
-                    notes[f"{name}_skipped"] = f"{world} x {big[name] / 1e6:.0f} MB over --bcast-mem-gb"
-                    continue
                 s[name] = comms.round(name, kind)
         finally:
             comms.close()
@@ -605,10 +596,8 @@ def phase_rows(s: dict[str, float | None]) -> dict[str, float | None]:
         "3 global plan (rank 0)": s.get("global_plan"),
         "4 write (rank 0, not coord.)": s.get("write"),
         "5 plan scatter": s.get("plan_scatter"),
-        "5 results gather": s.get("results_gather"),
+        "5 written gather (records+placements)": s.get("written_gather"),
         "6 finish .metadata (rank 0)": s.get("finish"),
-        "6 metadata bcast + unpickle": add("metadata_bcast", "metadata_unpickle"),
-        "7 records gather": s.get("records_gather"),
         "7 commit (rank 0)": s.get("commit_rank0"),
         "7 commit bcast": s.get("commit_bcast"),
         "8 metadata read (a rank)": s.get("metadata_read"),
@@ -619,8 +608,8 @@ def phase_rows(s: dict[str, float | None]) -> dict[str, float | None]:
         "9 its shards' indexes (a rank)": s.get("index_read"),
     }
     coord = ["1 local plan (a rank)", "2 plan gather", "3 global plan (rank 0)", "5 plan scatter",
-             "5 results gather", "6 finish .metadata (rank 0)", "6 metadata bcast + unpickle", "7 records gather",
-             "7 commit (rank 0)", "7 commit bcast"]  # fmt: skip
+             "5 written gather (records+placements)", "6 finish .metadata (rank 0)", "7 commit (rank 0)",
+             "7 commit bcast"]  # fmt: skip
     rows["= coordination total"] = sum(rows[k] for k in coord if rows[k] is not None)
     rows["= coordination, all measured"] = "yes" if all(rows[k] is not None for k in coord) else "no"
     rows["= resume (8)"] = add("metadata_read", "load_plan")
@@ -652,7 +641,7 @@ def report(results: list[dict[str, Any]]) -> str:
                 f"{b / (a * ns[-1] / ns[0]):.2f}" if isinstance(a, float) and isinstance(b, float) and a > 0 else ""
             )
         rows.append(row)
-    lines = [table(headers, rows), ""]
+    lines = [table(headers, rows), "", "No metadata broadcast: no rank receives DCP's Metadata (dcp_steps).", ""]
     for r in results:
         lines.append(f"N={r['ranks']}: " + ", ".join(f"{k}={v}" for k, v in r["notes"].items()))
     return "\n".join(lines)
@@ -666,12 +655,6 @@ def main() -> None:
     p.add_argument("--rows-per-rank", type=int, default=2)
     p.add_argument("--write-threads", type=int, default=2, help="the FileSystemWriter's files per rank")
     p.add_argument("--procs", type=int, default=4, help="processes the gloo threads are spread over")
-    p.add_argument(
-        "--bcast-mem-gb",
-        type=float,
-        default=4.0,
-        help="skip a broadcast when N x its pickle is over this (a buffer per receiving thread)",
-    )
     p.add_argument("--phases", default=",".join(PHASES), help=f"a subset of {','.join(PHASES)}")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()

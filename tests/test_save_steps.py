@@ -3,13 +3,20 @@ write, a failure on any rank is reported with its rank and commits nothing, and 
 
 from __future__ import annotations
 
+import functools
 import json
+import pickle
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 
 from spotguard.checkpoint import Checkpointer, list_checkpoints
+from spotguard.checkpoint.format.layout import DCP_METADATA_NAME
+from spotguard.checkpoint.save.dcp_steps import Placements, write_metadata
+from spotguard.checkpoint.save.plan_cache import CachedPlanner
 from tests.ckpt_workers import run_ranks
+from tests.test_save_scale import LARGE, LINEAR_BOUND, SMALL, lines, local_plan, write_results
 
 WORLD = 3
 FAILING = 1
@@ -42,3 +49,20 @@ def test_a_save_gathers_once_after_the_write_broadcasts_no_metadata_and_reports_
     with Checkpointer(str(ckpt)) as ck:
         assert ck.resume(resumed) == 1
     assert all(torch.equal(resumed[k], v) for k, v in expected.items())
+
+
+def test_rank_0_rebuilds_the_metadata_from_placements_in_lines_linear_in_the_ranks(tmp_path):
+    counted = {}
+    for world in (SMALL, LARGE):
+        planner = CachedPlanner()
+        final, metadata = planner.create_global_plan([local_plan(r, world) for r in range(world)])
+        planner.forget()
+        # Each rank's placements, pickled and read back as rank 0 gets them from the gather.
+        placements = [pickle.loads(pickle.dumps(Placements.of(p, write_results(p, r)))) for r, p in enumerate(final)]
+        (tmp_path / str(world)).mkdir()
+        writer = FileSystemWriter(tmp_path / str(world))
+        writer.set_up_storage_writer(True)
+        counted[world] = lines(functools.partial(write_metadata, writer, metadata, planner.global_plan, placements))
+        stored = pickle.loads((tmp_path / str(world) / DCP_METADATA_NAME).read_bytes()).storage_data
+        assert stored == {w.index: w.storage_data for r, p in enumerate(final) for w in write_results(p, r)}
+    assert counted[LARGE] <= LINEAR_BOUND * counted[SMALL], counted

@@ -122,13 +122,10 @@ class DcpSave:
         return Placements.of(plan, self.writer.write_data(plan, self.planner).wait())
 
     def finish(self, placements: Sequence[Placements]) -> None:
-        """Rank 0: write `.metadata` from every rank's placements, as DCP's `finish_checkpoint` does."""
+        """Rank 0: write `.metadata` from every rank's placements."""
         assert self.writer is not None and self._metadata is not None
         # Under plan caching the scattered plans may be empty: the planner keeps the whole global plan.
-        plans = self.planner.global_plan
-        with no_gc():
-            results = [p.results(plan) for p, plan in zip(placements, plans, strict=True)]
-            self.writer.finish(metadata=self._metadata, results=results)
+        write_metadata(self.writer, self._metadata, self.planner.global_plan, placements)
 
     def _local_plan(self, state_dict: dict[str, Any]) -> SavePlan:
         self.writer = writer = self._make_writer()
@@ -148,3 +145,12 @@ class DcpSave:
             except FAILURES as exc:
                 failed = [describe(exc, self.comm.rank)]
         return [_Failed("; ".join(failed))] * len(gathered)
+
+
+def write_metadata(
+    writer: FileSystemWriter, metadata: Metadata, plans: Sequence[SavePlan], placements: Sequence[Placements]
+) -> None:
+    """DCP's `finish_checkpoint` on rank 0: `.metadata`, from the global plan and each rank's placements."""
+    with no_gc():
+        results = [p.results(plan) for p, plan in zip(placements, plans, strict=True)]
+        writer.finish(metadata=metadata, results=results)
