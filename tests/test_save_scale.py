@@ -32,6 +32,7 @@ from spotguard.checkpoint.format.safe_pickle import load_metadata
 from spotguard.checkpoint.moves.durable import Uploader
 from spotguard.checkpoint.save.plan_cache import CachedPlanner
 from spotguard.checkpoint.save.protocol import SaveProtocol
+from spotguard.checkpoint.save.write import Written
 from spotguard.snapshots.items import StoredItem, metadata_of
 from spotguard.snapshots.needed import Layout, shard_layout, shards_needed
 
@@ -139,7 +140,10 @@ def commit(world: int, tmp: Path) -> Callable[[], Any]:
     )
     stage = tmp / "ckpt" / ".step-1.tmp"
     stage.mkdir(parents=True)
-    gathered = [([FileRecord(f"__{r}_{i}.distcp", 64, "00000000") for i in range(2)], None) for r in range(world)]
+    gathered = [
+        Written(tuple(FileRecord(f"__{r}_{i}.distcp", 64, "00000000") for i in range(2)), None, None)
+        for r in range(world)
+    ]
 
     def phase() -> None:
         assert protocol._commit(1, "emergency", None, stage, gathered, Comm(), ()).error is None

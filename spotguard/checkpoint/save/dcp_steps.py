@@ -80,8 +80,8 @@ class Placements:
 @contextlib.contextmanager
 def no_gc() -> Iterator[None]:
     """Rank 0 unpickles and builds hundreds of thousands of small objects, none of them garbage:
-    every few thousand allocations the collector would walk all of them again (a cost that grows
-    faster than the ranks). Objects alive before are frozen out of the later collections too."""
+    every few thousand allocations the collector would walk the young ones again and, ever more
+    often, all of them (a cost that grows faster than the ranks). Collections resume after."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:

@@ -71,10 +71,11 @@ def write_shards(
         error = str(exc) if comm.is_coordinator else None
     except FAILURES as exc:
         error = describe(exc, comm.rank)
+    written = Written(tuple(records), placements, error)
     with no_gc():  # rank 0 unpickles N ranks' records
-        gathered = comm.gather(Written(tuple(records), placements, error))
+        gathered = comm.gather(written)
     if gathered is None:
-        return Written(tuple(records), None, error), None
+        return written, None
     gathered[0] = _finish(save, gathered, stage_dir, fs)
     return gathered[0], gathered
 
@@ -82,17 +83,17 @@ def write_shards(
 def _finish(save: DcpSave, gathered: list[Written], stage_dir: Path, fs: ChecksummingFileSystem) -> Written:
     """Rank 0, once every rank wrote its shards: `.metadata`, its record added to rank 0's."""
     mine = gathered[0]
-    placements = [w.placements for w in gathered]
-    if any(p is None for p in placements):  # a rank failed: nothing will be committed
+    if any(w.error or w.placements is None for w in gathered):  # a rank failed: nothing will be committed
         return mine
     try:
-        save.finish(placements)  # type: ignore[arg-type]
-        # written to a temporary name, then renamed: read back; the index is absent when none fits
-        written = [fs.record_for(stage_dir / name) for name in (DCP_METADATA_NAME, METADATA_INDEX_NAME)
-                   if name == DCP_METADATA_NAME or (stage_dir / name).exists()]  # fmt: skip
+        save.finish([w.placements for w in gathered])  # type: ignore[misc]
+        # The files rank 0 writes after the shards: `.metadata` (to a temporary name, renamed, so read
+        # back) and, when one fits, its index.
+        extra = [fs.record_for(stage_dir / DCP_METADATA_NAME)]
+        extra += [fs.record_for(p) for p in [stage_dir / METADATA_INDEX_NAME] if p.exists()]
     except FAILURES as exc:
         return dataclasses.replace(mine, error=describe(exc, save.comm.rank))
-    return dataclasses.replace(mine, records=mine.records + tuple(written))
+    return dataclasses.replace(mine, records=mine.records + tuple(extra))
 
 
 def _writer(
