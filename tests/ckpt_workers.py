@@ -313,14 +313,16 @@ def guarded_snapshots(group, rank: int, ckpt: str, snapshot_dirs: list[str], ste
 def cached_plans(group, rank: int, ckpt: str, out: str) -> None:
     """Periodic saves, an emergency, then a save of a changed layout, of an FSDP2 model with Adam, each
     resumed into a fresh model and checked on every rank. Rank 0 writes which saves reused the cached
-    plan and how many global plans DCP made."""
+    plan, how many global plans DCP made and how many times `.metadata` was pickled."""
     from cloud_adapters.notice import INTERRUPTION, Notice, deadline_after, utc_now
     from spotguard.checkpoint import Checkpointer
+    from spotguard.checkpoint.save.indexed_write import IndexedWriter
     from spotguard.checkpoint.save.plan_cache import CachedPlanner
 
-    made = []
-    global_plan = CachedPlanner._create_global_plan
+    made, pickled = [], []
+    global_plan, finish = CachedPlanner._create_global_plan, IndexedWriter.finish
     CachedPlanner._create_global_plan = lambda self, plans: made.append(1) or global_plan(self, plans)
+    IndexedWriter.finish = lambda self, *args, **kwargs: pickled.append(1) or finish(self, *args, **kwargs)
     model, optim = _wrapped("fsdp2", seed=0)
     extra = torch.full((3,), float(rank))
     reused = []
@@ -341,7 +343,8 @@ def cached_plans(group, rank: int, ckpt: str, out: str) -> None:
             assert_same(_local(snapshot(fresh_model, fresh_optim)), _local(snapshot(model, optim)))
             assert all(torch.equal(fresh[k], extra) for k in keys)
     if rank == 0:
-        (Path(out) / "plans.json").write_text(json.dumps({"reused": reused, "made": len(made)}))
+        counts = {"reused": reused, "made": len(made), "pickled": len(pickled)}
+        (Path(out) / "plans.json").write_text(json.dumps(counts))
 
 
 def save_traffic(group, rank: int, ckpt: str, out: str, failing: int) -> None:

@@ -8,6 +8,7 @@ import pickle
 import torch
 
 from spotguard.checkpoint import Checkpointer, IfSaved, list_checkpoints, verify_checkpoint
+from spotguard.checkpoint.format.layout import step_dir_name
 from tests.ckpt_workers import Own, assert_same, finish, launch_code, make_model, run_ranks, snapshot, train
 
 
@@ -110,10 +111,15 @@ def test_without_local_rank_one_rank_leads_the_node_as_the_guard_sees_it():
     assert answers == ["leader 0", "follower 1"]
 
 
-def test_saves_of_one_layout_reuse_the_plan_the_first_made_the_emergency_too(tmp_path):
+def test_saves_of_one_layout_reuse_the_plan_and_the_metadata_the_first_made_the_emergency_too(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     run_ranks("cached_plans", 2, ckpt=str(tmp_path / "ckpt"), out=str(out))
     plans = json.loads((out / "plans.json").read_text())
     # Step 1 plans; 2 (periodic) and 3 (the emergency) reuse it; 4 adds a key per rank and plans anew.
-    assert plans == {"reused": [False, True, True, False], "made": 2}
+    # Where the items went did not change either: 2 and 3 write step 1's .metadata (and index) again.
+    assert plans == {"reused": [False, True, True, False], "made": 2, "pickled": 2}
+    ckpt = tmp_path / "ckpt"
+    for name in (".metadata", ".metadata.index"):
+        same = {(ckpt / step_dir_name(step) / name).read_bytes() for step in (1, 2, 3)}
+        assert len(same) == 1 and (ckpt / step_dir_name(4) / name).read_bytes() not in same

@@ -16,9 +16,10 @@ import gc
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import SavePlan
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from spotguard.checkpoint.comm import FAILURES, Comm, describe
 from spotguard.checkpoint.errors import CheckpointError
+from spotguard.checkpoint.save.indexed_write import IndexedWriter, MetadataFiles
 
 
 class PlanFailed(CheckpointError):
@@ -95,11 +97,18 @@ class DcpSave:
     """One save's DCP steps on `comm`: `plan` (collective), `write` (this rank's bytes), then on
     rank 0 `finish` with every rank's `Placements` (gathered by the caller with its own records)."""
 
-    def __init__(self, comm: Comm, planner: DefaultSavePlanner, make_writer: Callable[[], FileSystemWriter]) -> None:
+    def __init__(
+        self,
+        comm: Comm,
+        planner: DefaultSavePlanner,
+        make_writer: Callable[[], IndexedWriter],
+        kept: MetadataFiles | None = None,
+    ) -> None:
         self.comm = comm
         self.planner = planner
         self._make_writer = make_writer
-        self.writer: FileSystemWriter | None = None
+        self._kept = kept  # the files of the last save of this planner's layout
+        self.writer: IndexedWriter | None = None
         self._metadata: Metadata | None = None  # rank 0's, from the global plan
 
     def plan(self, state_dict: dict[str, Any]) -> SavePlan:
@@ -125,7 +134,7 @@ class DcpSave:
         """Rank 0: write `.metadata` from every rank's placements."""
         assert self.writer is not None and self._metadata is not None
         # Under plan caching the scattered plans may be empty: the planner keeps the whole global plan.
-        write_metadata(self.writer, self._metadata, self.planner.global_plan, placements)
+        write_metadata(self.writer, self._metadata, self.planner.global_plan, placements, self._kept)
 
     def _local_plan(self, state_dict: dict[str, Any]) -> SavePlan:
         self.writer = writer = self._make_writer()
@@ -148,9 +157,20 @@ class DcpSave:
 
 
 def write_metadata(
-    writer: FileSystemWriter, metadata: Metadata, plans: Sequence[SavePlan], placements: Sequence[Placements]
+    writer: IndexedWriter,
+    metadata: Metadata,
+    plans: Sequence[SavePlan],
+    placements: Sequence[Placements],
+    kept: MetadataFiles | None = None,
 ) -> None:
-    """DCP's `finish_checkpoint` on rank 0: `.metadata`, from the global plan and each rank's placements."""
+    """DCP's `finish_checkpoint` on rank 0: `.metadata` (and its index), from the global plan and each
+    rank's placements; with `kept`, the bytes of the last save made of the same again."""
+    if kept is not None and (files := kept.reuse(metadata, placements)) is not None:
+        for name, data in files.items():
+            writer.write_file(name, data)
+        return
     with no_gc():
         results = [p.results(plan) for p, plan in zip(placements, plans, strict=True)]
         writer.finish(metadata=metadata, results=results)
+    if kept is not None:
+        kept.keep(metadata, list(placements), Path(writer.path))

@@ -41,6 +41,7 @@ from spotguard.checkpoint.moves.durable import Uploader
 from spotguard.checkpoint.moves.streaming import ShardStreams
 from spotguard.checkpoint.outcome import LocalCommit, SaveEvents, SaveReport
 from spotguard.checkpoint.save import retention
+from spotguard.checkpoint.save.indexed_write import MetadataFiles
 from spotguard.checkpoint.save.plan_cache import CachedPlanner
 from spotguard.checkpoint.save.write import Written, write_shards
 from spotguard.job.departure import SurvivorsOutcome
@@ -86,6 +87,7 @@ class SaveProtocol:
         # The whole job's saves share one plan, made by the first and reused while the layout holds
         # (an emergency then finds it made); a save on another group brings its own planner.
         self._planner = CachedPlanner()
+        self._kept = MetadataFiles()  # what rank 0 wrote after the shards at the last save with it
 
     def run(
         self,
@@ -125,6 +127,7 @@ class SaveProtocol:
                 sha256=self.key is not None,
                 tee=streams.open if streams is not None else None,
                 cutoff=cutoff,
+                kept=self._kept if planner is self._planner else None,
             )
             records = list(mine.records)
             t_written = time.monotonic()
@@ -265,8 +268,9 @@ class SaveProtocol:
         return LocalCommit(path=str(final), created=created, bytes=manifest.total_bytes, files=len(manifest.files))
 
     def close(self) -> None:
-        """Drop the cached plan (on rank 0 it holds every rank's)."""
+        """Drop the cached plan (on rank 0 it holds every rank's) and the files made from it."""
         self._planner.forget()
+        self._kept = MetadataFiles()
 
     @contextlib.contextmanager
     def _streams(self, step: int, cutoff: Deadline) -> Iterator[ShardStreams | None]:

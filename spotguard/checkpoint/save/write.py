@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
+from torch.distributed.checkpoint import DefaultSavePlanner
 
 from cloud_adapters.deadline import Deadline
 from spotguard.checkpoint.comm import FAILURES, Comm, describe
@@ -19,7 +19,7 @@ from spotguard.checkpoint.format.manifest import FileRecord
 from spotguard.checkpoint.io import bounce
 from spotguard.checkpoint.moves.streaming import StreamedFile
 from spotguard.checkpoint.save.dcp_steps import DcpSave, Placements, PlanFailed, no_gc
-from spotguard.checkpoint.save.indexed_write import IndexedWriter
+from spotguard.checkpoint.save.indexed_write import IndexedWriter, MetadataFiles
 from spotguard.checkpoint.save.pipelined_write import PipelinedWriter
 from spotguard.checkpoint.save.shard_io import ChecksummingFileSystem, without_zip_crc32
 from spotguard.checkpoint.state import tensors_of
@@ -45,6 +45,7 @@ def write_shards(
     sha256: bool = False,
     tee: Callable[[Path], StreamedFile | None] | None = None,
     cutoff: Deadline | None = None,
+    kept: MetadataFiles | None = None,
 ) -> tuple[Written, list[Written] | None]:
     """Save `state_dict` into `stage_dir` (all ranks of `comm` together): this rank's `Written`, and
     on rank 0 every rank's (rank 0's own with `.metadata`, or the error that kept it from being written).
@@ -55,12 +56,13 @@ def write_shards(
     (a checkpoint key is set) the records carry each file's SHA-256 too. `tee` (see
     `streaming.ShardStreams.open`) streams each file to the object store as it is written.
     A state with tensors on a GPU is copied out through the process's pool of pinned buffers
-    (`pipelined_write`), and stops at `cutoff`. Failures are reported, not raised: every rank
+    (`pipelined_write`), and stops at `cutoff`. `kept`: the files rank 0 wrote at the last save with
+    `planner`, written again when made of the same. Failures are reported, not raised: every rank
     reaches the gather.
     """
     fs = ChecksummingFileSystem(sha256=sha256, tee=tee)
     make_writer = functools.partial(_writer, stage_dir, state_dict, fs, threads=threads, cutoff=cutoff)
-    save = DcpSave(comm, planner or DefaultSavePlanner(), make_writer)
+    save = DcpSave(comm, planner or DefaultSavePlanner(), make_writer, kept)
     records: list[FileRecord] = []
     placements = error = None
     try:
@@ -98,10 +100,10 @@ def _finish(save: DcpSave, gathered: list[Written], stage_dir: Path, fs: Checksu
 
 def _writer(
     stage_dir: Path, state_dict: dict[str, Any], fs: ChecksummingFileSystem, *, threads: int, cutoff: Deadline | None
-) -> FileSystemWriter:
+) -> IndexedWriter:
     # The stage directory is always fresh (random name), so nothing can be overwritten.
     pool = bounce.pool_for(list(tensors_of(state_dict)), count=threads + bounce.IN_FLIGHT)
-    writer: FileSystemWriter
+    writer: IndexedWriter
     if pool is None:
         writer = IndexedWriter(stage_dir, thread_count=threads, sync_files=True)
     else:
