@@ -91,9 +91,11 @@ PHASES = ("local_plan", "plan_gather", "global_plan", "write", "plan_scatter", "
           "commit", "resume", "snapshot")  # fmt: skip
 # The rounds the gloo threads run, in order: (name, kind).
 ROUNDS = (("plan_gather", "gather"), ("plan_scatter", "scatter"), ("written_gather", "gather"),
-          ("commit_bcast", "bcast"), ("index_gather", "gather"), ("needed_scatter", "scatter"))  # fmt: skip
+          ("commit_bcast", "bcast"), ("plan_gather_cached", "gather"), ("plan_scatter_cached", "scatter"),
+          ("index_gather", "gather"), ("needed_scatter", "scatter"))  # fmt: skip
 NO_GC_GATHERS = {"plan_gather", "written_gather"}  # unpickled on rank 0 with the collector off (`dcp_steps.no_gc`)
-ROUND_OF_PHASE = {"plan_gather": ("plan_gather",), "plan_scatter": ("plan_scatter",),
+ROUND_OF_PHASE = {"plan_gather": ("plan_gather", "plan_gather_cached"),
+                  "plan_scatter": ("plan_scatter", "plan_scatter_cached"),
                   "written_gather": ("written_gather",), "commit": ("commit_bcast",),
                   "snapshot": ("index_gather", "needed_scatter")}  # fmt: skip
 
@@ -130,22 +132,22 @@ def rank_state(rank: int, world: int, tensors: int, rows: int, total: int | None
 
 
 def writer_for(path: Path, threads: int) -> Any:
-    """The FileSystemWriter `write_shards` makes (host memory), with spotguard's ChecksummingFileSystem."""
-    from torch.distributed.checkpoint import FileSystemWriter
-
+    """The writer `write_shards` makes (host memory), with spotguard's ChecksummingFileSystem."""
+    from spotguard.checkpoint.save.indexed_write import IndexedWriter
     from spotguard.checkpoint.save.shard_io import ChecksummingFileSystem
 
-    writer = FileSystemWriter(path, thread_count=threads, sync_files=True)
+    writer = IndexedWriter(path, thread_count=threads, sync_files=True)
     writer.fs = ChecksummingFileSystem(sha256=False)
     return writer
 
 
-def local_plan(state: dict[str, Any], rank: int, writer: Any) -> tuple[Any, Any, float]:
-    """DCP's local step (state_dict_saver.local_step): (planner, plan, seconds)."""
-    from torch.distributed.checkpoint import DefaultSavePlanner
+def local_plan(state: dict[str, Any], rank: int, writer: Any, planner: Any = None) -> tuple[Any, Any, float]:
+    """DCP's local step (state_dict_saver.local_step) with the job's `CachedPlanner` (a new one, or
+    `planner` again): (planner, plan, seconds)."""
+    from spotguard.checkpoint.save.plan_cache import CachedPlanner
 
     t = time.perf_counter()
-    planner = DefaultSavePlanner()
+    planner = planner or CachedPlanner()
     planner.set_up_planner(state_dict=state, storage_meta=writer.storage_meta(), is_coordinator=rank == 0)
     writer.set_up_storage_writer(rank == 0, rank=rank, use_collectives=True)
     plan = writer.prepare_local_plan(planner.create_local_plan())
@@ -400,11 +402,14 @@ def measure(world: int, args: argparse.Namespace, phases: set[str], work: Path) 
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.storage import WriteResult
 
-    from spotguard.checkpoint.format.layout import DCP_METADATA_NAME, sibling_name
+    from spotguard.checkpoint.format.layout import DCP_METADATA_NAME, METADATA_INDEX_NAME, sibling_name
     from spotguard.checkpoint.format.manifest import FileRecord
+    from spotguard.checkpoint.format.metadata_index import read_index
     from spotguard.checkpoint.format.runs import RunClaim
     from spotguard.checkpoint.format.safe_pickle import WeightsOnlyLoadPlanner, load_metadata
+    from spotguard.checkpoint.resume.local_chunks import local_boxes
     from spotguard.checkpoint.save.dcp_steps import Placements, write_metadata
+    from spotguard.checkpoint.save.indexed_write import MetadataFiles
     from spotguard.checkpoint.save.protocol import SaveProtocol
     from spotguard.checkpoint.save.shard_io import without_zip_crc32
     from spotguard.checkpoint.save.write import Written
@@ -505,16 +510,42 @@ def measure(world: int, args: argparse.Namespace, phases: set[str], work: Path) 
     notes["written_pickle_bytes"] = max(put("written_gather", rank, w) for rank, w in enumerate(gathered))
     del global_plans
 
-    # 6. finish: the .metadata on rank 0, from the placements.
+    # 6. finish: the .metadata (and its index) on rank 0, from the placements.
+    kept = MetadataFiles()
+    placements = [w.placements for w in gathered]
     t = time.perf_counter()
-    write_metadata(writer0, metadata, planner0.global_plan, [w.placements for w in gathered])
+    write_metadata(writer0, metadata, planner0.global_plan, placements, kept)
     s["finish"] = time.perf_counter() - t
-    del metadata
     meta_path = stage / DCP_METADATA_NAME
     notes["metadata_bytes"] = meta_path.stat().st_size
+    notes["index_bytes"] = (stage / METADATA_INDEX_NAME).stat().st_size
+
+    # The next save of the same layout (the emergency's after periodic saves): rank 0's cached local
+    # plan (its planner's cache promoted by finish_plan above), N empty plans gathered and scattered,
+    # the cached global plan, the same placements: the kept files written again.
+    _, empty, s["local_plan_cached"] = local_plan(state0, 0, writer_for(stage, args.write_threads), planner0)
+    assert not empty.usable and not empty.items, "the cached plan was not reused"
+    for rank in range(world):
+        put("plan_gather_cached", rank, empty)
+    t = time.perf_counter()
+    delta, again = planner0.create_global_plan([empty] * world)
+    delta = writer0.prepare_global_plan(delta)
+    s["global_plan_cached"] = time.perf_counter() - t
+    assert planner0.reused and again is metadata
+    for rank, gp in enumerate(delta):
+        put("plan_scatter_cached", rank, gp)
+    stage2 = stage.parent / sibling_name(2, "tmp")
+    stage2.mkdir()
+    writer2 = writer_for(stage2, args.write_threads)
+    t = time.perf_counter()
+    write_metadata(writer2, metadata, planner0.global_plan, placements, kept)
+    s["finish_cached"] = time.perf_counter() - t
+    assert (stage2 / DCP_METADATA_NAME).read_bytes() == meta_path.read_bytes()
+    del metadata, placements, kept
 
     # 7. rank 0's commit, with the .metadata's record added to its own (as `write._finish` does).
-    gathered[0] = dataclasses.replace(gathered[0], records=records0 + (fs.record_for(meta_path),))
+    extra = (fs.record_for(meta_path), fs.record_for(stage / METADATA_INDEX_NAME))
+    gathered[0] = dataclasses.replace(gathered[0], records=records0 + extra)
     comm = types.SimpleNamespace(members=list(range(world)), world_size=world, is_coordinator=True, rank=0)
     proto = types.SimpleNamespace(comm=comm, key=None, run_id="bench-run", job=None,
                                   claim=RunClaim("bench-run", __import__("datetime").datetime.now()))  # fmt: skip
@@ -524,17 +555,23 @@ def measure(world: int, args: argparse.Namespace, phases: set[str], work: Path) 
     if commit.error:
         raise RuntimeError(commit.error)
     put("commit_bcast", "root", commit)
+    gathered_names = [r for w in gathered for r in w.records]
     del gathered
 
-    # 8. resume: one rank's .metadata read and its local load plan.
-    final_meta = Path(commit.path) / DCP_METADATA_NAME
-    data = final_meta.read_bytes()
-    t = time.perf_counter()
-    loaded = load_metadata(data)
-    s["metadata_read"] = time.perf_counter() - t
-    del data
+    # 8. resume: one rank's metadata read (through the index, as `VerifiedReader` reads a sharded
+    # state's; `.metadata` as before for comparison) and its local load plan.
     rank = world - 1
     state = rank_state(rank, world, args.tensors, args.rows_per_rank)
+    data = (Path(commit.path) / DCP_METADATA_NAME).read_bytes()
+    t = time.perf_counter()
+    load_metadata(data)
+    s["metadata_unpickle"] = time.perf_counter() - t
+    data = (Path(commit.path) / METADATA_INDEX_NAME).read_bytes()
+    listed = {r.name for r in gathered_names}.__contains__
+    t = time.perf_counter()
+    loaded = read_index(data, local_boxes(state), listed)
+    s["metadata_read"] = time.perf_counter() - t
+    del data
     t = time.perf_counter()
     lp = WeightsOnlyLoadPlanner()
     lp.set_up_planner(state, loaded, is_coordinator=False)
@@ -597,22 +634,29 @@ def phase_rows(s: dict[str, float | None]) -> dict[str, float | None]:
         "4 write (rank 0, not coord.)": s.get("write"),
         "5 plan scatter": s.get("plan_scatter"),
         "5 written gather (records+placements)": s.get("written_gather"),
-        "6 finish .metadata (rank 0)": s.get("finish"),
+        "6 finish .metadata + index (rank 0)": s.get("finish"),
         "7 commit (rank 0)": s.get("commit_rank0"),
         "7 commit bcast": s.get("commit_bcast"),
-        "8 metadata read (a rank)": s.get("metadata_read"),
+        "R1 local plan, cached (a rank)": s.get("local_plan_cached"),
+        "R2 empty plans gathered": s.get("plan_gather_cached"),
+        "R3 global plan, cached (rank 0)": s.get("global_plan_cached"),
+        "R5 empty plans scattered": s.get("plan_scatter_cached"),
+        "R6 the kept .metadata + index written": s.get("finish_cached"),
+        "8 .metadata unpickled (before: a rank)": s.get("metadata_unpickle"),
+        "8 metadata read via the index (a rank)": s.get("metadata_read"),
         "8 load plan (a rank)": s.get("load_plan"),
         "9 index gather": s.get("index_gather"),
         "9 shards each rank needs (rank 0)": s.get("index_match"),
         "9 scatter of the lists": s.get("needed_scatter"),
         "9 its shards' indexes (a rank)": s.get("index_read"),
     }
-    coord = ["1 local plan (a rank)", "2 plan gather", "3 global plan (rank 0)", "5 plan scatter",
-             "5 written gather (records+placements)", "6 finish .metadata (rank 0)", "7 commit (rank 0)",
-             "7 commit bcast"]  # fmt: skip
-    rows["= coordination total"] = sum(rows[k] for k in coord if rows[k] is not None)
-    rows["= coordination, all measured"] = "yes" if all(rows[k] is not None for k in coord) else "no"
-    rows["= resume (8)"] = add("metadata_read", "load_plan")
+    first = ["local_plan", "plan_gather", "global_plan", "plan_scatter", "written_gather", "finish", "commit_rank0",
+             "commit_bcast"]  # fmt: skip
+    cached = ["local_plan_cached", "plan_gather_cached", "global_plan_cached", "plan_scatter_cached",
+              "written_gather", "finish_cached", "commit_rank0", "commit_bcast"]  # fmt: skip
+    rows["= coordination, a first save"] = add(*first)
+    rows["= coordination, a save of the cached plan (the emergency's)"] = add(*cached)
+    rows["= resume (8, via the index)"] = add("metadata_read", "load_plan")
     rows["= index exchange (9)"] = add("index_gather", "index_match", "needed_scatter", "index_read")
     return rows
 
