@@ -523,6 +523,9 @@ def measure(world: int, args: argparse.Namespace, phases: set[str], work: Path) 
     # The next save of the same layout (the emergency's after periodic saves): rank 0's cached local
     # plan (its planner's cache promoted by finish_plan above), N empty plans gathered and scattered,
     # the cached global plan, the same placements: the kept files written again.
+    # (rank 0's state made again: the fake group now stands for the last rank made, and a DTensor of
+    # another rank's mesh coordinate takes a slow path of its own, O(N) per tensor)
+    state0 = rank_state(0, world, args.tensors, args.rows_per_rank)
     _, empty, s["local_plan_cached"] = local_plan(state0, 0, writer_for(stage, args.write_threads), planner0)
     assert not empty.usable and not empty.items, "the cached plan was not reused"
     for rank in range(world):
