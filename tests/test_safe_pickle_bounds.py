@@ -155,9 +155,11 @@ def sharded(ranks: int, tensors: int) -> Metadata:
     return Metadata(state, planner_data={fqn: (fqn,) for fqn in state}, storage_data=storage)
 
 
-def test_metadata_of_many_ranks_still_loads():
-    """The bound on keys is one of each hash, not of their number: real metadata has thousands."""
-    metadata = sharded(ranks=128, tensors=40)
+@pytest.mark.parametrize("ranks,tensors", [(128, 40), (2048, 3)])
+def test_metadata_of_many_ranks_still_loads(ranks, tensors):
+    """The bound on keys is one of each hash, not of their number: real metadata has thousands; and a
+    tensor cut into a chunk per rank of a 2,048-rank job is a layout DCP writes, not one refused."""
+    metadata = sharded(ranks=ranks, tensors=tensors)
     assert load_metadata(pickle.dumps(metadata)) == metadata
 
 
