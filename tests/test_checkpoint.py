@@ -606,3 +606,20 @@ def test_a_closed_checkpointer_is_freed_without_the_garbage_collector(tmp_path):
         assert freed() is None
     finally:
         gc.enable()
+
+
+def test_a_tensor_cast_to_another_dtype_is_planned_anew_not_saved_under_the_cached_dtype(tmp_path):
+    """DCP's plan cache judges a plan by its items' names, sizes and places: a cast of the same shape
+    would keep the old dtype in the metadata, and a resume would read half-precision bytes as float32."""
+    from spotguard.checkpoint.format.safe_pickle import load_metadata
+
+    w = torch.arange(8, dtype=torch.float32)
+    with Checkpointer(str(tmp_path)) as ck:
+        ck.save(1, {"w": w}, reason="periodic")
+        ck.save(2, {"w": w}, reason="periodic")  # the cached plan
+        ck.save(3, {"w": w.to(torch.float16) / 3}, reason="periodic")
+        metadata = load_metadata((tmp_path / step_dir_name(3) / ".metadata").read_bytes())
+        assert metadata.state_dict_metadata["w"].properties.dtype == torch.float16
+        state = {"w": torch.zeros(8, dtype=torch.float16)}
+        assert ck.resume(state) == 3
+    assert torch.equal(state["w"], w.to(torch.float16) / 3)

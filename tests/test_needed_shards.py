@@ -58,9 +58,17 @@ def test_a_column_sharded_tensor_is_swept_along_its_columns():
 
 def test_what_no_shard_holds_needs_no_shard():
     shards = row_sharded(4, 2, ["w"], 8)
-    wants = [Layout.of([("missing", (0, 0), (2, COLS)), ("gone", (), ())]), rows_of(0, 0, ["w"], ())]
-    assert shards_needed(shards, wants, [[], []]) == [[], []]  # nor does an empty chunk (FSDP's uneven last)
-    assert shards_needed({}, wants, [[], []]) == [[], []]
+    wants = [Layout.of([("missing", (0, 0), (2, COLS)), ("gone", (), ())])]
+    assert shards_needed(shards, wants, [[]]) == [[]]
+    assert shards_needed({}, wants, [[]]) == [[]]
+
+
+def test_a_rank_whose_chunk_is_empty_still_gets_a_shard_of_its_tensor():
+    """FSDP's last ranks hold no rows of a tensor with fewer rows than ranks: the load planner still
+    looks the tensor up in the metadata, so some shard of it must come."""
+    shards = row_sharded(4, 2, ["w"], 8)
+    wants = [Layout.of([("w", (8, 0), (0, COLS))]), Layout.of([("w", (0, 0), (2, COLS))])]
+    assert shards_needed(shards, wants, [[], []]) == [[0], [0]]
 
 
 def test_a_ranks_layout_is_its_chunks_as_dcps_planner_names_them():

@@ -91,12 +91,21 @@ class PlanLoader:
                     mine[shard] = self._info(plan, shard, self.comm.rank)
                 except Exception as exc:  # noqa: BLE001 - this copy is unusable
                     problems.append(Problem(f"{type(exc).__name__}: {exc}", shard, self.comm.rank))
-        layouts = {shard: shard_layout(info.items) for shard, info in mine.items()}
-        gathered = self.comm.gather((layouts, bool(problems), state_layout(self.live())))
-        needed = None
-        if gathered is not None and not any(failed for _, failed, _ in gathered):  # rank 0
-            needed = self._needed(plan, gathered)
-        needed = self.comm.scatter(needed or [None] * self.comm.world_size)
+        try:  # what rank 0 matches; a failure here must still reach the gather, not leave the others in it
+            sent = ({shard: shard_layout(info.items) for shard, info in mine.items()}, state_layout(self.live()))
+        except Exception as exc:  # noqa: BLE001 - this rank's state cannot be laid out: the snapshot cannot serve it
+            problems.append(Problem(f"{type(exc).__name__}: {exc}"))
+            sent = None
+        gathered = self.comm.gather(None if problems else sent)
+        parts = None
+        if gathered is not None:  # rank 0: nothing is matched once a rank failed
+            parts = [None] * self.comm.world_size
+            try:
+                if all(part is not None for part in gathered):
+                    parts = self._needed(plan, gathered)
+            except Exception as exc:  # noqa: BLE001 - every rank hears of it as no plan
+                problems.append(Problem(f"{type(exc).__name__}: {exc}"))
+        needed = self.comm.scatter(parts)
         if needed is None:
             return None, problems
         indexes = {}
@@ -108,15 +117,15 @@ class PlanLoader:
                 return None, [Problem(f"{type(exc).__name__}: {exc}", shard, holder)]
         return indexes, problems
 
-    def _needed(self, plan: Plan, gathered: list[tuple[dict[int, Layout], bool, Layout]]) -> list[list[int]]:
+    def _needed(self, plan: Plan, gathered: list[tuple[dict[int, Layout], Layout]]) -> list[list[int]]:
         """Rank 0: the shards each rank reads (`needed.shards_needed`)."""
-        shards = {shard: layout for part, _, _ in gathered for shard, layout in part.items()}
+        shards = {shard: layout for part, _ in gathered for shard, layout in part.items()}
         on_node: dict[int, list[int]] = {}  # node -> the shards held there, in order
         for shard, holders in enumerate(plan.holders):
             for node in sorted({h // self.ranks_per_node for h in holders}):
                 on_node.setdefault(node, []).append(shard)
         local = [on_node.get(rank // self.ranks_per_node, []) for rank in range(self.comm.world_size)]
-        return shards_needed(shards, [wants for _, _, wants in gathered], local)
+        return shards_needed(shards, [wants for _, wants in gathered], local)
 
     def _info(self, plan: Plan, shard: int, holder: int) -> ShardInfo:
         name = name_of(plan.step, shard, plan.world_size)

@@ -112,7 +112,12 @@ def shards_needed(
         (stored.offsets[chunk] < want_off[want] + want_size[want])
         & (want_off[want] < stored.offsets[chunk] + stored.sizes[chunk])
     ).all(1)
-    return stored.pick(rank_of[want[overlap]], chunk[overlap], len(wants), local_by_rank)
+    # A chunk with nothing in it (FSDP's last ranks when a tensor has fewer rows than the job has ranks)
+    # overlaps no chunk, but the load planner still looks its tensor up: any one chunk of it will do.
+    empty = np.flatnonzero((want_size == 0).any(1))
+    ranks = np.concatenate([rank_of[want[overlap]], rank_of[empty]])
+    chunks = np.concatenate([chunk[overlap], np.searchsorted(stored.keys, base[empty])])
+    return stored.pick(ranks, chunks, len(wants), local_by_rank)
 
 
 @dataclasses.dataclass

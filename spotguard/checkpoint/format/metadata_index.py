@@ -162,7 +162,11 @@ def _read(data: bytes, wanted: Wanted, listed: Callable[[str], bool]) -> Metadat
         why = tiling_problem(size, boxes)
         if why:
             _refuse(f"{fqn}: {why}")
-        kept = np.flatnonzero(overlapping(boxes, wanted[fqn])) if fqn in wanted else np.arange(len(boxes))
+        # A tensor the rank does not say it loads, or of another rank than saved (DCP's planner then reports
+        # the mismatch itself): every chunk.
+        mine = wanted.get(fqn)
+        fits = mine is not None and all(len(o) == len(n) == d for o, n in mine)
+        kept = np.flatnonzero(overlapping(boxes, mine)) if fits else np.arange(len(boxes))
         chunks = []
         for row, (file, offset, length) in zip(
             boxes[kept].tolist(), places[chunk_start:chunk_end][kept].tolist(), strict=True

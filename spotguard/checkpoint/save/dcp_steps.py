@@ -55,13 +55,13 @@ class Placements:
     @classmethod
     def of(cls, plan: SavePlan, results: Sequence[WriteResult]) -> Placements:
         position = {item.index: i for i, item in enumerate(plan.items)}
-        if len(position) != len(results):
+        if len(position) != len(results) or len({r.index for r in results}) != len(results):
             raise CheckpointError(f"the write reported {len(results)} items of a plan of {len(position)}")
         files: dict[str, int] = {}
         file, offset, length = (array("q", bytes(8 * len(results))) for _ in range(3))
         for result in results:
             info: _StorageInfo = result.storage_data
-            if info.transform_descriptors:  # spotguard's writers set up no stream transforms
+            if getattr(info, "transform_descriptors", None):  # (torch >= 2.7) spotguard's writers set up none
                 raise CheckpointError(f"{result.index.fqn}: transformed storage is not supported")
             i = position[result.index]
             file[i] = files.setdefault(info.relative_path, len(files))
@@ -80,12 +80,14 @@ class Placements:
 
 
 @contextlib.contextmanager
-def no_gc() -> Iterator[None]:
-    """Rank 0 unpickles and builds hundreds of thousands of small objects, none of them garbage:
+def no_gc(on: bool = True) -> Iterator[None]:
+    """Rank 0 (`on`) unpickles and builds hundreds of thousands of small objects, none of them garbage:
     every few thousand allocations the collector would walk the young ones again and, ever more
-    often, all of them (a cost that grows faster than the ranks). Collections resume after."""
+    often, all of them (a cost that grows faster than the ranks). Collections resume after. The
+    other ranks keep theirs: the switch is the whole process's, their training thread's too."""
     was_enabled = gc.isenabled()
-    gc.disable()
+    if on:
+        gc.disable()
     try:
         yield
     finally:
@@ -118,7 +120,7 @@ class DcpSave:
             local: SavePlan | _Failed = self._local_plan(state_dict)
         except FAILURES as exc:
             local = _Failed(describe(exc, self.comm.rank))
-        with no_gc():
+        with no_gc(self.comm.is_coordinator):
             gathered = self.comm.gather(local)
             plans = self._global_plan(gathered) if gathered is not None else None
         mine = self.comm.scatter(plans)
@@ -128,7 +130,9 @@ class DcpSave:
 
     def write(self, plan: SavePlan) -> Placements:
         assert self.writer is not None
-        return Placements.of(plan, self.writer.write_data(plan, self.planner).wait())
+        results = self.writer.write_data(plan, self.planner).wait()
+        self.planner.state_dict = {}  # the planner outlives the save (its cached plan), not the state
+        return Placements.of(plan, results)
 
     def finish(self, placements: Sequence[Placements]) -> None:
         """Rank 0: write `.metadata` from every rank's placements."""

@@ -28,7 +28,7 @@ from spotguard.checkpoint.state import tensors_of
 @dataclass(frozen=True)
 class Written:
     """What a rank sends rank 0 once its bytes are written: its files, where its items went in
-    them (None: it wrote nothing), or why it failed."""
+    them (None: its plan or its write failed), or why it failed."""
 
     records: tuple[FileRecord, ...]
     placements: Placements | None
@@ -74,7 +74,7 @@ def write_shards(
     except FAILURES as exc:
         error = describe(exc, comm.rank)
     written = Written(tuple(records), placements, error)
-    with no_gc():  # rank 0 unpickles N ranks' records
+    with no_gc(comm.is_coordinator):  # rank 0 unpickles N ranks' records
         gathered = comm.gather(written)
     if gathered is None:
         return written, None
@@ -89,8 +89,8 @@ def _finish(save: DcpSave, gathered: list[Written], stage_dir: Path, fs: Checksu
         return mine
     try:
         save.finish([w.placements for w in gathered])  # type: ignore[misc]
-        # The files rank 0 writes after the shards: `.metadata` (to a temporary name, renamed, so read
-        # back) and, when one fits, its index.
+        # The files rank 0 writes after the shards: `.metadata` (DCP's goes through a temporary name,
+        # so its record is read back) and, when one fits, its index.
         extra = [fs.record_for(stage_dir / DCP_METADATA_NAME)]
         extra += [fs.record_for(p) for p in [stage_dir / METADATA_INDEX_NAME] if p.exists()]
     except FAILURES as exc:
