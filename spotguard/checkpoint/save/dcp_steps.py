@@ -57,15 +57,16 @@ class Placements:
         position = {item.index: i for i, item in enumerate(plan.items)}
         if len(position) != len(results) or len({r.index for r in results}) != len(results):
             raise CheckpointError(f"the write reported {len(results)} items of a plan of {len(position)}")
-        files: dict[str, int] = {}
+        # The files in name order, not in the order the writer's threads finished: placements of the same
+        # writes compare equal from save to save (`indexed_write.MetadataFiles`).
+        files = {name: i for i, name in enumerate(sorted({r.storage_data.relative_path for r in results}))}
         file, offset, length = (array("q", bytes(8 * len(results))) for _ in range(3))
         for result in results:
             info: _StorageInfo = result.storage_data
             if getattr(info, "transform_descriptors", None):  # (torch >= 2.7) spotguard's writers set up none
                 raise CheckpointError(f"{result.index.fqn}: transformed storage is not supported")
             i = position[result.index]
-            file[i] = files.setdefault(info.relative_path, len(files))
-            offset[i], length[i] = info.offset, info.length
+            file[i], offset[i], length[i] = files[info.relative_path], info.offset, info.length
         return cls(tuple(files), file, offset, length)
 
     def results(self, plan: SavePlan) -> list[WriteResult]:
