@@ -396,6 +396,24 @@ def _raising(exc: Exception) -> Callable[..., Any]:
     return call
 
 
+def reshard_layout_fails(group, rank: int, snapshot_dir: str, out: str) -> None:
+    """A reshard (a snapshot of 3 ranks, loaded by 2) in which rank 1 cannot lay its state out: every rank
+    must come back from the exchange with the problem, none left waiting in its collectives."""
+    from spotguard.checkpoint.comm import Comm
+    from spotguard.snapshots.loading import PlanLoader
+    from spotguard.snapshots.node_dir import NodeDir
+    from spotguard.snapshots.recovery import Plan
+
+    def live() -> dict[str, Any]:
+        if rank == 1:
+            raise RuntimeError("injected: no layout")
+        return {"w": torch.zeros(4)}
+
+    loader = PlanLoader(Comm(group), NodeDir(snapshot_dir, "run"), 1, lambda r: "", live, [])
+    indexes, problems = loader._indexes(Plan(step=1, attempt="a", world_size=3, holders=((0,), (1,), (0,))))
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps({"indexes": indexes, "problems": [p.why for p in problems]}))
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -407,6 +425,7 @@ SCENARIOS = {
         guarded_snapshots,
         cached_plans,
         save_traffic,
+        reshard_layout_fails,
     )
 }
 

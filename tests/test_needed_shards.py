@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from spotguard.snapshots.items import BYTES, StoredItem
@@ -75,3 +77,12 @@ def test_a_ranks_layout_is_its_chunks_as_dcps_planner_names_them():
     layout = state_layout({"model": {"w": torch.zeros(3, 2)}, "epoch": 4})
     assert layout.fqns == ("model.w", "epoch")
     assert layout.offsets.tolist() == [[0, 0], [0, 0]] and layout.sizes.tolist() == [[3, 2], [1, 1]]
+
+
+def test_a_rank_that_cannot_lay_its_state_out_leaves_no_rank_waiting_in_the_exchange(tmp_path):
+    from tests.ckpt_workers import run_ranks
+
+    run_ranks("reshard_layout_fails", 2, timeout=45, snapshot_dir=str(tmp_path / "memory"), out=str(tmp_path))
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert all(r["indexes"] is None for r in ranks)
+    assert any("injected: no layout" in why for why in ranks[1]["problems"]), ranks[1]
