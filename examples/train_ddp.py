@@ -10,7 +10,9 @@ with `--dataset N`, and the survivors train on at the smaller world size with th
 
 Start it again after an interruption (same command) and it resumes from the newest
 committed checkpoint. With --in-process the survivors of a departure do not even restart: they go on in
-their processes at the smaller world size (spotguard.run). Deterministic on CPU: the data of a step depends only on
+their processes at the smaller world size (spotguard.run), and a replacement node joins them without a
+restart: run the same command with `torchrun --standalone` and SPOTGUARD_JOIN=HOST:PORT (the job's
+--master-addr and --master-port). Deterministic on CPU: the data of a step depends only on
 the step and the rank (with --dataset: on the global position of a ResumableSampler, whatever the
 world size), so an interrupted-and-resumed run ends with the same weights as one that never stopped.
 """
@@ -131,7 +133,8 @@ def main() -> None:
         parser.error("--checkpoint-dir or SPOTGUARD_CHECKPOINT_DIR is required")
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.fsdp and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    joining = args.in_process and os.environ.get("SPOTGUARD_JOIN")  # a node joining a running job (spotguard.run)
+    if args.fsdp and int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not joining:
         parser.error("--fsdp needs several processes (torchrun)")
     options = {"cloud": args.cloud, "local_dir": args.local_dir, "save_every": args.save_every}
     if args.in_process:  # spotguard forms the process group, and again in this process after a departure

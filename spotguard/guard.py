@@ -172,6 +172,11 @@ class Guard:
         with in their processes (this generation's ranks, in order), else ()."""
         return self._emergency.goes_on
 
+    @property
+    def joining(self) -> tuple[int, ...]:
+        """Under `spotguard.run`, after the step agreed for nodes waiting to join: their join numbers, else ()."""
+        return self._emergency.joining
+
     # ---- lifecycle -------------------------------------------------------------
     def start(self) -> Guard:
         """Start watching: signal handlers, the watcher and listener threads, the coordination
@@ -448,6 +453,11 @@ class Guard:
         """`spotguard.run`'s word that this guard's run follows an in-process recovery (`fields`: those of
         the ledger's `recovered` record), for the goodput ledger."""
         self._goodput.recovered(**fields)
+
+    def admit(self, nodes: list[int]) -> None:
+        """`spotguard.run`'s rank 0, any thread: ask every rank to stop at the next step they agree on, so that
+        the joining `nodes` (their join numbers) enter the job after it."""
+        self._started_rounds("admit").request_join(nodes)
 
     # ---- internals ---------------------------------------------------------------
     def _busy(self) -> contextlib.AbstractContextManager[None]:

@@ -14,6 +14,7 @@ from spotguard.demo.localnodes import stop_all
 
 __all__ = [
     "Node",
+    "join_node",
     "json_lines",
     "rendezvous",
     "run_nodes",
@@ -41,6 +42,11 @@ def start_nodes(
     nproc_per_node: int | Sequence[int] = 1,
 ) -> list[Node]:
     return localnodes.start_nodes(nnodes, script, ckpt, tmp, args, {**CHECKOUT, **(env or {})}, nproc_per_node)
+
+
+def join_node(job: Node, rank: int, ckpt: str, tmp: Path, args: list[str], env: dict[str, str] | None = None) -> Node:
+    """A node that joins the running job of `job` (its node 0) in-process, running the example."""
+    return localnodes.joining_node(job, rank, EXAMPLE, ckpt, tmp, args, {**CHECKOUT, **(env or {})})
 
 
 def run_nodes(

@@ -15,7 +15,7 @@ import pytest
 
 from spotguard.checkpoint import list_checkpoints
 from spotguard.cli import main
-from tests.nodes import ROOT, Node, run_nodes, start_nodes, stop_all, worker_exit_code, worker_pids
+from tests.nodes import ROOT, Node, join_node, run_nodes, start_nodes, stop_all, worker_exit_code, worker_pids
 
 STEPS = 40
 BASE = ["--steps", str(STEPS), "--step-time", "0.1"]
@@ -218,3 +218,75 @@ def test_two_departures_in_a_row_make_generation_2_at_world_1_bit_identical(tmp_
     fresh = tmp_path / "restart"
     shutil.copytree(tmp_path / "ckpt", fresh / "ckpt")
     assert run_nodes(1, fresh / "ckpt", fresh, BASE, fresh / "out.json") == json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
+def test_a_replacement_joins_the_running_job_and_it_ends_at_full_size_bit_identical(sharding, tmp_path, capsys):
+    """Node 2 of 3 reclaimed, the survivors go on at world 2; then a replacement node joins the running job
+    (SPOTGUARD_JOIN, its own agent): the survivors keep their processes throughout, the joining node loads the
+    agreed step from their memory, and the job ends at world 3 where three fresh nodes resuming that step end."""
+    out = tmp_path / "out.json"
+    # every step saved durably too: the restart path below resumes the step the node joined at
+    plain = ["--steps", "90", "--step-time", "0.1", *SHARDING[sharding]]
+    args = [*plain, "--in-process", "--save-every", "1", "--out", str(out)]
+    ckpt = str(tmp_path / "ckpt")
+    nodes = start_nodes(3, ckpt, tmp_path, args, SNAPSHOTS)
+    try:
+        nodes[0].step_reached(6)
+        pids = [worker_pids(n) for n in nodes[:2]]
+        nodes[2].emulator.raise_notice()
+        assert nodes[0].wait_for("in-process recovery: generation 1"), nodes[0].tail()
+        nodes.append(join_node(nodes[0], 3, ckpt, tmp_path, args, SNAPSHOTS))
+        codes = [n.finish(180) for n in nodes]
+    finally:
+        stop_all(nodes)
+    assert codes == [0, 0, 0, 0], "\n".join(n.tail() for n in nodes)
+    joined = re.compile(
+        r"in-process recovery: generation 2, world 2 -> 3, rank\(s\) 2 joined: this process \(pid (\d+)\) "
+        r"paused ([\d.]+) s .*going on from step (\d+) with the state from (.*)"
+    )
+    found = [joined.search(n.output()) for n in (nodes[0], nodes[1], nodes[3])]
+    assert all(found), "\n".join(n.tail() for n in nodes)
+    step = int(found[0][3])
+    for match in found:
+        assert int(match[3]) == step and match[4] == "the snapshot in the nodes' memory"
+    for node, match, before in zip(nodes, found, pids):
+        assert int(match[1]) in before  # the survivors' processes train on, through both recoveries
+        assert "Starting worker group" not in node.output().split("in-process recovery")[1]  # no torchrun restart
+    assert "node 1 waiting to join the job" in nodes[3].output()
+    ended = json.loads(out.read_text())
+    assert ended["start"] == step + 1
+
+    assert main(["report", ckpt, "--json"]) == 0
+    segments = json.loads(capsys.readouterr().out)["segment_details"]
+    assert [s["ended"] for s in segments] == ["interrupted", "joining", "finished"]
+    recovered = segments[2]["recovered"]
+    assert (recovered["cause"], recovered["world_before"], recovered["world_after"]) == ("join", 2, 3)
+
+    # The restart path from the same step: three fresh nodes resume it (saved durably too) and train on.
+    fresh = tmp_path / "restart"
+    (fresh / "ckpt").mkdir(parents=True)
+    shutil.copytree(tmp_path / "ckpt" / f"step-{step:010d}", fresh / "ckpt" / f"step-{step:010d}")
+    restarted = run_nodes(3, fresh / "ckpt", fresh, plain, fresh / "out.json")
+    assert restarted == ended
+
+
+def test_a_node_the_job_cannot_take_in_is_refused_and_the_job_trains_on(tmp_path):
+    """A job without snapshots has nothing in its memory for a joining node to load: the node is refused
+    with why, and ends; the job never stops for it."""
+    args = ["--steps", "60", "--step-time", "0.1", "--in-process"]
+    ckpt = str(tmp_path / "ckpt")
+    nodes = start_nodes(2, ckpt, tmp_path, args)
+    try:
+        nodes[0].step_reached(2)
+        nodes.append(join_node(nodes[0], 2, ckpt, tmp_path, args))
+        assert nodes[2].finish(120) != 0
+        codes = [n.finish(180) for n in nodes[:2]]
+    finally:
+        stop_all(nodes)
+    assert codes == [0, 0], "\n".join(n.tail() for n in nodes)
+    assert "refused node 1: the job takes no snapshots (a joining node loads its state from the nodes' memory)" in (
+        nodes[2].output()
+    ), nodes[2].tail()
+    assert "node 1 cannot join" in nodes[0].output()
+    assert "in-process recovery" not in nodes[0].output() + nodes[1].output()

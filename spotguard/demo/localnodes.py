@@ -47,6 +47,7 @@ class LocalNode:
         nproc: int = 1,
     ) -> None:
         self.rank = rank
+        self.rdzv = rdzv
         self.emulator = AWSMetadataEmulator().__enter__()
         self.local_dir = tmp / f"node{rank}"
         self.snapshot_dir = tmp / f"node{rank}-memory"  # SPOTGUARD_SNAPSHOT_DIR: this node's host memory
@@ -213,6 +214,23 @@ def start_nodes(
         LocalNode(i, [*static, "--node-rank", str(i)], script, ckpt, tmp, args, env or {}, nproc)
         for i, nproc in enumerate(nprocs)
     ]
+
+
+def joining_node(
+    job: LocalNode,
+    rank: int,
+    script: list[str],
+    ckpt: str,
+    tmp: Path,
+    args: list[str],
+    env: dict[str, str] | None = None,
+) -> LocalNode:
+    """A node (`rank` names it here) that joins the running job of `job`, its node 0 (a static rendezvous), in
+    the job's processes (`spotguard.run`): an agent of its own (`--standalone`), pointed at the job's store."""
+    port = job.rdzv[job.rdzv.index("--master-port") + 1]
+    return LocalNode(
+        rank, ["--standalone"], script, ckpt, tmp, args, {**(env or {}), "SPOTGUARD_JOIN": f"127.0.0.1:{port}"}
+    )
 
 
 class Rendezvous:

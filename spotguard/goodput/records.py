@@ -130,11 +130,11 @@ class SilentEnd(Record):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Recovered(Record):
-    """The segment began with an in-process recovery (`spotguard.run`): the survivors of a departure went
-    on in their processes, in a new generation of the job, without a restart."""
+    """The segment began with an in-process recovery (`spotguard.run`): the survivors of a departure or a
+    loss went on in their processes, or nodes joined them, in a new generation of the job, without a restart."""
 
     EVENT: ClassVar[str] = "recovered"
-    cause: str  # "interruption": a node announced its departure; "peer-lost": a node went silent
+    cause: str  # "interruption": a node announced its departure; "peer-lost": a node went silent; "join"
     generation: int
     world_before: int
     world_after: int

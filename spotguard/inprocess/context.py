@@ -21,7 +21,7 @@ log = logging.getLogger("spotguard.inprocess")
 class Recovery:
     """One in-process recovery, as this rank saw it."""
 
-    cause: str  # "interruption": a node announced its departure; "peer-lost": a node went silent
+    cause: str  # "interruption": a node announced its departure; "peer-lost": a node went silent; "join": nodes joined
     generation: int  # the generation it formed
     world_before: int
     world_after: int
@@ -30,16 +30,18 @@ class Recovery:
     formed_s: float  # this process's last step -> the new generation's group formed
     paused_s: float | None = None  # this process's last step -> its first step at the new size
     source: str | None = None  # where the state came from: "snapshot" (the nodes' memory) or "durable"
+    joined: tuple[int, ...] = ()  # the new generation's ranks that joined
 
     def line(self) -> str:
         source = {"snapshot": "the snapshot in the nodes' memory", "durable": "the durable checkpoint"}.get(
             self.source or "", "nowhere (the function did not resume)"
         )
         paused = f"{self.paused_s:.2f} s" if self.paused_s is not None else "?"
-        how = "left after a notice" if self.cause == "interruption" else "lost without a notice"
+        how = {"interruption": "left after a notice", "join": "joined"}.get(self.cause, "lost without a notice")
+        ranks = self.joined if self.cause == "join" else self.left
         return (
             f"in-process recovery: generation {self.generation}, world {self.world_before} -> {self.world_after}, "
-            f"rank(s) {', '.join(map(str, self.left))} {how}: this process (pid {os.getpid()}) paused {paused} "
+            f"rank(s) {', '.join(map(str, ranks))} {how}: this process (pid {os.getpid()}) paused {paused} "
             f"(group formed after {self.formed_s:.2f} s), going on from step {self.step} with the state from {source}"
         )
 
@@ -98,8 +100,9 @@ class Context:
 
     def _report(self, recovery: Recovery) -> None:
         log.warning("%s", recovery.line())
-        detail = {k: v for k, v in dataclasses.asdict(recovery).items() if k != "left"}
-        self.guard.timeline.add("recovered", **detail, left=",".join(map(str, recovery.left)))
+        detail = {k: v for k, v in dataclasses.asdict(recovery).items() if k not in ("left", "joined")}
+        ranks = {k: ",".join(map(str, getattr(recovery, k))) for k in ("left", "joined") if getattr(recovery, k)}
+        self.guard.timeline.add("recovered", **detail, **ranks)
         self.guard.record_recovery(**detail)
 
     # ---- the guard's other calls, for the training function's convenience -------------------------

@@ -21,15 +21,21 @@ themselves, and `train` runs again in the same process, its `ctx.resume` loading
 after a loss the newest whole snapshot (from the nodes' memory when snapshots are on). Whatever this
 cannot do safely ends as it would without it (`ending/going_on.py`, or the new group cannot be
 formed): the exit code, the exit file, the launcher's restart.
+
+A node launched with SPOTGUARD_JOIN=HOST:PORT (the job's store) joins the running job the same way
+(`joining.py`): rank 0 has every rank stop at an agreed step and take a snapshot of it, `train`
+returns, and the next generation is formed with the joining ranks last; their `ctx.resume` loads the
+step from the live peers' memory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, NoReturn, TypeVar
 
@@ -38,8 +44,11 @@ import torch.distributed as dist
 
 from spotguard.ending.exit_policy import ExitPolicy
 from spotguard.guard import Guard
+from spotguard.inprocess import joining
 from spotguard.inprocess.context import Context, Recovery
 from spotguard.inprocess.generation import Generation, drop, form
+from spotguard.inprocess.joining import JOIN_ENV
+from spotguard.job.topology import ranks_per_node
 
 log = logging.getLogger("spotguard.inprocess")
 T = TypeVar("T")
@@ -57,41 +66,57 @@ def run(
     """Run `train(ctx)` under a Guard for `checkpoint_dir` (`cloud` and `options` as the Guard takes them),
     forming the job's process group first (`backend`: gloo, with NCCL for CUDA tensors where CUDA is
     available; `timeout`: its operations', 30 minutes by default), and again in-process after a node's
-    departure or loss. Returns what the last run of `train` returned; on the ranks that leave, the
-    process exits (0 when the job goes on without them). Launch it as any torchrun script; with one
-    process it runs `train` once."""
+    departure or loss, and when nodes join. Returns what the last run of `train` returned; on the ranks that
+    leave, the process exits (0 when the job goes on without them). Launch it as any torchrun script; with one
+    process it runs `train` once. With $SPOTGUARD_JOIN set to the running job's store (HOST:PORT), this
+    process's node joins that job instead (`joining.py`; JoinError when it is refused or not taken in)."""
     if dist.is_available() and dist.is_initialized():
         raise RuntimeError(
             "spotguard.run forms the job's process group itself (and again after a recovery): call it without "
             "calling torch.distributed.init_process_group() first"
         )
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    joining_at = os.environ.get(JOIN_ENV)
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not joining_at:
         with Guard(checkpoint_dir, cloud, **options) as guard:
             return train(Context(guard, Generation(0, (0,), 0)))
-    base, rank, world_size = next(dist.rendezvous("env://"))  # the launcher's store, kept for every generation
     backend = backend or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
-    generation = Generation(0, tuple(range(world_size)), rank)
-    form(generation, base, backend, timeout)
     recoveries: tuple[Recovery, ...] = ()
-    since: float | None = None
+    founders = None  # generation 0's world size: rank 0 of the job numbers the nodes that join
+    if joining_at:  # a node joining the running job: its store is the job's
+        base, generation, answer = joining.knock(joining_at)
+        since = time.monotonic()
+        form(generation, base, backend, timeout)
+        joined = tuple(range(answer["world_before"], generation.world_size))
+        recoveries = (Recovery("join", generation.number, answer["world_before"], generation.world_size, None, (),
+                               formed_s=time.monotonic() - since, joined=joined),)  # fmt: skip
+    else:
+        base, rank, world_size = next(dist.rendezvous("env://"))  # the launcher's store, kept for every generation
+        generation = Generation(0, tuple(range(world_size)), rank)
+        founders = world_size if rank == 0 else None
+        form(generation, base, backend, timeout)
+        since = None
     while True:
         guard = Guard(checkpoint_dir, cloud, in_process=True, **options)
         ctx = Context(guard, generation, recoveries, since)
         try:
             with guard:  # its close ends the process after an emergency, unless the job goes on in it
-                result = train(ctx)
+                with _door(guard, base, founders):
+                    result = train(ctx)
         except Exception:
             if not guard.goes_on:
                 raise
             # A node was lost: its collective failed (its sockets shut down), as the guard meant it to.
             log.info("the training function left its step: a node was lost and the job goes on", exc_info=True)
-        staying = guard.goes_on
+        nodes = guard.joining
+        staying = tuple(range(generation.world_size)) if nodes else guard.goes_on
         if generation.rank not in staying:  # the job ended, or goes on without this rank (exit_code=None)
+            if founders is not None:
+                joining.refuse_waiting(base, "the job has ended")
             drop()
             return result
         since = ctx.last_step_at if ctx.last_step_at is not None else time.monotonic()
         step = guard.last_save.step if guard.interrupted and guard.last_save is not None else None
-        cause = "interruption" if guard.interrupted else "peer-lost"
+        cause = "join" if nodes else "interruption" if guard.interrupted else "peer-lost"
         left = tuple(r for r in range(generation.world_size) if r not in staying)
         exiting = guard.options.exiting
         fallback = ExitPolicy.on(guard.topology, exiting.exit_code, exiting.lost_exit_code)
@@ -101,24 +126,47 @@ def run(
         gc.collect()
         try:
             drop()
-            following = generation.without(staying)
+            following = joining.take_in(base, generation, nodes, founders) if nodes else generation.without(staying)
             form(following, base, backend, timeout)
         except Exception as exc:  # noqa: BLE001 - anything that fails here ends as without in-process recovery
-            _fall_back(fallback, step, f"{type(exc).__name__}: {exc}")
+            _fall_back(fallback, step, f"{type(exc).__name__}: {exc}", cause)
+        joined = tuple(range(generation.world_size, following.world_size))
         recovery = Recovery(cause, following.number, generation.world_size, following.world_size, step, left,
-                            formed_s=time.monotonic() - since)  # fmt: skip
+                            formed_s=time.monotonic() - since, joined=joined)  # fmt: skip
         recoveries = (*recoveries, recovery)
         generation = following
 
 
-def _fall_back(policy: ExitPolicy, step: int | None, why: str) -> NoReturn:
+@contextlib.contextmanager
+def _door(guard: Guard, base: dist.Store, founders: int | None) -> Iterator[None]:
+    """On rank 0 of the job (`founders` given), while the training function runs: nodes that ask to join are
+    asked for at the next step every rank agrees on (`joining.Door`)."""
+    if founders is None:
+        yield
+        return
+
+    def refusal(ranks: int) -> str | None:
+        if not guard.options.snapshots.enabled:
+            return "the job takes no snapshots (a joining node loads its state from the nodes' memory)"
+        if ranks != ranks_per_node():
+            return f"it runs {ranks} rank(s); the job's nodes run {ranks_per_node()}"
+        return None
+
+    door = joining.Door(base, guard.admit, refusal).start()
+    try:
+        yield
+    finally:
+        door.close()
+
+
+def _fall_back(policy: ExitPolicy, step: int | None, why: str, cause: str) -> NoReturn:
     """End as the job would without in-process recovery, with the exit file's record: after a departure the
     checkpoint of `step` is committed, so `exit_code` (the launcher restarts the job from it); after a node
-    lost without a notice (`step` None) `lost_exit_code`, as the silent end would."""
+    lost without a notice, or a join (`step` None), `lost_exit_code`: the launcher restarts the job, which
+    resumes from the nodes' memory."""
     saved = step is not None and policy.exit_code is not None
     code = policy.exit_code if saved else policy.lost_exit_code
     log.error("in-process recovery failed (%s): ending as without it", why)
-    cause = "interruption" if step is not None else "peer-lost"
     policy.record(code, committed=saved, step=step, leaving=False, cause=cause)  # type: ignore[arg-type]
     policy.exit(code, saved=saved)  # type: ignore[arg-type]
     raise AssertionError("unreachable: exit() raises SystemExit")

@@ -23,6 +23,9 @@ A silent failure (`spotguard.health`: a node lost without a notice, a hang) is c
 (`<prefix>claim/silent`): the first rank to see one writes one `silent` event, on which every
 listener ends its process.
 
+Under `spotguard.run`, rank 0 writes a `join` event for nodes waiting to join the running job: every
+rank stops at the step agreed on it, and the job goes on with them in the next generation.
+
 A rank that leaves its Guard writes a `left` event. No agreement can complete without that
 rank, so every listener stops at it; this is also how a stopping listener is woken.
 """
@@ -51,6 +54,7 @@ EMERGENCY = "emergency"  # an interruption notice: save and stop
 CHECKPOINT = "checkpoint"  # a save the job keeps running after (interval, rebalance advisory)
 LEFT = "left"  # a rank left its Guard: the listeners stop
 SILENT = "silent"  # a failure without a notice (a node lost, a hang): the job ends (spotguard.health)
+JOIN = "join"  # nodes wait to join the running job (in-process): every rank stops at the agreed step
 
 
 class Broadcast:
@@ -110,6 +114,10 @@ class Broadcast:
 
     def request_checkpoint(self, reason: str) -> int:
         return self._bounded(lambda: self.log.append({"type": CHECKPOINT, "reason": reason}, self._next))
+
+    def request_join(self, nodes: list[int]) -> int:
+        """Ask every rank to stop at the next step they agree on, for the joining `nodes` (their numbers)."""
+        return self._bounded(lambda: self.log.append({"type": JOIN, "nodes": nodes}, self._next))
 
     def _claim(self, key: str, event: dict[str, Any], claimed: str | None = None) -> int | None:
         """Append `event` only if nobody has claimed `key` yet; its slot if this call won, else None.

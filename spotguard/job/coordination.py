@@ -101,6 +101,9 @@ class Coordination:
     def request_checkpoint(self, reason: str) -> None:
         self.broadcast.request_checkpoint(reason)
 
+    def request_join(self, nodes: list[int]) -> None:
+        self.broadcast.request_join(nodes)
+
     def publish_silent_failure(self, event: dict[str, Any]) -> bool:
         """Announce a silent failure (False: another rank did first). The rounds before it, from the one this
         rank's listener is in (no rank is past it), may wait for the lost rank until their timeout: they

@@ -38,7 +38,7 @@ def end(
     )
 
     silent = goes_on and not emergency.interrupted  # a node lost without a notice: the job goes on in-process
-    why = emergency.cause if silent else None
+    why = emergency.cause if silent else "joining" if emergency.joining else None
 
     def ended() -> None:
         goodput.ended(code, None if silent else error, interrupted=emergency.interrupted, committed=emergency.saved,

@@ -24,7 +24,7 @@ from spotguard.goodput.cadence import IntervalTimer
 from spotguard.goodput.recorder import GoodputRecorder
 from spotguard.goodput.timeline import Timeline
 from spotguard.job.agreement import Decision
-from spotguard.job.broadcast import EMERGENCY
+from spotguard.job.broadcast import EMERGENCY, JOIN
 from spotguard.job.coordination import Coordination, EmergencyPlan
 from spotguard.job.departure import Departure
 from spotguard.job.topology import Topology
@@ -50,6 +50,8 @@ class EmergencyOutcome:
     # Empty: every process ends, as always (the guard is not in-process, or the job cannot go on this way).
     goes_on: tuple[int, ...] = ()
     cause: str = "interruption"  # what the job goes on from: a notice, or a node lost without one ("peer-lost")
+    # Under `spotguard.run`: the nodes (their join numbers) the job takes in after this step, every rank staying.
+    joining: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +109,12 @@ class Rounds:
         """Any thread: ask every rank to act at the next step they all agree on."""
         self._parts.timeline.add("save-requested", reason=reason)
         self._parts.coordination().request_checkpoint(reason)
+
+    def request_join(self, nodes: list[int]) -> None:
+        """Rank 0 under `spotguard.run`: ask every rank to stop at the next step they agree on, so that the
+        joining `nodes` enter the job after it."""
+        self._parts.timeline.add("join-requested", nodes=",".join(map(str, nodes)))
+        self._parts.coordination().request_join(nodes)
 
     def interval(self) -> float:
         """The interval timer's interval: fixed, or the cadence's choice now."""
@@ -166,20 +174,23 @@ class Rounds:
         reported `again`): an agreed round takes neither's place. True when one was an emergency (its
         save is done)."""
         emergencies = [d for d in due if d.event["type"] == EMERGENCY]
-        reasons = [d.event.get("reason", "periodic") for d in due if d.event["type"] != EMERGENCY]
+        joins = [d for d in due if d.event["type"] == JOIN]  # put off by an emergency: asked for again after it
+        reasons = [d.event.get("reason", "periodic") for d in due if d.event["type"] not in (EMERGENCY, JOIN)]
         every, snapshot_every = self._parts.options.saving.save_every, self._parts.snapshots.every
         if every and step % every == 0 and not again:
             reasons.insert(0, "periodic")  # first: a save that is also another round's takes that round's name
         if snapshot_every and step % snapshot_every == 0 and not again and SNAPSHOT not in reasons:
             reasons.append(SNAPSHOT)
         if not emergencies:
-            if SNAPSHOT in reasons:
+            # A join takes a snapshot of the step itself, first: its collectives after every background save.
+            joined = bool(joins) and self._join(step, state, sorted({n for d in joins for n in d.event["nodes"]}))
+            if SNAPSHOT in reasons and not joined:
                 self.snapshot(step, state)
             saves = [r for r in reasons if r != SNAPSHOT]
             if saves:  # rounds agreed on one step make one save: named for the one that is not routine
                 reason = next((r for r in saves if r not in ROUTINE_SAVES), saves[-1])
                 self.save(step, state, reason=reason, wait=False)
-            return False
+            return joined
         self._emergency(step, state, self._parts.coordination().plan(emergencies), snapshot_due=SNAPSHOT in reasons)
         return True
 
@@ -228,6 +239,21 @@ class Rounds:
             why = "a cloud is taking a node (its shards would be missing): the job leaves at once"
             failed = "the emergency's durable save of it failed (a snapshot follows a committed one only)"
             p.snapshots.skip(step, failed if report is None else why)
+
+    def _join(self, step: int, state: Mapping[str, Any], nodes: list[int]) -> bool:
+        """At the step agreed for joining `nodes`: a snapshot of it, which the joining ranks load from the
+        nodes' memory. True (every rank's snapshot was taken: the training function returns, and the job
+        goes on with them) or False on every rank (the join is put off: said in the log)."""
+        p = self._parts
+        with p.busy():
+            why = p.snapshots.keep_for_join(step, state)
+        if why is not None:
+            log.warning("node(s) %s cannot join at step %d: %s", ", ".join(map(str, nodes)), step, why)
+            p.timeline.add("join-failed", step=step, why=why)
+            return False
+        self.outcome.joining = tuple(nodes)
+        p.timeline.add("joining", step=step, nodes=",".join(map(str, nodes)))
+        return True
 
     def _goes_on(self, plan: EmergencyPlan) -> tuple[int, ...]:
         """The ranks the job goes on with in their processes after `plan`'s departure, or () when it ends or

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 SNAPSHOT = "snapshot"  # the reason of an agreed step that is a snapshot's, not a save's
 EMERGENCY_WAIT_S = 60.0  # the longest an emergency waits for the snapshot of its step
 EMERGENCY_MARGIN_S = 5.0  # the time before the deadline that snapshot leaves alone
+JOIN_WAIT_S = 60.0  # the longest a rank waits for the snapshot a joining node loads
 FINAL_REPLICAS_WAIT_S = 10.0  # when the job goes on without some ranks: the longest a rank waits for their copies
 # Rank 0 could not list the committed steps: no snapshot is newer than this, so none is loaded.
 _UNKNOWN_STEP = sys.maxsize
@@ -145,6 +146,31 @@ class GuardSnapshots:
         wait_s = min(FINAL_REPLICAS_WAIT_S, max(0.0, budget - (time.monotonic() - started)))
         if leaving and not tier.everyone_replicated(step, wait_s):
             log.warning("not every rank's copy of the emergency's step %d reached a survivor in %.0f s", step, wait_s)
+
+    def keep_for_join(self, step: int, state: Mapping[str, Any]) -> str | None:
+        """The snapshot of `step` that nodes joining the running job load their state from (a collective,
+        waited for, its replicas too): None once every rank's is taken, else why not (the same on every rank)."""
+        if not self.options.enabled:
+            return "snapshots are off (a joining node takes its state from the snapshot in the nodes' memory)"
+        why = None
+        ckpt = self._context()[0]
+        try:
+            ckpt.wait()  # a background save's collectives run on the same group as the ones below
+        except Exception:  # noqa: BLE001 - that save's failure is logged; the snapshot does not need it
+            log.warning("the background save before the snapshot of step %d failed", step)
+        try:
+            tier = self.made()
+            assert tier is not None  # snapshots are on
+            tier.snapshot(step, state)
+            done = tier.wait(timeout=JOIN_WAIT_S)
+            if done is None:
+                why = f"rank {tier.rank}'s snapshot was not done in {JOIN_WAIT_S:.0f} s"
+            elif not done.ok:
+                why = f"rank {tier.rank}'s snapshot failed: {done.skipped or done.error}"
+        except Exception as exc:  # noqa: BLE001 - invariant 3: the job trains on without the join
+            why = f"{type(exc).__name__}: {exc}"
+        problems = [w for w in ckpt.comm.all_gather(why) if w]
+        return problems[0] if problems else None
 
     def interval(self, goodput: GoodputRecorder, run_hours: float) -> float:
         """The snapshot timer's interval: fixed, or the snapshot cadence's choice now."""
