@@ -34,6 +34,7 @@ _LAZY = {
     "run": "spotguard.inprocess.runner",
     "Context": "spotguard.inprocess.context",
     "Recovery": "spotguard.inprocess.context",
+    "JoinError": "spotguard.inprocess.joining",
 }
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "GuardOptions",
     "HealthOptions",
     "IfSaved",
+    "JoinError",
     "Notice",
     "NoticeOptions",
     "ResumableBatchSampler",
@@ -71,6 +73,7 @@ if TYPE_CHECKING:
     from spotguard.data import ResumableBatchSampler, ResumableSampler
     from spotguard.guard import Guard
     from spotguard.inprocess.context import Context, Recovery
+    from spotguard.inprocess.joining import JoinError
     from spotguard.inprocess.runner import run
     from spotguard.options import (
         CoordinationOptions,

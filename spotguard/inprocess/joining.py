@@ -116,6 +116,7 @@ class Door:
         self._admit = admit
         self._refusal = refusal
         self._asked: tuple[list[int], float] | None = None
+        self._settled = 0  # the highest number answered, as last read: an idle poll is one request
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="spotguard-join-door", daemon=True)
 
@@ -136,8 +137,12 @@ class Door:
 
     def poll(self) -> None:
         store = self._conn.store
+        count = store.add(COUNT, 0)
+        if count <= self._settled:
+            return
+        self._settled = _settled(self._conn)
         waiting = []
-        for number in range(_settled(self._conn) + 1, store.add(COUNT, 0) + 1):
+        for number in range(self._settled + 1, count + 1):
             node = self._conn.get_now(_node_key(number))
             if node is None:  # its record follows its number: seen at the next poll
                 break
