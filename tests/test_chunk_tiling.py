@@ -61,6 +61,7 @@ LAYOUTS = {  # name: (size, chunks, whole, what is wrong)
     "a chunk past the end": ((8, 2), [((0, 0), (4, 2)), ((4, 0), (5, 2))], False, "lies outside its size [8, 2]"),
     "a chunk of fewer dimensions": ((8, 2), [((0, 0), (8,))], False, "lies outside"),
     "a negative offset": ((8, 2), [((-1, 0), (1, 2))], False, "lies outside"),
+    "a negative size": ((-1, 0), [], True, "a size [-1, 0] no tensor has"),
     "many cells a chunk": ((40, 40), pinwheel(20), True, "a layout DCP does not write"),
 }
 

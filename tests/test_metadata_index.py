@@ -100,7 +100,9 @@ def _one_line(exc: pytest.ExceptionInfo) -> str:
     ("change", "says"),
     [
         (lambda v: v.__setitem__(4, 2), "overlap"),  # chunk 1 starts at row 2, over chunk 0
-        (lambda v: v.__setitem__(14, 3), "uncovered"),  # chunk 3 holds 3 rows of 4: the last is left
+        (lambda v: v.__setitem__(14, 3), "hold 120 elements, the tensor 128"),  # chunk 3 holds 3 rows of 4
+        # Every chunk the whole tensor: no dimension is cut, and each cell is covered 4 times.
+        (lambda v: v[:16].reshape(4, 4).__setitem__(slice(None), (0, 0, 16, 8)), "hold 512 elements"),
         (lambda v: v.__setitem__(12, 1 << 40), "outside"),  # chunk 3 starts far beyond the tensor
         (lambda v: v.__setitem__(-3, 7), "names no file"),  # a file id the header does not list
         (lambda v: v.__setitem__(-1, -5), "negative range"),

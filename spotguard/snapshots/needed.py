@@ -94,7 +94,7 @@ def shards_needed(
     rank_of, want_fqn, want_off, want_size = rank_of[known], want_fqn[known], want_off[known], want_size[known]
 
     # The candidates of each wanted chunk: along its tensor's sweep dimension, from the last cut at or
-    # before its start (DTensor layouts cut each dimension alike everywhere: `safe_pickle.untiled`; a
+    # before its start (DTensor layouts cut each dimension alike everywhere: `chunk_grid`; a
     # layout that is no grid may lose a chunk here, and the rank's load then fails on what it misses)
     # up to its end.
     sweep = stored.sweep[want_fqn]

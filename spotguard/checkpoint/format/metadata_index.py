@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from spotguard.checkpoint.errors import CheckpointError
-from spotguard.checkpoint.format.chunk_grid import overlapping, tiling_problem
+from spotguard.checkpoint.format.chunk_grid import chunk_boxes, overlapping, tiling_problem
 
 _MAGIC = b"SGDCPIX1"
 _PREFIX = struct.Struct("<8sQ")
@@ -74,8 +74,8 @@ def index_bytes(metadata: Metadata) -> bytes | None:
                 return None
             values.append([fqn, files[info.relative_path], info.offset, info.length])
             continue
-        props, chunk_boxes = md.properties, _boxes(md.chunks, len(md.size))
-        if str(props.memory_format) not in _MEMORY_FORMATS or tiling_problem(md.size, chunk_boxes):
+        props, rows = md.properties, chunk_boxes(md.chunks, len(md.size))
+        if str(props.memory_format) not in _MEMORY_FORMATS or rows is None or tiling_problem(md.size, rows):
             return None  # a layout the reader would refuse: it reads `.metadata` instead
         found = list(map(storage.get, zip(itertools.repeat(fqn), map(attrgetter("offsets"), md.chunks))))
         if any(info is None for info in found):
@@ -86,7 +86,7 @@ def index_bytes(metadata: Metadata) -> bytes | None:
             "requires_grad": props.requires_grad, "memory_format": str(props.memory_format),
             "pin_memory": props.pin_memory,
         })  # fmt: skip
-        boxes.append(chunk_boxes.ravel())
+        boxes.append(rows.ravel())
         places.append(found)
     if len(storage) != len(values) + sum(t["chunks"] for t in tensors):
         return None
@@ -107,15 +107,6 @@ def index_bytes(metadata: Metadata) -> bytes | None:
     head = json.dumps(header, separators=(",", ":")).encode()
     head += b" " * (-(len(head) + _PREFIX.size) % 8)  # JSON ignores the trailing spaces
     return b"".join([_PREFIX.pack(_MAGIC, len(head)), head, *(b.tobytes() for b in boxes), where.tobytes()])
-
-
-def _boxes(chunks: Sequence[ChunkStorageMetadata], d: int) -> np.ndarray:
-    """One row per chunk: its offsets, then its sizes."""
-    flat = itertools.chain.from_iterable(
-        itertools.chain(map(attrgetter("offsets"), chunks), map(attrgetter("sizes"), chunks))
-    )
-    rows = np.fromiter(flat, dtype=_INT64, count=2 * d * len(chunks))
-    return rows.reshape(2, len(chunks), d).transpose(1, 0, 2).reshape(len(chunks), 2 * d)
 
 
 def read_index(data: bytes, wanted: Wanted, listed: Callable[[str], bool]) -> Metadata:

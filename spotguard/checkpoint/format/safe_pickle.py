@@ -11,15 +11,12 @@ through `torch.load(weights_only=True)`. Both also admit what the user allowed w
 
 from __future__ import annotations
 
-import bisect
 import io
-import itertools
-import math
 import pathlib
 import pickle
 import pickletools
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import IO, Any, NoReturn
 
 import torch
@@ -37,6 +34,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import ReadItem
+
+from spotguard.checkpoint.format.chunk_grid import chunks_problem
 
 _HINT = "to allow a type of your own: torch.serialization.add_safe_globals([...])"
 
@@ -395,13 +394,6 @@ def load_metadata(data: bytes) -> Metadata:
     return metadata
 
 
-# The grid that every chunk edge of a tensor draws: a DTensor's chunks (any placements, even shards)
-# cut each dimension the same way everywhere, so it has one cell per chunk. A layout whose grid has
-# many more (cut differently from row to row) is refused rather than checked at quadratic cost.
-_CELLS_PER_CHUNK = 4
-_CELLS_ANY = 64
-
-
 def untiled(metadata: Metadata, *, whole: bool = True) -> str | None:
     """Why the chunks of a tensor of `metadata` do not tile it ("fqn: why"); None when they do.
 
@@ -412,42 +404,9 @@ def untiled(metadata: Metadata, *, whole: bool = True) -> str | None:
     """
     for fqn, value in metadata.state_dict_metadata.items():
         if isinstance(value, TensorStorageMetadata):
-            why = _untiled(tuple(value.size), [(tuple(c.offsets), tuple(c.sizes)) for c in value.chunks], whole)
+            why = chunks_problem(value.size, value.chunks, whole=whole)
             if why:
                 return f"{fqn}: {why}"
-    return None
-
-
-_Box = tuple[tuple[int, ...], tuple[int, ...]]  # a chunk's offsets and sizes
-
-
-def _untiled(size: Sequence[int], boxes: list[_Box], whole: bool) -> str | None:
-    for offsets, sizes in boxes:
-        inside = len(offsets) == len(sizes) == len(size) and all(
-            0 <= o and 0 <= s and o + s <= n for o, s, n in zip(offsets, sizes, size)
-        )
-        if not inside:
-            return f"a chunk at {list(offsets)} of {list(sizes)} lies outside its size {list(size)}"
-    held, volume = sum(math.prod(sizes) for _, sizes in boxes), math.prod(size)
-    if held > volume or (whole and held != volume):  # more than the tensor holds: some overlap
-        return f"its chunks hold {held} elements, the tensor {volume}"
-    return _overlap([box for box in boxes if math.prod(box[1])])
-
-
-def _overlap(boxes: list[_Box]) -> str | None:
-    """Two of `boxes` (none empty) that overlap, found on the grid their edges draw."""
-    if not boxes:
-        return None
-    cuts = [sorted({o[d] for o, _ in boxes} | {o[d] + s[d] for o, s in boxes}) for d in range(len(boxes[0][0]))]
-    cells = math.prod(len(c) - 1 for c in cuts)
-    if cells > _CELLS_PER_CHUNK * len(boxes) + _CELLS_ANY:
-        return f"its {len(boxes)} chunks cut it into {cells} cells, a layout DCP does not write"
-    owner: dict[tuple[int, ...], int] = {}  # cell -> the box covering it
-    for i, (offsets, sizes) in enumerate(boxes):
-        spans = [range(bisect.bisect_left(c, o), bisect.bisect_left(c, o + s)) for c, o, s in zip(cuts, offsets, sizes)]
-        for cell in itertools.product(*spans):
-            if owner.setdefault(cell, i) != i:
-                return f"the chunks at {list(boxes[owner[cell]][0])} and {list(offsets)} overlap"
     return None
 
 
