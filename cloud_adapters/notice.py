@@ -136,7 +136,8 @@ class NoticeSource(Protocol):
     `poll()` checks once and returns the current notice or None; it raises
     `NoticeSourceError` (or a transport error) when the answer is unusable.
     A `blocking` source waits inside `poll()` for a change (GCP's hanging GET,
-    signals), so the watcher calls it back to back instead of on an interval.
+    signals), so the watcher calls it back to back instead of on an interval; one
+    that can end that wait early has `wake()`, which the watcher calls as it stops.
     A non-blocking source may set `poll_every = N` to be polled every Nth interval
     only (advisories announced long ahead). A source whose notices are all advisories
     sets `advisory = True`: after a failure the watcher may back off longer on it,

@@ -23,6 +23,7 @@ DEFAULT_SIGNALS = (signal.SIGTERM,)
 
 
 UNCATCHABLE = (signal.SIGKILL, signal.SIGSTOP)
+_WAKE = 0  # the byte `wake()` writes to the pipe: no signal has number 0
 
 
 def parse_signal(name: str | int) -> signal.Signals:
@@ -86,10 +87,17 @@ class SignalSource:
         ready, _, _ = select.select([self._read_fd], [], [], self.wait_s)
         with self._lock:
             if ready:
-                signum = os.read(self._read_fd, 64)[0]
-                if self._notice is None:
-                    self._notice = self._make_notice(signal.Signals(signum))
+                signums = [b for b in os.read(self._read_fd, 64) if b != _WAKE]
+                if signums and self._notice is None:
+                    self._notice = self._make_notice(signal.Signals(signums[0]))
             return self._notice
+
+    def wake(self) -> None:
+        """End a `poll()` waiting now (a stopping watcher's), without a signal."""
+        try:
+            os.write(self._write_fd, bytes([_WAKE]))
+        except OSError:
+            pass  # the pipe is full (a poll is due at once) or closed
 
     def _make_notice(self, sig: signal.Signals) -> Notice:
         now = utc_now()

@@ -90,6 +90,10 @@ class Watcher:
         """Stop polling. Waits at most `timeout_s` in all: a thread inside a hanging GET
         is a daemon and ends when its request returns, so it never holds up the exit."""
         self._stop.set()
+        for source in self.sources:  # a blocking source that can be woken returns from its poll at once
+            wake = getattr(source, "wake", None)
+            if wake is not None:
+                wake()
         deadline = time.monotonic() + timeout_s
         for thread in self._threads:
             thread.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -5,12 +5,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from cloud_adapters.signals import SignalSource, parse_signal
 from cloud_adapters.validation import MAX_SECONDS
+from spotguard.watcher import Watcher
 
 
 def start_watch(*flags):
@@ -87,6 +89,21 @@ def test_source_in_process_records_only_and_restores_handlers():
     finally:
         source.close()
     assert signal.getsignal(signal.SIGUSR2) == before
+
+
+def test_a_stopping_watcher_wakes_the_signal_source_without_making_a_notice():
+    """The signal source waits for a signal inside poll(): a watcher that stops ends that wait at once (every
+    in-process recovery stops one), not after the source's whole wait, and the wake is no interruption."""
+    notices = []
+    source = SignalSource((signal.SIGUSR2,), grace_s=5, wait_s=60)
+    source.install()
+    watcher = Watcher([source], notices.append).start()
+    time.sleep(0.2)  # inside its poll
+    started = time.monotonic()
+    watcher.stop(timeout_s=30)
+    assert time.monotonic() - started < 10  # a bound for a hang: the wait it ends is 60 s
+    assert not any(t.name.startswith("spotguard-watch-signal") for t in threading.enumerate())
+    assert notices == []
 
 
 @pytest.mark.parametrize(
