@@ -19,10 +19,12 @@ printed step --join-at at world 2, a third node is started:
 
 The pause: rank 0's last step line at world 2 -> its first at world 3, as this process read the lines (one
 step at world 3 is in it; the median step at world 3 is shown beside it). The transfer: the joining rank's
-resume (its guard watching -> its `resumed` line), the state's bytes over it, against a plain TCP transfer of
-the same bytes over 127.0.0.1 measured here first (one socket, `sendall` / `recv_into`). The goal: a pause
-<= 2 s plus the state's transfer at half the loopback bandwidth. The weights of the in-process join are
-checked against a restart from the same step in tests/test_inprocess.py (this bench saves nothing durably).
+resume (its guard watching -> its `resumed` line: the model built, the load) and its load alone (the snapshot's
+bytes from the peers into its tensors, as the loader logs it), the state's bytes over the load against a plain
+TCP transfer of the same bytes over 127.0.0.1 measured here first (one socket, `sendall` / `recv_into`).
+The goal: a pause <= 2 s plus the state's transfer at half the loopback bandwidth. The weights of the
+in-process join are checked against a restart from the same step in tests/test_inprocess.py (this bench
+saves nothing durably).
 """
 
 from __future__ import annotations
@@ -85,11 +87,14 @@ def pause(nodes: list[Node]) -> dict:
             "step_s": statistics.median(steps or [float("nan")])}  # fmt: skip
 
 
-def transfer(node: Node) -> float:
-    """The joining rank's resume (s): its guard watching -> its `resumed` line."""
+def transfer(node: Node) -> tuple[float, float]:
+    """The joining rank's resume (s: its guard watching -> its `resumed` line: the model built, the load), and
+    its load alone (s: the snapshot's bytes from the peers into its tensors, as the loader logs it)."""
     times = [(t, line) for line, t in zip(node.lines, node.arrived)]
     start = next(t for t, line in times if re.search(WATCHING, line))
-    return next(t for t, line in times if t > start and re.search(RESUMED, line)) - start
+    resumed = next(t for t, line in times if t > start and re.search(RESUMED, line)) - start
+    (load,) = re.findall(r"MB read into the state in ([\d.]+) s", node.output())
+    return resumed, float(load)
 
 
 def one_way(tmp: Path, shm: Path, train: list[str], args: argparse.Namespace, way: str, name: str) -> dict:
@@ -116,7 +121,7 @@ def one_way(tmp: Path, shm: Path, train: list[str], args: argparse.Namespace, wa
     result = pause(nodes)
     text = "\n".join(n.output() for n in nodes)
     result["source"] = "/".join(sorted(set(re.findall(rf"resumed +step={result['step']} .*tier=(\w+)", text)))) or "?"
-    result["transfer_s"] = transfer(nodes[2]) if way == "in-process" else None
+    result["resume_s"], result["load_s"] = transfer(nodes[2]) if way == "in-process" else (None, None)
     return result
 
 
@@ -152,13 +157,14 @@ def main() -> None:
                 r = result[way] = one_way(Path(tmp), Path(shm), train, args, way, f"join-run{run}-{way}")
             print(f"run {run} {way}: went on from step {r['step']} at world 3, pause {r['pause']:.2f} s", flush=True)
         a, b = result["in-process"], result["restart"]
-        rate = size / a["transfer_s"] / 1e9
+        rate = size / a["load_s"] / 1e9
         rows.append([run, a["step"], f"{a['pause']:.2f}", "met" if a["pause"] <= allowed else "missed",
-                     f"{a['transfer_s']:.2f}", f"{rate:.2f} ({rate / loopback:.0%})", f"{a['step_s']:.2f}", a["source"],
-                     f"{b['pause']:.2f}", f"{b['pause'] / a['pause']:.1f}x", b["source"]])  # fmt: skip
+                     f"{a['resume_s']:.2f}", f"{a['load_s']:.2f}", f"{rate:.2f} ({rate / loopback:.0%})",
+                     f"{a['step_s']:.2f}", a["source"], f"{b['pause']:.2f}", f"{b['pause'] / a['pause']:.1f}x",
+                     b["source"]])  # fmt: skip
     print("\nthe survivors' pause: rank 0's last step at world 2 -> its first at world 3")
     print(table(["run", "went on from", "in-process pause s", f"goal <= {allowed:.2f} s", "joining rank's resume s",
-                 "its GB/s (of loopback)", "step at world 3 s", "state from", "restart-path pause s",
+                 "its load s", "load GB/s (of loopback)", "step at world 3 s", "state from", "restart-path pause s",
                  "restart / in-process", "restart: state from"], rows))  # fmt: skip
     if runs > 1:
         ratios = sorted(float(r[-2][:-1]) for r in rows)

@@ -66,6 +66,7 @@ class SignalSource:
         self._previous: dict[signal.Signals, object] = {}
         self._notice: Notice | None = None
         self._lock = threading.Lock()
+        self._closed = False
 
     def install(self) -> None:
         for sig in self.signals:
@@ -94,10 +95,13 @@ class SignalSource:
 
     def wake(self) -> None:
         """End a `poll()` waiting now (a stopping watcher's), without a signal."""
-        try:
-            os.write(self._write_fd, bytes([_WAKE]))
-        except OSError:
-            pass  # the pipe is full (a poll is due at once) or closed
+        with self._lock:
+            if self._closed:  # its descriptor's number may belong to another file by now
+                return
+            try:
+                os.write(self._write_fd, bytes([_WAKE]))
+            except BlockingIOError:
+                pass  # the pipe is full: a poll is due at once
 
     def _make_notice(self, sig: signal.Signals) -> Notice:
         now = utc_now()
@@ -114,6 +118,8 @@ class SignalSource:
 
     def close(self) -> None:
         self.uninstall()
+        with self._lock:
+            self._closed = True
         for fd in (self._read_fd, self._write_fd):
             try:
                 os.close(fd)

@@ -390,7 +390,8 @@ class Guard:
         return next_step
 
     def step(self, step: int, state: Mapping[str, Any]) -> bool:
-        """Call after every training step; True once the emergency checkpoint of `step` is committed.
+        """Call after every training step; True once the emergency checkpoint of `step` is committed (under
+        `spotguard.run`, also once the snapshot that joining nodes load is taken: return then).
 
         A step reported again (a loop that counts optimizer steps, called at every micro-batch of a
         gradient accumulation) is not saved again.
@@ -454,10 +455,12 @@ class Guard:
         the ledger's `recovered` record), for the goodput ledger."""
         self._goodput.recovered(**fields)
 
-    def admit(self, nodes: list[int]) -> None:
+    def admit(self, nodes: list[int], on_failed: Callable[[list[int], str], None]) -> None:
         """`spotguard.run`'s rank 0, any thread: ask every rank to stop at the next step they agree on, so that
-        the joining `nodes` (their join numbers) enter the job after it."""
-        self._started_rounds("admit").request_join(nodes)
+        the joining `nodes` (their join numbers) enter the job after it; `on_failed(nodes, why)` if they cannot."""
+        if not self._in_process:
+            raise RuntimeError("Guard.admit() is spotguard.run's: nodes join a job run by it")
+        self._started_rounds("admit").request_join(nodes, on_failed)
 
     # ---- internals ---------------------------------------------------------------
     def _busy(self) -> contextlib.AbstractContextManager[None]:

@@ -44,9 +44,12 @@ def start_nodes(
     return localnodes.start_nodes(nnodes, script, ckpt, tmp, args, {**CHECKOUT, **(env or {})}, nproc_per_node)
 
 
-def join_node(job: Node, rank: int, ckpt: str, tmp: Path, args: list[str], env: dict[str, str] | None = None) -> Node:
-    """A node that joins the running job of `job` (its node 0) in-process, running the example."""
-    return localnodes.joining_node(job, rank, EXAMPLE, ckpt, tmp, args, {**CHECKOUT, **(env or {})})
+def join_node(
+    job: Node, rank: int, ckpt: str, tmp: Path, args: list[str], env: dict[str, str] | None = None,
+    *, script: list[str] = EXAMPLE,
+) -> Node:  # fmt: skip
+    """A node that joins the running job of `job` (its node 0) in-process, running the example (or `script`)."""
+    return localnodes.joining_node(job, rank, script, ckpt, tmp, args, {**CHECKOUT, **(env or {})})
 
 
 def run_nodes(

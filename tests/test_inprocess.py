@@ -290,3 +290,31 @@ def test_a_node_the_job_cannot_take_in_is_refused_and_the_job_trains_on(tmp_path
     ), nodes[2].tail()
     assert "node 1 cannot join" in nodes[0].output()
     assert "in-process recovery" not in nodes[0].output() + nodes[1].output()
+
+
+def test_a_node_that_dies_once_taken_in_is_left_behind_and_the_job_goes_on_in_its_processes(tmp_path):
+    """The joining node is taken in, then dies before the new generation forms (injected): its members never
+    come, and the job's own members form the generation after it without it and train on, in their processes,
+    not restarted (before: every survivor exited 75)."""
+    worker = [str(ROOT / "tests" / "join_fault_worker.py")]
+    out = tmp_path / "out.json"
+    args = ["--steps", "60", "--step-time", "0.1", "--in-process", "--out", str(out)]
+    ckpt = str(tmp_path / "ckpt")
+    env = {**SNAPSHOTS, "SPOTGUARD_TEST_FORM_TIMEOUT": "5"}
+    nodes = start_nodes(2, ckpt, tmp_path, args, env, script=worker)
+    try:
+        nodes[0].step_reached(2)
+        pids = [worker_pids(n) for n in nodes]
+        nodes.append(join_node(nodes[0], 2, ckpt, tmp_path, args, {**env, "SPOTGUARD_TEST_VANISH": "1"}, script=worker))
+        codes = [n.finish(180) for n in nodes]
+    finally:
+        stop_all(nodes)
+    assert codes[:2] == [0, 0] and codes[2] != 0, "\n".join(n.tail() for n in nodes)
+    assert "taken in, vanishing" in nodes[2].output()
+    for node, before in zip(nodes[:2], pids):
+        text = node.output()
+        assert "generation 1 with the joining node(s) was not formed (FormError" in text, node.tail()
+        found = re.search(r"in-process recovery: generation 2, world 2 -> 2, the joining node\(s\) never came: "
+                          r"this process \(pid (\d+)\)", text)  # fmt: skip
+        assert found and int(found[1]) in before, node.tail()
+    assert json.loads(out.read_text())["start"] > 0

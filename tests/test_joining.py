@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+import time
 
 import pytest
 import torch.distributed as dist
@@ -65,7 +66,7 @@ def test_the_door_asks_for_a_joining_node_and_every_member_forms_the_same_genera
     thread, box = knocking(address)
     wait_for_number(store, 1)
     asked: list[list[int]] = []
-    door = Door(store, asked.append, lambda ranks: None)
+    door = Door(store, lambda nodes, on_failed: asked.append(nodes), lambda ranks: None)
     door.poll()
     door.poll()  # asked once, not at every poll, while the job has not stopped for it
     assert asked == [[1]]
@@ -79,7 +80,7 @@ def test_the_door_asks_for_a_joining_node_and_every_member_forms_the_same_genera
     thread.join(10)
     _, generation, answer = box["joined"]
     assert generation == Generation(2, (0, 1, 3), 3) and generation.rank == 2
-    assert (answer["world_before"], answer["run_id"], os.environ["GROUP_RANK"]) == (2, "job-7", "3")
+    assert (answer.world_before, answer.run_id, os.environ["GROUP_RANK"]) == (2, "job-7", "3")
     door.poll()
     assert asked == [[1]]  # answered: never asked for again
 
@@ -92,7 +93,7 @@ def test_a_node_the_job_cannot_take_is_refused_with_why_and_the_next_one_is_stil
     wait_for_number(store, 2)
     asked: list[list[int]] = []
     verdicts = iter(["it runs 1 rank(s); the job's nodes run 8", None])
-    Door(store, asked.append, lambda ranks: next(verdicts)).poll()
+    Door(store, lambda nodes, on_failed: asked.append(nodes), lambda ranks: next(verdicts)).poll()
     first.join(10)
     assert str(refused["error"]) == f"the job at {address} refused node 1: it runs 1 rank(s); the job's nodes run 8"
     assert asked == [[2]] and "error" not in taken
@@ -100,3 +101,46 @@ def test_a_node_the_job_cannot_take_is_refused_with_why_and_the_next_one_is_stil
     joining.refuse_waiting(store, "the job has ended")  # the job ends before it stops for node 2
     second.join(10)
     assert str(taken["error"]) == f"the job at {address} refused node 2: the job has ended"
+
+
+def test_a_node_that_gave_up_waiting_is_left_out_of_the_generation_the_next_one_joins(job):
+    """Node 1 gives up (its timeout) before the job stops for it; node 2 comes later: the job takes node 2
+    alone. Without the claim, node 1's ranks would be members that never come, and the generation would
+    not form."""
+    store, address = job
+    with pytest.raises(JoinError, match="did not take node 1 in"):
+        joining.knock(address, timeout_s=0.5)
+    thread, box = knocking(address)
+    wait_for_number(store, 2)
+    asked: list[list[int]] = []
+    Door(store, lambda nodes, on_failed: asked.append(nodes), lambda ranks: None).poll()
+    assert asked == [[1, 2]]  # the door cannot tell that node 1 left: the claim at the step does
+    following = joining.take_in(store, Generation(0, (0, 1), me=0), (1, 2), founders=2)
+    assert following.members == (0, 1, 3)  # node 2's member number: 2 + (2 - 1) * 1
+    thread.join(10)
+    assert box["joined"][1] == Generation(1, (0, 1, 3), 3)
+
+
+def test_a_number_without_its_record_or_a_failed_join_is_refused_and_the_next_node_still_asked_for(job, monkeypatch):
+    """A node that died between drawing its number and saying what it brings would hold every later node
+    back; one whose join failed (the snapshot of the step) would be asked for again and again."""
+    store, address = job
+    monkeypatch.setattr(joining, "RECORD_WAIT_S", 0.3)
+    store.add("spotguard/joins/count", 1)  # number 1, and nothing more of it
+    thread, box = knocking(address)
+    wait_for_number(store, 2)
+    asked: list[tuple[list[int], object]] = []
+    door = Door(store, lambda nodes, on_failed: asked.append((nodes, on_failed)), lambda ranks: None)
+    door.poll()
+    assert asked == []  # number 1's record may still come
+    time.sleep(0.4)
+    door.poll()
+    assert [nodes for nodes, _ in asked] == [[2]]
+    assert "refused" in store.get("spotguard/joins/1/answer").decode()
+
+    asked[0][1]([2], "rank 1's snapshot failed: no space")  # what the training thread says after the step
+    door.poll()
+    thread.join(10)
+    assert str(box["error"]) == (
+        f"the job at {address} refused node 2: the job could not stop for it: rank 1's snapshot failed: no space"
+    )

@@ -39,9 +39,10 @@ class Recovery:
         paused = f"{self.paused_s:.2f} s" if self.paused_s is not None else "?"
         how = {"interruption": "left after a notice", "join": "joined"}.get(self.cause, "lost without a notice")
         ranks = self.joined if self.cause == "join" else self.left
+        what = f"rank(s) {', '.join(map(str, ranks))} {how}" if ranks else "the joining node(s) never came"
         return (
             f"in-process recovery: generation {self.generation}, world {self.world_before} -> {self.world_after}, "
-            f"rank(s) {', '.join(map(str, ranks))} {how}: this process (pid {os.getpid()}) paused {paused} "
+            f"{what}: this process (pid {os.getpid()}) paused {paused} "
             f"(group formed after {self.formed_s:.2f} s), going on from step {self.step} with the state from {source}"
         )
 
@@ -86,7 +87,8 @@ class Context:
 
     def step(self, step: int, state: Mapping[str, Any]) -> bool:
         """As `Guard.step`: True once the job stops at this step; return from the training function then
-        (spotguard runs it again, in this process, when the job goes on without a departed or lost node)."""
+        (spotguard runs it again, in this process, when the job goes on without a departed or lost node, or
+        with nodes that join)."""
         called = time.monotonic()
         if self._since is not None:
             self._amend(paused_s=called - self._since)

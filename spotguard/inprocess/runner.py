@@ -47,7 +47,6 @@ from spotguard.guard import Guard
 from spotguard.inprocess import joining
 from spotguard.inprocess.context import Context, Recovery
 from spotguard.inprocess.generation import Generation, drop, form
-from spotguard.inprocess.joining import JOIN_ENV
 from spotguard.job.topology import ranks_per_node
 
 log = logging.getLogger("spotguard.inprocess")
@@ -75,26 +74,24 @@ def run(
             "spotguard.run forms the job's process group itself (and again after a recovery): call it without "
             "calling torch.distributed.init_process_group() first"
         )
-    joining_at = os.environ.get(JOIN_ENV)
+    joining_at = os.environ.get(joining.JOIN_ENV)
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not joining_at:
         with Guard(checkpoint_dir, cloud, **options) as guard:
             return train(Context(guard, Generation(0, (0,), 0)))
     backend = backend or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
     recoveries: tuple[Recovery, ...] = ()
+    since: float | None = None
     founders = None  # generation 0's world size: rank 0 of the job numbers the nodes that join
     if joining_at:  # a node joining the running job: its store is the job's
         base, generation, answer = joining.knock(joining_at)
         since = time.monotonic()
         form(generation, base, backend, timeout)
-        joined = tuple(range(answer["world_before"], generation.world_size))
-        recoveries = (Recovery("join", generation.number, answer["world_before"], generation.world_size, None, (),
-                               formed_s=time.monotonic() - since, joined=joined),)  # fmt: skip
+        recoveries = (_recovery("join", answer.world_before, generation, None, (), since),)
     else:
         base, rank, world_size = next(dist.rendezvous("env://"))  # the launcher's store, kept for every generation
         generation = Generation(0, tuple(range(world_size)), rank)
         founders = world_size if rank == 0 else None
         form(generation, base, backend, timeout)
-        since = None
     while True:
         guard = Guard(checkpoint_dir, cloud, in_process=True, **options)
         ctx = Context(guard, generation, recoveries, since)
@@ -107,11 +104,10 @@ def run(
                 raise
             # A node was lost: its collective failed (its sockets shut down), as the guard meant it to.
             log.info("the training function left its step: a node was lost and the job goes on", exc_info=True)
-        nodes = guard.joining
+        # A loss concluded as nodes were to join goes first: they are asked for again in the next generation.
+        nodes = () if guard.goes_on else guard.joining
         staying = tuple(range(generation.world_size)) if nodes else guard.goes_on
         if generation.rank not in staying:  # the job ended, or goes on without this rank (exit_code=None)
-            if founders is not None:
-                joining.refuse_waiting(base, "the job has ended")
             drop()
             return result
         since = ctx.last_step_at if ctx.last_step_at is not None else time.monotonic()
@@ -127,27 +123,59 @@ def run(
         try:
             drop()
             following = joining.take_in(base, generation, nodes, founders) if nodes else generation.without(staying)
-            form(following, base, backend, timeout)
+            following = _formed(following, generation, base, backend, timeout, joined=bool(nodes))
         except Exception as exc:  # noqa: BLE001 - anything that fails here ends as without in-process recovery
             _fall_back(fallback, step, f"{type(exc).__name__}: {exc}", cause)
-        joined = tuple(range(generation.world_size, following.world_size))
-        recovery = Recovery(cause, following.number, generation.world_size, following.world_size, step, left,
-                            formed_s=time.monotonic() - since, joined=joined)  # fmt: skip
-        recoveries = (*recoveries, recovery)
+        recoveries = (*recoveries, _recovery(cause, generation.world_size, following, step, left, since))
         generation = following
+
+
+def _formed(
+    following: Generation, current: Generation, base: dist.Store, backend: str, timeout: timedelta | None, *,
+    joined: bool,
+) -> Generation:  # fmt: skip
+    """`following` formed; when nodes were to join it and one did not come (it died while it waited), the
+    generation after it, of `current`'s members alone: the job goes on without the node, which finds itself
+    fenced out should it come late."""
+    try:
+        form(following, base, backend, timeout)
+        return following
+    except Exception as exc:  # noqa: BLE001 - said, and the job's own members try once more
+        if not joined:
+            raise
+        log.warning("generation %d with the joining node(s) was not formed (%s: %s): going on without them",
+                    following.number, type(exc).__name__, exc)  # fmt: skip
+    drop()
+    again = Generation(following.number + 1, current.members, current.me)
+    form(again, base, backend, timeout)
+    return again
+
+
+def _recovery(
+    cause: str, world_before: int, following: Generation, step: int | None, left: tuple[int, ...], since: float
+) -> Recovery:
+    """The recovery that formed `following` (its first ranks after the `world_before` ones of the one before it
+    joined, if any), measured from `since` (monotonic)."""
+    joined = tuple(range(world_before, following.world_size))
+    return Recovery(cause, following.number, world_before, following.world_size, step, left,
+                    formed_s=time.monotonic() - since, joined=joined)  # fmt: skip
 
 
 @contextlib.contextmanager
 def _door(guard: Guard, base: dist.Store, founders: int | None) -> Iterator[None]:
     """On rank 0 of the job (`founders` given), while the training function runs: nodes that ask to join are
-    asked for at the next step every rank agrees on (`joining.Door`)."""
+    asked for at the next step every rank agrees on (`joining.Door`); once the job ends, those still waiting
+    are refused."""
     if founders is None:
         yield
         return
 
     def refusal(ranks: int) -> str | None:
+        tier = guard.snapshots
         if not guard.options.snapshots.enabled:
             return "the job takes no snapshots (a joining node loads its state from the nodes' memory)"
+        if tier is not None and tier.no_room is not None:
+            return f"the job's snapshots are off ({tier.no_room}): a joining node loads its state from them"
         if ranks != ranks_per_node():
             return f"it runs {ranks} rank(s); the job's nodes run {ranks_per_node()}"
         return None
@@ -157,6 +185,8 @@ def _door(guard: Guard, base: dist.Store, founders: int | None) -> Iterator[None
         yield
     finally:
         door.close()
+        if not guard.goes_on and not guard.joining:  # the job ends (here, or as the guard closes)
+            joining.refuse_waiting(base, "the job has ended")
 
 
 def _fall_back(policy: ExitPolicy, step: int | None, why: str, cause: str) -> NoReturn:

@@ -13,6 +13,7 @@ first, else from a holder, spread over the holders by rank.
 from __future__ import annotations
 
 import logging
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, ContextManager
@@ -168,13 +169,18 @@ class PlanLoader:
             self.touched = True  # opened: bytes may go into the state's tensors from now on
             return source
 
+        started = time.monotonic()
         bytes_read = load_shards(live, indexes, prefer, open_shard)
+        took = time.monotonic() - started
         self.loaded = live
         for shard, nbytes in sorted(bytes_read.items()):
             holder = self._source(plan, shard)
             where = "this node" if self._same_node(holder) else f"rank {holder}"
             log.info("snapshot of step %d: read %d bytes of rank %d's shard (of %d) from %s", plan.step, nbytes,
                      shard, plan.world_size, where)  # fmt: skip
+        total = sum(bytes_read.values())
+        log.info("snapshot of step %d: %.1f MB read into the state in %.2f s (%.0f MB/s)", plan.step, total / 1e6,
+                 took, total / 1e6 / max(took, 1e-9))  # fmt: skip
 
 
 def load_shards(

@@ -309,6 +309,11 @@ class SnapshotTier:
         return bool(self._room)
 
     @property
+    def no_room(self) -> str | None:
+        """Why the job takes no snapshots, once the first snapshot's room vote said so (else None)."""
+        return self._no_room
+
+    @property
     def in_flight(self) -> bool:
         """Whether a snapshot's background part is still running."""
         return self._pending is not None and self._pending.is_alive()

@@ -85,6 +85,7 @@ class Rounds:
         self.last_state: Mapping[str, Any] | None = None  # the state the loop last passed to step()
         self.interval_timer: IntervalTimer | None = None
         self.snapshot_timer: IntervalTimer | None = None
+        self._join_failed: Callable[[list[int], str], None] = lambda nodes, why: None  # rank 0's, per request
 
     # ---- what asks for a step ---------------------------------------------------------------
     def start_timers(self) -> None:
@@ -110,9 +111,10 @@ class Rounds:
         self._parts.timeline.add("save-requested", reason=reason)
         self._parts.coordination().request_checkpoint(reason)
 
-    def request_join(self, nodes: list[int]) -> None:
+    def request_join(self, nodes: list[int], on_failed: Callable[[list[int], str], None]) -> None:
         """Rank 0 under `spotguard.run`: ask every rank to stop at the next step they agree on, so that the
-        joining `nodes` enter the job after it."""
+        joining `nodes` enter the job after it; `on_failed(nodes, why)` if that step's snapshot fails."""
+        self._join_failed = on_failed
         self._parts.timeline.add("join-requested", nodes=",".join(map(str, nodes)))
         self._parts.coordination().request_join(nodes)
 
@@ -172,7 +174,7 @@ class Rounds:
     def run(self, step: int, state: Mapping[str, Any], due: list[Decision], again: bool = False) -> bool:
         """Act on the rounds due at `step`, and on what the step counts owe at it (unless the step was
         reported `again`): an agreed round takes neither's place. True when one was an emergency (its
-        save is done)."""
+        save is done), or under `spotguard.run` a join (its snapshot taken)."""
         emergencies = [d for d in due if d.event["type"] == EMERGENCY]
         joins = [d for d in due if d.event["type"] == JOIN]  # put off by an emergency: asked for again after it
         reasons = [d.event.get("reason", "periodic") for d in due if d.event["type"] not in (EMERGENCY, JOIN)]
@@ -182,9 +184,9 @@ class Rounds:
         if snapshot_every and step % snapshot_every == 0 and not again and SNAPSHOT not in reasons:
             reasons.append(SNAPSHOT)
         if not emergencies:
-            # A join takes a snapshot of the step itself, first: its collectives after every background save.
+            # A join takes the step's snapshot itself, first: its collectives after every background save.
             joined = bool(joins) and self._join(step, state, sorted({n for d in joins for n in d.event["nodes"]}))
-            if SNAPSHOT in reasons and not joined:
+            if SNAPSHOT in reasons and not joins:
                 self.snapshot(step, state)
             saves = [r for r in reasons if r != SNAPSHOT]
             if saves:  # rounds agreed on one step make one save: named for the one that is not routine
@@ -245,11 +247,14 @@ class Rounds:
         nodes' memory. True (every rank's snapshot was taken: the training function returns, and the job
         goes on with them) or False on every rank (the join is put off: said in the log)."""
         p = self._parts
+        if not p.in_process:  # only spotguard.run's rank 0 asks for one
+            return False
         with p.busy():
             why = p.snapshots.keep_for_join(step, state)
         if why is not None:
             log.warning("node(s) %s cannot join at step %d: %s", ", ".join(map(str, nodes)), step, why)
             p.timeline.add("join-failed", step=step, why=why)
+            self._join_failed(nodes, why)
             return False
         self.outcome.joining = tuple(nodes)
         p.timeline.add("joining", step=step, nodes=",".join(map(str, nodes)))
