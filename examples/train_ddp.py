@@ -28,7 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import spotguard
@@ -36,15 +36,19 @@ from spotguard.checkpoint import state_digest
 from spotguard.data import ResumableBatchSampler
 
 
-def build_model(hidden: int = 256) -> torch.nn.Module:
+def build_model(hidden: int = 256, *, empty: bool = False) -> torch.nn.Module:
+    """The model, initialised from seed 0; with `empty`, its memory only (made on `meta`, then allocated), for
+    a state that is loaded over it: no time spent on values that are overwritten."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(64, hidden),
-        torch.nn.ReLU(),
-        torch.nn.Linear(hidden, 64),
-        torch.nn.ReLU(),
-        torch.nn.Linear(64, 1),
-    )
+    with torch.device("meta" if empty else "cpu"):
+        model = torch.nn.Sequential(
+            torch.nn.Linear(64, hidden),
+            torch.nn.ReLU(),
+            torch.nn.Linear(hidden, 64),
+            torch.nn.ReLU(),
+            torch.nn.Linear(64, 1),
+        )
+    return model.to_empty(device="cpu") if empty else model
 
 
 def shard(model: torch.nn.Module) -> torch.nn.Module:
@@ -155,8 +159,11 @@ def train(args: argparse.Namespace, guard: spotguard.Guard | spotguard.Context) 
     distributed = dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
-    model = build_model(args.hidden)
-    net = shard(model) if args.fsdp else DDP(model) if distributed else model
+    # After an in-process recovery (spotguard.run) resume loads the whole state from the nodes' memory on every
+    # rank: the model need not be initialised, nor DDP's first broadcast of rank 0's parameters made.
+    recovered = getattr(guard, "recovered", None) is not None
+    model = build_model(args.hidden, empty=recovered)
+    net = shard(model) if args.fsdp else DDP(model, init_sync=not recovered) if distributed else model
     optimizer = torch.optim.AdamW(net.parameters(), lr=3e-3)
     state = {"model": net, "optim": optimizer}
     sampler = ResumableBatchSampler(args.dataset, args.batch_size) if args.dataset else None
@@ -164,6 +171,9 @@ def train(args: argparse.Namespace, guard: spotguard.Guard | spotguard.Context) 
         state["data"] = sampler  # the global position: exactly-once data over restarts at any world size
 
     start = guard.resume(state)
+    if recovered and start == 0:  # nothing was loaded after all (no snapshot, no checkpoint): initialise it
+        initial = build_model(args.hidden).state_dict()
+        set_model_state_dict(model, initial, options=StateDictOptions(full_state_dict=True))
     for step, x, y, samples in batches(args, start, rank, sampler):
         loss = F.mse_loss(net(x), y)
         optimizer.zero_grad()

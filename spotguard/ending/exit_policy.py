@@ -82,9 +82,10 @@ class ExitPolicy:
     ) -> None:
         """Write $SPOTGUARD_EXIT_FILE (node leader, or `for_node`: a rank that speaks for a node whose
         leader does not): why this node's job is about to exit (`cause`: an interruption notice, or a silent
-        failure: `peer-lost`, `hang`, with the node or ranks to blame; `goes_on`: the job goes on without
-        this node, in the survivors' processes). `quiet`: no log line, even on a failure (the caller's
-        output may be blocked)."""
+        failure: `peer-lost`, `hang`, with the node or ranks to blame; `join`: under `spotguard.run`, neither
+        the generation with joining nodes nor the one after it without them formed; `goes_on`: the job goes
+        on without this node, in the survivors' processes). `quiet`: no log line, even on a failure (the
+        caller's output may be blocked)."""
         path = os.environ.get(EXIT_FILE_ENV)
         if not path or not (self.node_leader or for_node):
             return
