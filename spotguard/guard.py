@@ -188,6 +188,7 @@ class Guard:
         self._exit = ExitPolicy.on(self.topology, self.options.exiting.exit_code, self.options.exiting.lost_exit_code)
         self._group = self._ckpt = self._watcher = self._rounds = self._health = None
         self._last_step = None  # a guard entered again times nothing before its first step
+        self.resumed_from = None  # ... and has resumed from nothing yet
         self._coordination = _NotStarted()
         self._goodput.reset()
         self._started_at = time.monotonic()  # the timers' run hours count from here

@@ -417,6 +417,17 @@ def test_start_and_close_do_what_the_with_block_does(tmp_path):
     assert committed(tmp_path) == [(stopped, "emergency")]
 
 
+def test_a_guard_started_again_has_resumed_from_nothing_until_it_resumes(tmp_path):
+    state = make_state()
+    guard = spotguard.Guard(tmp_path, cloud="none", exit_code=None)
+    with guard:
+        guard.save(4, state)
+        assert guard.resume(state) == 5 and guard.resumed_from == "durable"
+    with guard:
+        assert guard.resumed_from is None  # the last start's resume, not this one's
+        assert guard.resume(state) == 5 and guard.resumed_from == "durable"
+
+
 def test_a_failed_enter_leaves_nothing_behind(tmp_path, monkeypatch):
     before = set(threading.enumerate())
     (tmp_path / "blocker").write_text("a file where the checkpoints should go")
