@@ -75,6 +75,15 @@ PARTS = {
 }
 
 
+def with_common_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The arguments of this bench's and bench/join.py's: runs, state size, logs, a smoke test."""
+    parser.add_argument("--runs", type=int, default=3, help="runs of both ways (default 3; order reversed every other)")
+    parser.add_argument("--size-gb", type=float, default=1.0, help="params + AdamW state per rank in GB (default 1.0)")
+    parser.add_argument("--logs", type=Path, help="keep every node's output here (timestamped lines)")
+    parser.add_argument("--quick", action="store_true", help="a smoke test: tiny state (--hidden 256), 1 run")
+    return parser
+
+
 def hidden_for(gb: float) -> int:
     """The example's --hidden whose params (129 h + 129 floats) with AdamW's two moments make `gb` GB."""
     return max(1, round(gb * 1e9 / (3 * 4 * 129)) - 1)
@@ -298,17 +307,13 @@ def main() -> None:
         default="notice",
         help="node 2 reclaimed after a notice, frozen without one, or both in turn (default notice)",
     )
-    parser.add_argument("--runs", type=int, default=3, help="runs of both ways (default 3; order reversed every other)")
-    parser.add_argument("--size-gb", type=float, default=1.0, help="params + AdamW state per rank in GB (default 1.0)")
     parser.add_argument(
         "--notice-at", type=int, default=5, help="notice: rank 0's step after which node 2 is reclaimed"
     )
     parser.add_argument("--freeze-at", type=int, default=6, help="frozen: rank 0's step after which node 2 is frozen")
     parser.add_argument("--snapshot-every", type=int, default=4, help="frozen: snapshots and durable saves (default 4)")
     parser.add_argument("--after", type=int, default=8, help="steps trained after the loss (default 8)")
-    parser.add_argument("--logs", type=Path, help="keep every node's output here (timestamped lines)")
-    parser.add_argument("--quick", action="store_true", help="a smoke test: tiny state (--hidden 256), 1 run")
-    args = parser.parse_args()
+    args = with_common_arguments(parser).parse_args()
     hidden = 256 if args.quick else hidden_for(args.size_gb)
     runs = 1 if args.quick else args.runs
     same = True

@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 from _common import table  # also puts the checkout on sys.path
-from inprocess import hidden_for, keep, records, wait_step
+from inprocess import hidden_for, keep, records, wait_step, with_common_arguments
 
 from tests.nodes import Node, join_node, rendezvous, start_nodes, stop_all  # noqa: E402
 
@@ -127,13 +127,9 @@ def one_way(tmp: Path, shm: Path, train: list[str], args: argparse.Namespace, wa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=int, default=3, help="runs of both ways (default 3; order reversed every other)")
-    parser.add_argument("--size-gb", type=float, default=1.0, help="params + AdamW state per rank in GB (default 1.0)")
     parser.add_argument("--join-at", type=int, default=4, help="rank 0's step at world 2 after which node 2 starts")
     parser.add_argument("--after", type=int, default=6, help="steps trained after the join (about; default 6)")
-    parser.add_argument("--logs", type=Path, help="keep every node's output here (timestamped lines)")
-    parser.add_argument("--quick", action="store_true", help="a smoke test: tiny state (--hidden 256), 1 run")
-    args = parser.parse_args()
+    args = with_common_arguments(parser).parse_args()
     hidden = 256 if args.quick else hidden_for(args.size_gb)
     size = 12 * 129 * (hidden + 1)  # params + AdamW's two moments, float32
     runs = 1 if args.quick else args.runs
