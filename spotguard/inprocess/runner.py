@@ -186,7 +186,11 @@ def _door(guard: Guard, base: dist.Store, founders: int | None) -> Iterator[None
     finally:
         door.close()
         if not guard.goes_on and not guard.joining:  # the job ends (here, or as the guard closes)
-            joining.refuse_waiting(base, "the job has ended")
+            try:
+                joining.refuse_waiting(base, "the job has ended")
+            except Exception as exc:  # noqa: BLE001 - the job's own end comes first; a waiting node times out
+                log.warning("the nodes waiting to join were not told that the job ends: %s: %s", type(exc).__name__,
+                            exc)  # fmt: skip
 
 
 def _fall_back(policy: ExitPolicy, step: int | None, why: str, cause: str) -> NoReturn:
