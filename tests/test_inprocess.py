@@ -15,7 +15,17 @@ import pytest
 
 from spotguard.checkpoint import list_checkpoints
 from spotguard.cli import main
-from tests.nodes import ROOT, Node, join_node, run_nodes, start_nodes, stop_all, worker_exit_code, worker_pids
+from tests.nodes import (
+    ROOT,
+    Node,
+    join_node,
+    rendezvous,
+    run_nodes,
+    start_nodes,
+    stop_all,
+    worker_exit_code,
+    worker_pids,
+)
 
 STEPS = 40
 BASE = ["--steps", str(STEPS), "--step-time", "0.1"]
@@ -318,3 +328,39 @@ def test_a_node_that_dies_once_taken_in_is_left_behind_and_the_job_goes_on_in_it
                           r"this process \(pid (\d+)\)", text)  # fmt: skip
         assert found and int(found[1]) in before, node.tail()
     assert json.loads(out.read_text())["start"] > 0
+
+
+def test_under_an_elastic_agent_the_leaving_agent_is_withdrawn_and_the_survivors_go_on_in_their_processes(tmp_path):
+    """An elastic job (c10d rendezvous, --nnodes 2:3, restarts allowed): the node of rank 2 is reclaimed. Its
+    worker exits 0 and its agent is stopped, so that it neither starts the worker again nor closes the
+    rendezvous; the survivors keep their processes, no agent restarts its workers, and the job ends where two
+    fresh nodes resuming the emergency step end."""
+    rdzv = rendezvous("2:3", max_restarts=3)
+    ckpt, out = str(tmp_path / "ckpt"), tmp_path / "out.json"
+    args = [*BASE, "--in-process", "--log-samples", "--out", str(out)]
+    nodes = [rdzv.join(i, ckpt, tmp_path, args, SNAPSHOTS) for i in range(3)]
+    try:
+        nodes[0].wait_for(r'"step": 6, "rank": \d, "world": 3')
+        # The rendezvous numbers the nodes: the one of rank 2 leaves (rank 0's keeps the workers' store).
+        (leaving,) = [n for n in nodes if any('"rank": 2, "world": 3' in line for line in list(n.lines))]
+        survivors = [n for n in nodes if n is not leaving]
+        pids = [worker_pids(n) for n in survivors]
+        leaving.emulator.raise_notice()
+        workers_ended(survivors, timeout=180)
+        leaving.finish(60)
+    finally:
+        stop_all(nodes)
+    for node, before in zip(survivors, pids):
+        found = RECOVERED.search(node.output())
+        assert found and found[1] == "left after a notice" and int(found[2]) in before, node.tail()
+        assert "Starting worker group" not in node.output().split("in-process recovery")[1]  # no restart
+    exit_file = json.loads(leaving.exit_file.read_text())
+    assert (exit_file["exit_code"], exit_file["leaving"], exit_file["job_goes_on"]) == (0, True, True)
+    assert "leaving the elastic job: the job goes on in the survivors' processes" in leaving.output()
+    assert worker_exit_code(leaving) == 0
+    step = int(RECOVERED.search(survivors[0].output())[4])
+    ended = json.loads(out.read_text())
+    assert ended["start"] == step + 1
+    fresh = tmp_path / "restart"
+    shutil.copytree(tmp_path / "ckpt", fresh / "ckpt")
+    assert run_nodes(2, fresh / "ckpt", fresh, BASE, fresh / "out.json") == ended
