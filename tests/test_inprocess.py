@@ -356,7 +356,7 @@ def test_under_an_elastic_agent_the_leaving_agent_is_withdrawn_and_the_survivors
         assert "Starting worker group" not in node.output().split("in-process recovery")[1]  # no restart
     exit_file = json.loads(leaving.exit_file.read_text())
     assert (exit_file["exit_code"], exit_file["leaving"], exit_file["job_goes_on"]) == (0, True, True)
-    assert "leaving the elastic job: the job goes on in the survivors' processes" in leaving.output()
+    assert "leaving the elastic job: this node is reclaimed; stopped this node's torchrun agent" in leaving.output()
     assert worker_exit_code(leaving) == 0
     step = int(RECOVERED.search(survivors[0].output())[4])
     ended = json.loads(out.read_text())
