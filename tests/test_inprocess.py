@@ -31,6 +31,7 @@ STEPS = 40
 BASE = ["--steps", str(STEPS), "--step-time", "0.1"]
 SHARDING = {"ddp": [], "fsdp": ["--fsdp"]}
 SNAPSHOTS = {"SPOTGUARD_SNAPSHOT_EVERY": "4"}  # the agreed step's state comes from the nodes' memory
+JOINING = [str(ROOT / "tests" / "joining_worker.py")]  # the example, started when the test says (and faults)
 RECOVERED = re.compile(
     r"in-process recovery: generation 1, world 3 -> 2, rank\(s\) 2 (left after a notice|lost without a notice): "
     r"this process \(pid (\d+)\) paused ([\d.]+) s .*going on from step (\d+) with the state from (.*)"
@@ -237,16 +238,18 @@ def test_a_replacement_joins_the_running_job_and_it_ends_at_full_size_bit_identi
     agreed step from their memory, and the job ends at world 3 where three fresh nodes resuming that step end."""
     out = tmp_path / "out.json"
     # every step saved durably too: the restart path below resumes the step the node joined at
-    plain = ["--steps", "90", "--step-time", "0.1", *SHARDING[sharding]]
+    plain = ["--steps", "60", "--step-time", "0.1", *SHARDING[sharding]]
     args = [*plain, "--in-process", "--save-every", "1", "--out", str(out)]
-    ckpt = str(tmp_path / "ckpt")
+    ckpt, go = str(tmp_path / "ckpt"), tmp_path / "go"
     nodes = start_nodes(3, ckpt, tmp_path, args, SNAPSHOTS)
+    nodes.append(join_node(nodes[0], 3, ckpt, tmp_path, args, {**SNAPSHOTS, "SPOTGUARD_TEST_GO": str(go)},
+                           script=JOINING))  # fmt: skip
     try:
         nodes[0].step_reached(6)
         pids = [worker_pids(n) for n in nodes[:2]]
         nodes[2].emulator.raise_notice()
         assert nodes[0].wait_for("in-process recovery: generation 1"), nodes[0].tail()
-        nodes.append(join_node(nodes[0], 3, ckpt, tmp_path, args, SNAPSHOTS))
+        go.touch()  # the replacement knocks now
         codes = [n.finish(180) for n in nodes]
     finally:
         stop_all(nodes)
@@ -285,11 +288,12 @@ def test_a_node_the_job_cannot_take_in_is_refused_and_the_job_trains_on(tmp_path
     """A job without snapshots has nothing in its memory for a joining node to load: the node is refused
     with why, and ends; the job never stops for it."""
     args = ["--steps", "60", "--step-time", "0.1", "--in-process"]
-    ckpt = str(tmp_path / "ckpt")
+    ckpt, go = str(tmp_path / "ckpt"), tmp_path / "go"
     nodes = start_nodes(2, ckpt, tmp_path, args)
+    nodes.append(join_node(nodes[0], 2, ckpt, tmp_path, args, {"SPOTGUARD_TEST_GO": str(go)}, script=JOINING))
     try:
         nodes[0].step_reached(2)
-        nodes.append(join_node(nodes[0], 2, ckpt, tmp_path, args))
+        go.touch()
         assert nodes[2].finish(120) != 0
         codes = [n.finish(180) for n in nodes[:2]]
     finally:
@@ -306,16 +310,17 @@ def test_a_node_that_dies_once_taken_in_is_left_behind_and_the_job_goes_on_in_it
     """The joining node is taken in, then dies before the new generation forms (injected): its members never
     come, and the job's own members form the generation after it without it and train on, in their processes,
     not restarted (before: every survivor exited 75)."""
-    worker = [str(ROOT / "tests" / "join_fault_worker.py")]
-    out = tmp_path / "out.json"
+    out, go = tmp_path / "out.json", tmp_path / "go"
     args = ["--steps", "60", "--step-time", "0.1", "--in-process", "--out", str(out)]
     ckpt = str(tmp_path / "ckpt")
     env = {**SNAPSHOTS, "SPOTGUARD_TEST_FORM_TIMEOUT": "5"}
-    nodes = start_nodes(2, ckpt, tmp_path, args, env, script=worker)
+    nodes = start_nodes(2, ckpt, tmp_path, args, env, script=JOINING)
+    vanishing = {**env, "SPOTGUARD_TEST_VANISH": "1", "SPOTGUARD_TEST_GO": str(go)}
+    nodes.append(join_node(nodes[0], 2, ckpt, tmp_path, args, vanishing, script=JOINING))
     try:
         nodes[0].step_reached(2)
-        pids = [worker_pids(n) for n in nodes]
-        nodes.append(join_node(nodes[0], 2, ckpt, tmp_path, args, {**env, "SPOTGUARD_TEST_VANISH": "1"}, script=worker))
+        pids = [worker_pids(n) for n in nodes[:2]]
+        go.touch()
         codes = [n.finish(180) for n in nodes]
     finally:
         stop_all(nodes)

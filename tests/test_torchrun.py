@@ -110,7 +110,8 @@ def test_aws_interruption_at_a_random_step_resumes_bit_identical(
     vm2 = ["--local-dir", str(tmp_path / "vm2")] if kind != "local" else []
     at = random.Random().randint(2, 25)
     with AWSMetadataEmulator() as emu:
-        proc = torchrun(ckpt, cloud="aws", env={"SPOTGUARD_METADATA_URL": emu.url}, extra=vm1)
+        # Slower steps: the notice (polled every second) must come before the job's end, also on a busy machine.
+        proc = torchrun(ckpt, cloud="aws", env={"SPOTGUARD_METADATA_URL": emu.url}, extra=[*vm1, "--step-time", "0.2"])
         wait_for_step(proc, at)
         emu.raise_notice()
         code, err = finish(proc)
