@@ -64,6 +64,7 @@ from spotguard.snapshots.tier import SnapshotTier
 from spotguard.watcher import Watcher, add_sources
 from spotguard.wiring.end import end
 from spotguard.wiring.health import GuardHealth
+from spotguard.wiring.kept import Kept
 from spotguard.wiring.rounds import EmergencyOutcome, GuardParts, Rounds
 from spotguard.wiring.snapshots import SNAPSHOT, GuardSnapshots
 
@@ -359,8 +360,9 @@ class Guard:
         return self._ckpt.last_report if self._ckpt is not None else None
 
     # ---- the training loop's calls ----------------------------------------------
-    def resume(self, state: MutableMapping[str, Any]) -> int:
-        """Load the newest committed checkpoint into `state`; returns the step to start from (0 if none)."""
+    def resume(self, state: MutableMapping[str, Any], *, kept: Kept | None = None) -> int:
+        """Load the newest committed checkpoint into `state`; returns the step to start from (0 if none).
+        `kept`: under `spotguard.run`, what this rank kept in memory of the step the job goes on from."""
         self._require_started("resume")
         started = time.monotonic()
         try:
@@ -369,6 +371,7 @@ class Guard:
                 self._checkpointer(),
                 coordinator=self.topology.is_coordinator,
                 ask_for_save=self._started_rounds("resume").request,
+                kept=kept,
             )
         except CheckpointUnavailable as exc:
             if self._exit.exit_code is None:

@@ -414,6 +414,19 @@ def reshard_layout_fails(group, rank: int, snapshot_dir: str, out: str) -> None:
     (Path(out) / f"rank{rank}.json").write_text(json.dumps({"indexes": indexes, "problems": [p.why for p in problems]}))
 
 
+def kept_load(group, rank: int, steps: list[int | None]) -> None:
+    """In-process recovery's load from memory: rank r kept its state at steps[r] (None: nothing kept) and loads
+    it into new objects; prints the step loaded and whether the weights are the kept ones."""
+    from spotguard.checkpoint.comm import Comm
+    from spotguard.wiring.kept import Kept, keep, load_kept
+
+    old, new = make_model(seed=0, width=8), make_model(seed=1, width=8)
+    kept = keep(steps[rank], {"model": old}) if steps[rank] is not None else Kept()
+    loaded = load_kept(kept, {"model": new}, Comm(group))
+    same = all(torch.equal(a, b) for a, b in zip(old.state_dict().values(), new.state_dict().values()))
+    print(f"RESULT loaded={loaded} same={same}", flush=True)
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -426,6 +439,7 @@ SCENARIOS = {
         cached_plans,
         save_traffic,
         reshard_layout_fails,
+        kept_load,
     )
 }
 

@@ -53,6 +53,11 @@ def reclaim_node_2(tmp_path, args, env, at_step=6, which=2, script=None):
     return nodes, codes, pids
 
 
+# Where the survivors' state comes from after a departure: DDP's replicas from each process's own tensors,
+# FSDP2's shards (the leaving rank's among them) from the snapshot in the nodes' memory.
+FROM = {"ddp": ("memory", "this process's own memory"), "fsdp": ("snapshot", "the snapshot in the nodes' memory")}
+
+
 @pytest.mark.parametrize("sharding", ["ddp", "fsdp"])
 def test_node_2_of_3_reclaimed_the_survivors_go_on_in_their_processes_bit_identical(sharding, tmp_path, capsys):
     args = [*BASE, *SHARDING[sharding], "--in-process", "--out", str(tmp_path / "out.json")]
@@ -65,7 +70,7 @@ def test_node_2_of_3_reclaimed_the_survivors_go_on_in_their_processes_bit_identi
     for node, match, before in zip(nodes, found, pids):
         assert match[1] == "left after a notice" and int(match[4]) == step
         assert int(match[2]) in before  # the same worker process trains on
-        assert match[5] == "the snapshot in the nodes' memory"
+        assert match[5] == FROM[sharding][1]
         assert "Starting worker group" not in node.output().split("in-process recovery")[1]  # no torchrun restart
     assert "in-process recovery" not in text[2]
     assert re.search(r"this node leaves and the job goes on|exiting with code 0", text[2])
@@ -81,10 +86,12 @@ def test_node_2_of_3_reclaimed_the_survivors_go_on_in_their_processes_bit_identi
     assert [s["ended"] for s in segments] == ["interrupted", "finished"]
     recovered = segments[1]["recovered"]
     assert (recovered["generation"], recovered["world_before"], recovered["world_after"]) == (1, 3, 2)
-    assert (recovered["step"], recovered["source"], recovered["cause"]) == (step, "snapshot", "interruption")
+    assert (recovered["step"], recovered["source"], recovered["cause"]) == (step, FROM[sharding][0], "interruption")
     assert 0 < recovered["paused_s"] < 60 and segments[1]["first_step"] == step + 1
     assert main(["report", str(tmp_path / "ckpt")]) == 0
-    assert re.search(rf"generation 1 +interruption +3 -> 2 +{step} .* snapshot", capsys.readouterr().out)
+    assert re.search(rf"generation 1 +interruption +3 -> 2 +{step} .* {FROM[sharding][0]}", capsys.readouterr().out)
+    # A replicated state needs no snapshot of the agreed step: the survivors hold it whole.
+    assert ("no snapshot of the emergency's step" in text[0]) == (sharding == "ddp")
 
     # The restart path from the same step: two fresh nodes resume the emergency checkpoint and train on.
     (info,) = [c for c in list_checkpoints(str(tmp_path / "ckpt")) if c.committed]
@@ -204,7 +211,7 @@ def test_two_departures_in_a_row_make_generation_2_at_world_1_bit_identical(tmp_
         nodes[0].step_reached(6)
         before = worker_pids(nodes[0])
         nodes[2].emulator.raise_notice()
-        nodes[0].step_reached(14)
+        assert nodes[0].wait_for("in-process recovery: generation 1"), nodes[0].tail()  # then the second notice
         nodes[1].emulator.raise_notice()
         codes = [n.finish(180) for n in nodes]
     finally:

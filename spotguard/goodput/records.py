@@ -141,7 +141,9 @@ class Recovered(Record):
     step: int | None  # the step the job went on from (the agreed one, or after a loss the one resumed)
     paused_s: float | None = None  # the last step before the recovery -> the first step at the new size
     formed_s: float | None = None  # ... -> the new generation's process group formed
-    source: str | None = None  # where the state came from: "snapshot" (the nodes' memory) or "durable"
+    resumed_s: float | None = None  # ... -> the state loaded: training again (the first step is in `paused_s`)
+    # where the state came from: "memory" (the process's own tensors), "snapshot" (the nodes' memory), "durable"
+    source: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -13,6 +13,7 @@ from typing import Any
 
 from spotguard.guard import Guard
 from spotguard.inprocess.generation import Generation
+from spotguard.wiring.kept import Kept, keep
 
 log = logging.getLogger("spotguard.inprocess")
 
@@ -28,22 +29,26 @@ class Recovery:
     step: int | None  # the step the job goes on from: the agreed one, or (a loss) the one resumed
     left: tuple[int, ...]  # the previous generation's ranks that left
     formed_s: float  # this process's last step -> the new generation's group formed
-    paused_s: float | None = None  # this process's last step -> its first step at the new size
-    source: str | None = None  # where the state came from: "snapshot" (the nodes' memory) or "durable"
+    paused_s: float | None = None  # this process's last step -> its first step at the new size (done)
+    resumed_s: float | None = None  # ... -> its state loaded at the new size: training again
+    # where the state came from: "memory" (this process's own tensors), "snapshot" (the nodes') or "durable"
+    source: str | None = None
     joined: tuple[int, ...] = ()  # the new generation's ranks that joined
 
     def line(self) -> str:
-        source = {"snapshot": "the snapshot in the nodes' memory", "durable": "the durable checkpoint"}.get(
-            self.source or "", "nowhere (the function did not resume)"
-        )
-        paused = f"{self.paused_s:.2f} s" if self.paused_s is not None else "?"
+        source = {
+            "memory": "this process's own memory",
+            "snapshot": "the snapshot in the nodes' memory",
+            "durable": "the durable checkpoint",
+        }.get(self.source or "", "nowhere (the function did not resume)")
+        paused, resumed = (f"{s:.2f} s" if s is not None else "?" for s in (self.paused_s, self.resumed_s))
         how = {"interruption": "left after a notice", "join": "joined"}.get(self.cause, "lost without a notice")
         ranks = self.joined if self.cause == "join" else self.left
         what = f"rank(s) {', '.join(map(str, ranks))} {how}" if ranks else "the joining node(s) never came"
         return (
             f"in-process recovery: generation {self.generation}, world {self.world_before} -> {self.world_after}, "
-            f"{what}: this process (pid {os.getpid()}) paused {paused} "
-            f"(group formed after {self.formed_s:.2f} s), going on from step {self.step} with the state from {source}"
+            f"{what}: this process (pid {os.getpid()}) paused {paused} (group formed after {self.formed_s:.2f} s, "
+            f"training again after {resumed}), going on from step {self.step} with the state from {source}"
         )
 
 
@@ -61,9 +66,15 @@ class Context:
     """
 
     def __init__(
-        self, guard: Guard, generation: Generation, recoveries: tuple[Recovery, ...] = (), since: float | None = None
+        self,
+        guard: Guard,
+        generation: Generation,
+        recoveries: tuple[Recovery, ...] = (),
+        since: float | None = None,
+        kept: Kept | None = None,
     ) -> None:
-        """`since`: when the step that ended the previous generation's run was reported (monotonic)."""
+        """`since`: when the step that ended the previous generation's run was reported (monotonic); `kept`:
+        what this rank kept of its state then (after a recovery, on every rank: `Kept()` for nothing)."""
         self.guard = guard
         self.generation = generation.number
         self.rank = generation.rank
@@ -71,6 +82,8 @@ class Context:
         self.recoveries = recoveries  # every in-process recovery of this process so far, the newest last
         self.last_step_at: float | None = None  # when the loop last reported a step (monotonic)
         self._since = since if recoveries else None  # the newest recovery's pause ends at the first step
+        self._kept = kept if recoveries else None
+        self.kept = Kept()  # what this rank keeps for the next generation, once the job goes on without some ranks
 
     @property
     def recovered(self) -> Recovery | None:
@@ -80,9 +93,11 @@ class Context:
     def resume(self, state: MutableMapping[str, Any]) -> int:
         """Load the newest state into `state` (after a recovery: the agreed step, or after a loss the newest whole
         snapshot, from the nodes' memory when snapshots are on); the step to start from. As `Guard.resume`."""
-        next_step = self.guard.resume(state)
+        kept, self._kept = self._kept, None  # loaded once: its tensors are the new state's or are freed
+        next_step = self.guard.resume(state, kept=kept)
         if self._since is not None:
-            self._amend(source=self.guard.resumed_from, step=next_step - 1 if next_step else None)
+            took = time.monotonic() - self._since
+            self._amend(source=self.guard.resumed_from, step=next_step - 1 if next_step else None, resumed_s=took)
         return next_step
 
     def step(self, step: int, state: Mapping[str, Any]) -> bool:
@@ -95,7 +110,10 @@ class Context:
             self._since = None
             self._report(self.recoveries[-1])
         self.last_step_at = called
-        return self.guard.step(step, state)
+        stop = self.guard.step(step, state)
+        if stop and self.guard.interrupted and self.rank in self.guard.goes_on:
+            self.kept = keep(step, state)  # the agreed step, committed: the next generation may load it from here
+        return stop
 
     def _amend(self, **changes: Any) -> None:
         self.recoveries = (*self.recoveries[:-1], dataclasses.replace(self.recoveries[-1], **changes))

@@ -48,6 +48,7 @@ from spotguard.inprocess import joining
 from spotguard.inprocess.context import Context, Recovery
 from spotguard.inprocess.generation import Generation, drop, form
 from spotguard.job.topology import ranks_per_node
+from spotguard.wiring.kept import Kept
 
 log = logging.getLogger("spotguard.inprocess")
 T = TypeVar("T")
@@ -81,6 +82,7 @@ def run(
     backend = backend or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
     recoveries: tuple[Recovery, ...] = ()
     since: float | None = None
+    kept = Kept()
     founders = None  # generation 0's world size: rank 0 of the job numbers the nodes that join
     if joining_at:  # a node joining the running job: its store is the job's
         base, generation, answer = joining.knock(joining_at)
@@ -94,7 +96,7 @@ def run(
         form(generation, base, backend, timeout)
     while True:
         guard = Guard(checkpoint_dir, cloud, in_process=True, **options)
-        ctx = Context(guard, generation, recoveries, since)
+        ctx = Context(guard, generation, recoveries, since, kept)
         try:
             with guard:  # its close ends the process after an emergency, unless the job goes on in it
                 with _door(guard, base, founders):
@@ -111,13 +113,14 @@ def run(
             drop()
             return result
         since = ctx.last_step_at if ctx.last_step_at is not None else time.monotonic()
+        kept = ctx.kept  # the survivors' own tensors of the agreed step: all the next generation may need
         step = guard.last_save.step if guard.interrupted and guard.last_save is not None else None
         cause = "join" if nodes else "interruption" if guard.interrupted else "peer-lost"
         left = tuple(r for r in range(generation.world_size) if r not in staying)
         exiting = guard.options.exiting
         fallback = ExitPolicy.on(guard.topology, exiting.exit_code, exiting.lost_exit_code)
         # Nothing of the old generation may outlive it: its wrappers (DDP's reducer, FSDP's mesh) hold its group,
-        # and its model and optimizer the memory the next generation's are built in.
+        # and its model and optimizer the memory the next generation's are built in; only the tensors `kept` stay.
         result = guard = ctx = None  # type: ignore[assignment]
         gc.collect()
         try:

@@ -23,6 +23,7 @@ from spotguard.job.topology import location_key
 from spotguard.options import SnapshotOptions
 from spotguard.snapshots.shard_file import SnapshotLoadError
 from spotguard.snapshots.tier import SnapshotTier
+from spotguard.wiring.kept import MEMORY, Kept, load_kept
 
 log = logging.getLogger(__name__)
 
@@ -185,10 +186,12 @@ class GuardSnapshots:
         *,
         coordinator: bool,
         ask_for_save: Callable[[str], None],
+        kept: Kept | None = None,
     ) -> tuple[int | None, str | None]:
         """Load the newest whole snapshot if it is as new as every durable step, else the newest durable
         step that loads: (the step, "snapshot" or "durable"), or (None, None) for a fresh start. A
-        collective.
+        collective. After an in-process recovery (`kept` given, on every rank), what the ranks kept in their
+        own memory first: (the agreed step, "memory") when each kept it whole (`wiring/kept.py`).
 
         The snapshot is weighed against what actually loads: when the newest durable step turns out
         damaged and an older one loads, a whole snapshot newer than that one is loaded over it. After
@@ -199,6 +202,10 @@ class GuardSnapshots:
         """
         tier = self.made()
         self.resharded = None
+        if kept is not None and (step := load_kept(kept, state, ckpt.comm)) is not None:
+            if tier is not None:
+                tier.forget_after(step)
+            return step, MEMORY
         newest = self._newest_durable(ckpt, coordinator) if tier is not None else None
         step, failed = self._restore(tier, state, newest, coordinator, ask_for_save)
         source = "snapshot"

@@ -1,0 +1,65 @@
+"""What a survivor keeps of its state across an in-process recovery (`spotguard/wiring/kept.py`): only a whole
+state, loaded into the next generation's objects only when every rank kept the same step under its keys."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from spotguard.checkpoint.comm import Comm
+from spotguard.wiring.kept import Kept, keep, load_kept, whole
+from tests.ckpt_workers import run_ranks
+
+
+def trained(seed: int) -> dict:
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    return {"model": model, "optim": optim, "step": seed}
+
+
+class Shard(torch.Tensor):
+    """A tensor that stands for a piece of a larger one (as a DTensor's or a ShardedTensor's type does)."""
+
+
+def test_a_state_with_a_shard_or_off_the_host_is_not_whole_and_nothing_is_kept_of_it():
+    assert whole({"a": torch.zeros(2), "b": [torch.nn.Parameter(torch.ones(1)), 3, {"c": b"x"}]})
+    assert not whole({"a": {"b": [torch.zeros(2).as_subclass(Shard)]}})
+    assert not whole({"a": torch.zeros(2, device="meta")})  # not in host memory (as on an accelerator)
+    state = trained(1)
+    assert keep(5, state).step == 5
+    state["extra"] = torch.zeros(3).as_subclass(Shard)
+    assert keep(5, state) == Kept()
+
+
+def test_the_kept_step_loads_into_new_objects_bit_identical():
+    old = trained(1)
+    kept = keep(7, old)
+    new = trained(2)  # other weights, other optimizer moments, another step count
+    assert load_kept(kept, new, Comm()) == 7
+    for name in ("weight", "bias"):
+        assert torch.equal(getattr(new["model"], name), getattr(old["model"], name))
+    moments = [s["exp_avg"] for s in new["optim"].state.values()], [s["exp_avg"] for s in old["optim"].state.values()]
+    assert all(torch.equal(a, b) for a, b in zip(*moments)) and new["step"] == 1
+
+
+def test_a_state_with_other_keys_or_nothing_kept_is_left_untouched():
+    new = trained(2)
+    before = new["model"].weight.clone()
+    assert load_kept(Kept(), new, Comm()) is None
+    other = keep(7, {**trained(1), "rng.1": torch.zeros(1)})  # another rank's per-rank entry
+    assert load_kept(other, new, Comm()) is None
+    assert torch.equal(new["model"].weight, before)
+
+
+@pytest.mark.parametrize("steps", [(7, 7), (7, None), (7, 6)])
+def test_every_rank_loads_from_memory_or_none_does(steps):
+    """Two ranks of a real gloo group: both load only when both kept the same step; else both are left as
+    they were (and resume from the snapshots or the durable checkpoint together)."""
+    outputs = run_ranks("kept_load", 2, steps=list(steps))
+    results = [re.search(r"RESULT (.*)", out)[1] for out in outputs]
+    assert results == (["loaded=7 same=True"] * 2 if steps == (7, 7) else ["loaded=None same=False"] * 2)
