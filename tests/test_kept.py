@@ -49,11 +49,15 @@ def test_the_kept_step_loads_into_new_objects_bit_identical():
 
 def test_a_state_with_other_keys_or_nothing_kept_is_left_untouched():
     new = trained(2)
-    before = new["model"].weight.clone()
+    before = new["model"].weight.clone(), [s["exp_avg"].clone() for s in new["optim"].state.values()]
     assert load_kept(Kept(), new, Comm()) is None
     other = keep(7, {**trained(1), "rng.1": torch.zeros(1)})  # another rank's per-rank entry
     assert load_kept(other, new, Comm()) is None
-    assert torch.equal(new["model"].weight, before)
+    wider = torch.nn.Linear(4, 5)  # an optimizer over parameters of other shapes
+    assert load_kept(keep(7, {"model": wider, "optim": torch.optim.AdamW(wider.parameters()), "step": 1}), new,
+                     Comm()) is None  # fmt: skip
+    assert torch.equal(new["model"].weight, before[0]) and new["step"] == 2
+    assert all(torch.equal(s["exp_avg"], m) for s, m in zip(new["optim"].state.values(), before[1]))
 
 
 @pytest.mark.parametrize("steps", [(7, 7), (7, None), (7, 6)])

@@ -256,7 +256,7 @@ class SnapshotTier:
             self.node_dir,
             self.ranks_per_node,
             lambda r: self._address_of(r, self._conn),
-            functools.cache(lambda: to_dcp(state)),  # made only to load: on a fresh optimizer it adds state
+            functools.cache(lambda: to_dcp(state, to_load=True)),  # made only to load into
             optional_keys(state),
         )
         plan = recovery.agree(self.comm, held, durable, loader)

@@ -18,7 +18,6 @@ from typing import Any
 from cloud_adapters.notice import INTERRUPTION, REBALANCE, Notice
 from spotguard.checkpoint import Checkpointer, CheckpointError, SaveReport
 from spotguard.checkpoint.io.progress import seconds
-from spotguard.checkpoint.state import to_dcp
 from spotguard.ending import elastic, going_on
 from spotguard.ending.exit_policy import ExitPolicy
 from spotguard.goodput.cadence import IntervalTimer
@@ -31,7 +30,7 @@ from spotguard.job.departure import Departure
 from spotguard.job.topology import Topology
 from spotguard.options import GuardOptions
 from spotguard.watcher import Watcher
-from spotguard.wiring.kept import whole
+from spotguard.wiring.kept import keep
 from spotguard.wiring.snapshots import SNAPSHOT, GuardSnapshots
 
 log = logging.getLogger("spotguard.guard")  # what the guard does at a round: its users filter by this name
@@ -236,7 +235,7 @@ class Rounds:
         # once. A job that goes on in its processes reads it now, while the leaving node waits for its replicas.
         signals = all(n.cloud == "signal" for n in plan.notices)
         if report is not None and p.snapshots.options.enabled and (signals or goes_on):
-            if goes_on and self._kept_whole(state, goes_on):
+            if goes_on and self._kept_whole(step, state, goes_on):
                 why = "every survivor keeps the whole step in its process (the next generation loads it from there)"
                 if snapshot_due:
                     p.snapshots.skip(step, why)
@@ -269,12 +268,12 @@ class Rounds:
         p.timeline.add("joining", step=step, nodes=",".join(map(str, nodes)))
         return True
 
-    def _kept_whole(self, state: Mapping[str, Any], goes_on: tuple[int, ...]) -> bool:
+    def _kept_whole(self, step: int, state: Mapping[str, Any], goes_on: tuple[int, ...]) -> bool:
         """Whether every survivor keeps `state` whole in its process, under its own number (a collective of the
         ending generation): its next generation loads it from there, with no snapshot (`wiring/kept.py`)."""
         if goes_on != tuple(range(len(goes_on))):  # a survivor's number changes, and with it its per-rank entries
             return False
-        return all(self._parts.make_checkpointer().comm.all_gather(whole(to_dcp(state))))
+        return all(self._parts.make_checkpointer().comm.all_gather(keep(step, state).step is not None))
 
     def _goes_on(self, plan: EmergencyPlan) -> tuple[int, ...]:
         """The ranks the job goes on with in their processes after `plan`'s departure, or () when it ends or

@@ -325,7 +325,7 @@ def _load(
     """Load `step_dir` into `state` on every rank: (None, no hosts), or (why it failed on some rank,
     the hosts where a file read did not match the manifest), the same on all ranks."""
     # Outside the checks: a state DCP cannot take (an optimizer without its model) is the user's error, on every rank.
-    loaded = to_dcp(state)
+    loaded = to_dcp(state, to_load=True)
     # Opening the step is agreed before dcp.load: a rank failing alone would leave the others waiting in it.
     reader, failure, damaged_on = _on_every_rank(
         comm,
