@@ -4,10 +4,13 @@ state, loaded into the next generation's objects only when every rank kept the s
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 import torch
 
+import spotguard
+from spotguard.checkpoint import list_checkpoints
 from spotguard.checkpoint.comm import Comm
 from spotguard.wiring.kept import Kept, keep, load_kept, whole
 from tests.ckpt_workers import run_ranks
@@ -67,3 +70,49 @@ def test_every_rank_loads_from_memory_or_none_does(steps):
     outputs = run_ranks("kept_load", 2, steps=list(steps))
     results = [re.search(r"RESULT (.*)", out)[1] for out in outputs]
     assert results == (["loaded=7 same=True"] * 2 if steps == (7, 7) else ["loaded=None same=False"] * 2)
+
+
+def test_an_optimizer_whose_groups_differ_is_not_loaded_and_nothing_is_touched():
+    """The same parameter shapes split into other groups: torch's load would refuse it after the model loaded."""
+    old = trained(1)
+    model = old["model"]
+    split = torch.optim.AdamW([{"params": [model.weight]}, {"params": [model.bias]}], lr=0.1)
+    kept = keep(7, {"model": model, "optim": split, "step": 1})
+    new = trained(2)
+    before = new["model"].weight.clone()
+    assert load_kept(kept, new, Comm()) is None
+    assert torch.equal(new["model"].weight, before) and new["step"] == 2
+
+
+class Sharded(torch.nn.Parameter):
+    """A parameter that stands for a shard (as FSDP's flat parameter does)."""
+
+
+def test_a_module_of_shards_or_a_renumbered_rank_keeps_nothing_without_asking_for_a_state_dict():
+    model = torch.nn.Linear(2, 2)
+    model.weight = Sharded(torch.zeros(2, 2))
+
+    def collective(*args, **kwargs):
+        raise AssertionError("a sharded module's state dict may be a collective: not asked for")
+
+    model.state_dict = collective
+    assert keep(3, {"model": model}) == Kept()
+    assert keep(3, trained(1), goes_on=(0, 2)) == Kept()  # old rank 2 would become rank 1
+    assert keep(3, trained(1), goes_on=(0, 1)).step == 3
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_a_step_loaded_from_memory_that_is_not_durable_is_saved_durably_at_once(durable, tmp_path):
+    """A guard's resume loads the kept step from memory (no snapshot, no checkpoint read); when the step is not
+    in the checkpoint dir too, rank 0 asks for a durable save, as after a resume from the nodes' snapshots."""
+    old, new = trained(1), trained(2)
+    options = {"snapshot_every": 1000, "snapshot_dir": str(tmp_path / "memory"), "exit_code": None}
+    with spotguard.Guard(str(tmp_path / "ckpt"), cloud="none", **options) as guard:
+        start = guard.resume(new, kept=keep(8, old, durable=durable))
+        assert (start, guard.resumed_from) == (9, "memory")
+        assert torch.equal(new["model"].weight, old["model"].weight)
+        for step in range(start, start + 40):  # the request is agreed at the first step after the listener has it
+            guard.step(step, new)
+            time.sleep(0.05)
+    saved = [(c.step, c.reason) for c in list_checkpoints(str(tmp_path / "ckpt")) if c.committed]
+    assert (saved[0][1] == "snapshot-resume" and saved[0][0] >= start) if not durable else saved == []

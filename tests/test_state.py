@@ -59,3 +59,16 @@ def test_an_optimizer_that_reads_values_in_its_step_gets_dcps_step():
     made = flat(to_dcp({"m": model, "o": optimizer}, to_load=True)["o"])
     assert "cpu" in optimizer.devices and all(not v.is_meta for v in made.values())
     assert all(torch.equal(v, torch.zeros_like(v)) for k, v in made.items() if k.endswith("momentum_buffer"))
+
+
+def test_a_frozen_parameter_and_one_listed_twice_are_as_after_dcps_step():
+    """A frozen parameter gets no state; a parameter listed twice gets one, and no stand-in is left behind."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    model[1].bias.requires_grad_(False)
+    with pytest.warns(UserWarning, match="duplicate parameters"):  # torch allows it, with a warning
+        optimizer = Seen([*model.parameters(), model[0].weight], lr=0.1, momentum=0.9)
+    to_dcp({"m": model, "o": optimizer}, to_load=True)
+    assert set(optimizer.devices) == {"meta"}  # no second step, on the parameters themselves
+    assert set(optimizer.state) == {model[0].weight, model[0].bias, model[1].weight}
+    assert all(torch.equal(e["momentum_buffer"], torch.zeros_like(p)) for p, e in optimizer.state.items())

@@ -85,28 +85,32 @@ def _zeroed_state(optim: torch.optim.Optimizer) -> None:
     """Give an optimizer that took no step its state's tensors, zeroed, for a load to overwrite. DCP would take a
     step of zero gradients at a learning rate of 0: as much arithmetic as a training step's (2 s for AdamW over
     1 GB of state on 2 cores). This takes that step over stand-ins of the parameters on `meta`, where nothing
-    is computed, then gives each parameter what its stand-in got, allocated on its device and zeroed (the
-    step counts, made off `meta`, as DCP's step leaves them). An optimizer that reads values in its step
-    fails on `meta`: its state is then left to DCP's step."""
+    is computed, then gives each parameter what its stand-in got, allocated on its device and zeroed (its
+    step count as DCP's step leaves it; other values may differ from that step's, and the load sets them). An
+    optimizer that reads values in its step fails on `meta`: its state is then left to DCP's step."""
     stand_ins: dict[torch.Tensor, torch.Tensor] = {}
     groups = [group["params"] for group in optim.param_groups]
-    rates = [group["lr"] for group in optim.param_groups]
+    rates = [group.get("lr") for group in optim.param_groups]
+    made = False
     try:
         for group in optim.param_groups:
             group["params"] = [_stand_in(p, stand_ins) for p in group["params"]]
-            group["lr"] = 0.0
+            if "lr" in group:
+                group["lr"] = 0.0
         optim.step()
         made = True
     except Exception:  # noqa: BLE001 - DCP's own step makes the state instead
-        made = False
+        pass
     finally:
         for group, params, rate in zip(optim.param_groups, groups, rates, strict=True):
-            group["params"], group["lr"] = params, rate
+            group["params"] = params
+            if "lr" in group:
+                group["lr"] = rate
     state = {q: optim.state.pop(q, None) for q in stand_ins.values()}
-    if not made:
-        return
-    for p, q in stand_ins.items():
-        if state[q]:
+    if made:  # each parameter the step gave an entry (none: a stateless optimizer, which DCP's step then takes)
+        for p, q in stand_ins.items():
+            if state[q] is None:  # a frozen one
+                continue
             optim.state[p] = {
                 name: torch.zeros_like(v, device=p.device) if isinstance(v, torch.Tensor) and v.is_meta else v
                 for name, v in state[q].items()
@@ -114,11 +118,13 @@ def _zeroed_state(optim: torch.optim.Optimizer) -> None:
 
 
 def _stand_in(p: torch.Tensor, stand_ins: dict[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """A parameter like `p` on `meta`, with a gradient of zeros where `p` is trained."""
-    q = stand_ins[p] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-    if p.requires_grad:
-        q.grad = torch.zeros_like(q)
-    return q
+    """A parameter like `p` on `meta`, with a gradient of zeros where `p` is trained (the same one for a
+    parameter listed twice)."""
+    if p not in stand_ins:
+        q = stand_ins[p] = torch.nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        if p.requires_grad:
+            q.grad = torch.zeros_like(q)
+    return stand_ins[p]
 
 
 def _holds_if_saved(value: Any) -> bool:

@@ -16,7 +16,7 @@ of its own with a step of zeros (2 s for AdamW over 1 GB of state on this VM's 2
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -29,24 +29,34 @@ MEMORY = "memory"  # a resume's source: this process's own tensors
 
 @dataclasses.dataclass(frozen=True)
 class KeptOptimizer:
-    """An optimizer's own state dict, with its parameters' shapes in its order (what must match to load it)."""
+    """An optimizer's own state dict, with its parameters' shapes group by group (what must match to load it)."""
 
     state: dict[str, Any] = dataclasses.field(repr=False)
-    shapes: tuple[tuple[int, ...], ...]
+    shapes: tuple[tuple[tuple[int, ...], ...], ...]
 
 
 @dataclasses.dataclass(frozen=True)
 class Kept:
     """The state one rank kept at `step` (per entry: an optimizer's own state dict, else the entry's DCP state
     dict, sharing the old objects' storage), or nothing (`step` None: a rank that joined, or one whose state
-    was not whole)."""
+    was not whole); `durable`: whether the step is committed in the checkpoint dir too."""
 
     step: int | None = None
     state: Mapping[str, Any] | None = dataclasses.field(default=None, repr=False)
+    durable: bool = True
 
 
-def keep(step: int, state: Mapping[str, Any]) -> Kept:
-    """What this rank keeps of `state` at `step`: its state when it holds the whole of it, else nothing."""
+def keep(step: int, state: Mapping[str, Any], goes_on: Sequence[int] | None = None, *, durable: bool = True) -> Kept:
+    """What this rank keeps of `state` at `step` for the job's next generation, of the old ranks `goes_on` in
+    order (None: the same ranks): its state when it holds the whole of it and keeps its number, else nothing.
+    Local: a module whose parameters are not plain tensors in host memory (FSDP's, on a device) is not asked
+    for its state dict, which may be a collective."""
+    if goes_on is not None and tuple(goes_on) != tuple(range(len(goes_on))):
+        return Kept()  # a survivor's number changes, and with it its per-rank entries
+    modules = [v.value if isinstance(v, IfSaved) else v for v in state.values()]
+    tensors = [t for m in modules if isinstance(m, torch.nn.Module) for t in (*m.parameters(), *m.buffers())]
+    if not whole(tensors):
+        return Kept()
     held: dict[str, Any] = {}
     for key, value in state.items():
         optimizer = _optimizer(value)
@@ -54,7 +64,7 @@ def keep(step: int, state: Mapping[str, Any]) -> Kept:
             held[key] = to_dcp({key: value})[key]
         else:
             held[key] = KeptOptimizer(optimizer.state_dict(), _shapes(optimizer))
-    return Kept(step, held) if whole(held) else Kept()
+    return Kept(step, held, durable) if whole(held) else Kept()
 
 
 def whole(tree: Any) -> bool:
@@ -79,12 +89,12 @@ def load_kept(kept: Kept, state: MutableMapping[str, Any], comm: Comm) -> int | 
     if steps[0] is None or any(s != steps[0] for s in steps):
         return None
     held: Mapping[str, Any] = kept.state  # type: ignore[assignment]
+    for key, value in state.items():  # first: their groups were checked, and nothing is copied
+        if (optimizer := _optimizer(value)) is not None:
+            optimizer.load_state_dict(held[key].state)
     rest = {key: value for key, value in state.items() if _optimizer(value) is None}
     load_from_dcp(rest, held)
     state.update(rest)  # a plain value is replaced, not loaded into
-    for key, value in state.items():
-        if (optimizer := _optimizer(value)) is not None:
-            optimizer.load_state_dict(held[key].state)
     return kept.step
 
 
@@ -105,5 +115,5 @@ def _optimizer(value: Any) -> torch.optim.Optimizer | None:
     return value if isinstance(value, torch.optim.Optimizer) else None
 
 
-def _shapes(optimizer: torch.optim.Optimizer) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(p.shape) for group in optimizer.param_groups for p in group["params"])
+def _shapes(optimizer: torch.optim.Optimizer) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    return tuple(tuple(tuple(p.shape) for p in group["params"]) for group in optimizer.param_groups)

@@ -205,6 +205,8 @@ class GuardSnapshots:
         if kept is not None and (step := load_kept(kept, state, ckpt.comm)) is not None:
             if tier is not None:
                 tier.forget_after(step)
+            if coordinator and not kept.durable:  # it lives only in the processes' memory
+                ask_for_save("snapshot-resume")
             return step, MEMORY
         newest = self._newest_durable(ckpt, coordinator) if tier is not None else None
         step, failed = self._restore(tier, state, newest, coordinator, ask_for_save)
