@@ -36,7 +36,8 @@ files of at most two methods on the disk at a time, so --gb 24 fits a 64 GB disk
                       in the same run: `huge`, layers 8192 wide (a few tensors of 268 MB: one
                       layer, its two AdamW moments, 0.8 GB) and `mid`, layers 2048 wide (many
                       of 16.8 MB: 160 tensors in 1 GB); each state saved by Checkpointer.save
-                      and by torch.save, then --resume-trials cold resumes of each, and as
+                      and by torch.save, then --resume-trials cold resumes of each (into a
+                      new AdamW that took no step, as in a process started again), and as
                       many bare reads of spotguard's files (8 threads, 4 MiB reads, sequential
                       readahead, no check: an estimate of the disk's read limit), the three
                       taking turns to go first; the median of each, how many times faster
@@ -145,14 +146,15 @@ def layout_resume(args: argparse.Namespace, name: str, root: Path, device: torch
         f.flush()
         os.fsync(f.fileno())
 
+    # Each resume goes into a new AdamW, with no state yet, as in a process that starts again.
     def spotguard_resume() -> None:
-        if Checkpointer(str(root / "spotguard")).resume(state) != 1:
+        if Checkpointer(str(root / "spotguard")).resume({"model": model, "optim": fresh_optimizer(model)}) != 1:
             raise SystemExit(f"{name}: spotguard resumed no step")
 
     def torch_load() -> None:
         loaded = torch.load(torch_file, map_location="cpu", weights_only=True)
         model.load_state_dict(loaded["model"])
-        optim.load_state_dict(loaded["optim"])
+        fresh_optimizer(model).load_state_dict(loaded["optim"])
 
     files = sorted(p for p in (root / "spotguard").rglob("*") if p.is_file())
 
@@ -505,11 +507,16 @@ def build(gb: float, width: int, device: torch.device) -> tuple[torch.nn.Module,
     layers = max(1, round(gb * 1e9 / (3 * 4 * (width * width + width))))
     torch.manual_seed(0)
     model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers))).to(device)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    optim = fresh_optimizer(model)
     model(torch.randn(2, width, device=device)).square().mean().backward()
     optim.step()
     optim.zero_grad(set_to_none=True)
     return model, optim, sum(p.numel() * p.element_size() for p in model.parameters()) * 3
+
+
+def fresh_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The optimizer `build` makes, before its first step: no state."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-6)
 
 
 def write_bytes(path: Path, nbytes: int, threads: int) -> None:

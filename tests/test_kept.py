@@ -116,3 +116,15 @@ def test_a_step_loaded_from_memory_that_is_not_durable_is_saved_durably_at_once(
             time.sleep(0.05)
     saved = [(c.step, c.reason) for c in list_checkpoints(str(tmp_path / "ckpt")) if c.committed]
     assert (saved[0][1] == "snapshot-resume" and saved[0][0] >= start) if not durable else saved == []
+
+
+def test_a_state_that_cannot_be_read_keeps_nothing_and_says_so(caplog):
+    class Broken:
+        def state_dict(self):
+            raise RuntimeError("unreadable")
+
+        def load_state_dict(self, state):
+            pass
+
+    assert keep(3, {**trained(1), "broken": Broken()}) == Kept()  # never into the training loop
+    assert "the state of step 3 cannot be kept in this process" in caplog.text

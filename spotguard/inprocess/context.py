@@ -112,17 +112,10 @@ class Context:
         self.last_step_at = called
         stop = self.guard.step(step, state)
         if stop and self.guard.interrupted and self.rank in self.guard.goes_on:
-            self.kept = self._keep(step, state)  # the agreed step: the next generation may load it from here
+            saved = self.guard.last_save  # the agreed step's: the next generation may load it from here
+            durable = saved is not None and saved.step == step and saved.durable
+            self.kept = keep(step, state, self.guard.goes_on, durable=durable)
         return stop
-
-    def _keep(self, step: int, state: Mapping[str, Any]) -> Kept:
-        saved = self.guard.last_save
-        durable = saved is not None and saved.step == step and saved.durable
-        try:
-            return keep(step, state, self.guard.goes_on, durable=durable)
-        except Exception:  # noqa: BLE001 - the next generation loads the step from the snapshots or the checkpoint
-            log.exception("the state of step %d could not be kept in this process", step)
-            return Kept()
 
     def _amend(self, **changes: Any) -> None:
         self.recoveries = (*self.recoveries[:-1], dataclasses.replace(self.recoveries[-1], **changes))

@@ -16,6 +16,7 @@ of its own with a step of zeros (2 s for AdamW over 1 GB of state on this VM's 2
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
@@ -23,6 +24,8 @@ import torch
 
 from spotguard.checkpoint.comm import Comm
 from spotguard.checkpoint.state import IfSaved, load_from_dcp, to_dcp
+
+log = logging.getLogger(__name__)
 
 MEMORY = "memory"  # a resume's source: this process's own tensors
 
@@ -48,9 +51,18 @@ class Kept:
 
 def keep(step: int, state: Mapping[str, Any], goes_on: Sequence[int] | None = None, *, durable: bool = True) -> Kept:
     """What this rank keeps of `state` at `step` for the job's next generation, of the old ranks `goes_on` in
-    order (None: the same ranks): its state when it holds the whole of it and keeps its number, else nothing.
-    Local: a module whose parameters are not plain tensors in host memory (FSDP's, on a device) is not asked
-    for its state dict, which may be a collective."""
+    order (None: the same ranks): its state when it holds the whole of it and keeps its number, else nothing
+    (said in the log when the state could not be read: then the step is read from the snapshots or the
+    checkpoint, as without this). Local: a module whose parameters are not plain tensors in host memory
+    (FSDP's, on a device) is not asked for its state dict, which may be a collective."""
+    try:
+        return _keep(step, state, goes_on, durable)
+    except Exception:  # noqa: BLE001 - invariant 3: never into the training loop
+        log.exception("the state of step %d cannot be kept in this process", step)
+        return Kept()
+
+
+def _keep(step: int, state: Mapping[str, Any], goes_on: Sequence[int] | None, durable: bool) -> Kept:
     if goes_on is not None and tuple(goes_on) != tuple(range(len(goes_on))):
         return Kept()  # a survivor's number changes, and with it its per-rank entries
     modules = [v.value if isinstance(v, IfSaved) else v for v in state.values()]

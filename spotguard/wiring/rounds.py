@@ -235,7 +235,10 @@ class Rounds:
         # once. A job that goes on in its processes reads it now, while the leaving node waits for its replicas.
         signals = all(n.cloud == "signal" for n in plan.notices)
         if report is not None and p.snapshots.options.enabled and (signals or goes_on):
-            if goes_on and report.durable and self._kept_whole(step, state, goes_on):
+            # A survivor that keeps the step whole in its process loads it from there (`wiring/kept.py`). Each rank
+            # decides alone (a leaving rank may be gone already), alike in a job whose ranks hold the same kind of
+            # state; should they differ, the next generation's resume finds out and reads the durable step.
+            if goes_on and report.durable and keep(step, state, goes_on).step is not None:
                 why = "every survivor keeps the whole step in its process (the next generation loads it from there)"
                 if snapshot_due:
                     p.snapshots.skip(step, why)
@@ -267,18 +270,6 @@ class Rounds:
         self.outcome.joining = tuple(nodes)
         p.timeline.add("joining", step=step, nodes=",".join(map(str, nodes)))
         return True
-
-    @staticmethod
-    def _kept_whole(step: int, state: Mapping[str, Any], goes_on: tuple[int, ...]) -> bool:
-        """Whether this rank's `state` is one a survivor keeps whole in its process (`wiring/kept.py`): then the
-        next generation loads it from there, and no snapshot is taken. Decided alone (a leaving rank may be gone
-        already), alike on every rank of a job whose ranks hold the same kind of state; should they differ, the
-        next generation's resume finds out and reads the snapshots or the step's durable checkpoint."""
-        try:
-            return keep(step, state, goes_on).step is not None
-        except Exception:  # noqa: BLE001 - invariant 3: the snapshot is taken as before
-            log.exception("whether the state of step %d is kept whole could not be told", step)
-            return False
 
     def _goes_on(self, plan: EmergencyPlan) -> tuple[int, ...]:
         """The ranks the job goes on with in their processes after `plan`'s departure, or () when it ends or
