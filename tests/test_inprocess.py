@@ -154,6 +154,16 @@ def test_with_exit_code_none_the_leaving_rank_returns_to_its_caller_and_the_surv
     assert json.loads(out.read_text())["start"] > 0
 
 
+def test_a_training_function_that_raises_as_its_rank_leaves_returns_to_the_caller(tmp_path):
+    """The leaving rank's function raises after its last step (injected): `run` returns to its caller, which
+    ends well, instead of failing on a result never made; the survivors go on."""
+    nodes, codes, _ = reclaim_node_2(tmp_path, [*BASE, "--in-process"], {}, script="raise_on_leaving_worker.py")
+    text = [n.output() for n in nodes]
+    assert [worker_exit_code(n) for n in nodes] == [0, 0, 0], "\n".join(n.tail() for n in nodes)
+    assert "injected: the training function fails as its rank leaves" in text[2]
+    assert all(RECOVERED.search(t) for t in text[:2])
+
+
 def workers_ended(nodes: list[Node], timeout: float = 120) -> None:
     """Wait until the nodes' workers have all exited (their agents may still wait in torchrun's exit barrier
     for a frozen node's agent, which never comes)."""

@@ -98,6 +98,7 @@ def run(
         guard = Guard(checkpoint_dir, cloud, in_process=True, **options)
         ctx = Context(guard, generation, recoveries, since, kept)
         kept = Kept()  # the context's until its resume: held no longer than that
+        result: Any = None  # what a run of `train` that raised returns to a rank that leaves
         try:
             with guard:  # its close ends the process after an emergency, unless the job goes on in it
                 with _door(guard, base, founders):

@@ -236,9 +236,10 @@ class Rounds:
         signals = all(n.cloud == "signal" for n in plan.notices)
         if report is not None and p.snapshots.options.enabled and (signals or goes_on):
             # A survivor that keeps the step whole in its process loads it from there (`wiring/kept.py`). Each rank
-            # decides alone (a leaving rank may be gone already), alike in a job whose ranks hold the same kind of
-            # state; should they differ, the next generation's resume finds out and reads the durable step.
-            if goes_on and report.durable and keep(step, state, goes_on).step is not None:
+            # decides alone (a leaving rank may be gone already) on what every rank sees alike: its state's kind,
+            # the same on every rank of a job, and the ranks that go on (not whether the step is durable yet: a
+            # leaving rank learns that late). Should the kinds differ, the next generation's resume finds out.
+            if goes_on and keep(step, state, goes_on).step is not None:
                 why = "every survivor keeps the whole step in its process (the next generation loads it from there)"
                 if snapshot_due:
                     p.snapshots.skip(step, why)

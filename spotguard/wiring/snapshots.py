@@ -145,7 +145,13 @@ class GuardSnapshots:
             log.warning("the snapshot of the emergency's step %d did not finish in %.0f s", step, budget)
             return
         wait_s = min(FINAL_REPLICAS_WAIT_S, max(0.0, budget - (time.monotonic() - started)))
-        if leaving and not tier.everyone_replicated(step, wait_s):
+        try:
+            replicated = not leaving or tier.everyone_replicated(step, wait_s)
+        except Exception as exc:  # noqa: BLE001 - invariant 3: the store may be gone with the job's end
+            replicated = False
+            log.warning("the copies of the emergency's step %d could not be counted (%s: %s)", step,
+                        type(exc).__name__, exc)  # fmt: skip
+        if not replicated:
             log.warning("not every rank's copy of the emergency's step %d reached a survivor in %.0f s", step, wait_s)
 
     def keep_for_join(self, step: int, state: Mapping[str, Any]) -> str | None:
