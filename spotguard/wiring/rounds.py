@@ -241,10 +241,9 @@ class Rounds:
             # leaving rank learns that late). Should the kinds differ, the next generation's resume finds out.
             if goes_on and keep(step, state, goes_on).step is not None:
                 why = "every survivor keeps the whole step in its process (the next generation loads it from there)"
-                if snapshot_due:
-                    p.snapshots.skip(step, why)
-                else:
-                    log.info("no snapshot of the emergency's step %d: %s", step, why)
+                log.info("no snapshot of the emergency's step %d: %s", step, why)
+                if snapshot_due:  # the tier's record of the snapshot due at this step, said once above
+                    p.snapshots.skip(step, why, quiet=True)
                 return
             with p.busy():
                 left = plan.leaving if goes_on else ()

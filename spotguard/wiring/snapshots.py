@@ -102,12 +102,12 @@ class GuardSnapshots:
         except Exception:  # noqa: BLE001 - invariant 3: a failed snapshot never crashes the training loop
             log.exception("the snapshot of step %d was not taken", step)
 
-    def skip(self, step: int, why: str) -> None:
+    def skip(self, step: int, why: str, *, quiet: bool = False) -> None:
         """Say that the snapshot due at `step` is not taken, and why (the tier's record of it too, when
-        there is a tier: what its `wait()` returns next)."""
+        there is a tier: what its `wait()` returns next). `quiet`: said already."""
         if self.tier is not None:
-            self.tier.skip(step, why)
-        else:
+            self.tier.skip(step, why, quiet=quiet)
+        elif not quiet:
             log.warning("the snapshot of step %d was not taken: %s", step, why)
 
     def keep_emergency(
