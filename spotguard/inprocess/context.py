@@ -83,7 +83,7 @@ class Context:
         self.last_step_at: float | None = None  # when the loop last reported a step (monotonic)
         self._since = since if recoveries else None  # the newest recovery's pause ends at the first step
         self._kept = kept if recoveries else None
-        self.kept = Kept()  # what this rank keeps for the next generation, once the job goes on without some ranks
+        self.kept = Kept()  # what this rank keeps for the next generation (after a departure, or as nodes join)
 
     @property
     def recovered(self) -> Recovery | None:
@@ -111,10 +111,11 @@ class Context:
             self._report(self.recoveries[-1])
         self.last_step_at = called
         stop = self.guard.step(step, state)
-        if stop and self.guard.interrupted and self.rank in self.guard.goes_on:
+        joins = bool(self.guard.joining) and not self.guard.goes_on  # every rank stays, the joining ones after them
+        if stop and (joins or self.guard.interrupted and self.rank in self.guard.goes_on):
             saved = self.guard.last_save  # the agreed step's: the next generation may load it from here
             durable = saved is not None and saved.step == step and saved.durable
-            self.kept = keep(step, state, self.guard.goes_on, durable=durable)
+            self.kept = keep(step, state, None if joins else self.guard.goes_on, durable=durable)
         return stop
 
     def _amend(self, **changes: Any) -> None:

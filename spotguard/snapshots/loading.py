@@ -5,9 +5,10 @@ was taken at, a rank reads its own shard's index (from its node's copy or a hold
 else: no exchange. At another world size each shard's index is read once, by the first rank whose
 node holds it; the chunks it lists, and those of each rank's state, go to rank 0 as arrays, which
 tells each rank the shards it needs (`needed`); each rank then reads the indexes of those shards
-only, from their holders. DCP's load planner then works out the
-reads (`items.CoveringPlanner`) and `reading.SnapshotReader` does them: from this node's files
-first, else from a holder, spread over the holders by rank.
+only, from their holders. DCP's load planner then works out the reads (`items.CoveringPlanner`) and
+`reading.SnapshotReader` does them: from this node's files first, else from a holder, spread over the
+holders by rank. A rank that holds the plan's step whole in its own memory (`HeldHere`: an in-process
+survivor's, as nodes join) reads nothing, and wants nothing in the exchange.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import logging
 import time
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, ContextManager
 
 import torch.distributed.checkpoint as dcp
@@ -34,6 +36,15 @@ from spotguard.snapshots.shard_file import ShardInfo, SnapshotError
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class HeldHere:
+    """A step this rank holds whole in its own memory (an in-process survivor's), and how it loads it into
+    the state: of a plan of that step it reads nothing, and takes part in the plan's collectives only."""
+
+    step: int
+    load: Callable[[], None]
+
+
 class PlanLoader:
     """Loads a plan into `live()` (the DCP state dict of the state being resumed) on one rank.
 
@@ -49,6 +60,7 @@ class PlanLoader:
         address_of: Callable[[int], str],
         live: Callable[[], dict[str, Any]],
         optional: list[str],
+        own_step: int | None = None,
     ) -> None:
         self.comm = comm
         self.node_dir = node_dir
@@ -56,14 +68,16 @@ class PlanLoader:
         self.address_of = address_of
         self.live = live
         self.optional = optional
+        self.own_step = own_step  # a step this rank holds whole in its own memory: of its plan it reads nothing
         self.touched = False  # whether this rank read into the state's tensors
         self.loaded: dict[str, Any] | None = None  # the state dict loaded, for `load_from_dcp`
 
     def __call__(self, plan: Plan) -> list[Problem]:
         """Load `plan` (a collective when the world size changed); what went wrong on this rank."""
         self.loaded = None
-        indexes, problems = self._indexes(plan)
-        if problems or indexes is None:
+        reads = plan.step != self.own_step
+        indexes, problems = self._indexes(plan, reads)
+        if problems or indexes is None or not reads:
             return problems
         try:
             self._load(plan, indexes)
@@ -77,8 +91,12 @@ class PlanLoader:
         return []
 
     # ---- which shards hold what ---------------------------------------------------------
-    def _indexes(self, plan: Plan) -> tuple[dict[int, ShardInfo] | None, list[Problem]]:
+    def _indexes(self, plan: Plan, reads: bool) -> tuple[dict[int, ShardInfo] | None, list[Problem]]:
+        """The indexes of the shards this rank reads (a collective when the world size changed: a rank that
+        `reads` nothing takes part, wanting nothing), or None, and what went wrong on this rank."""
         if plan.world_size == self.comm.world_size:  # its own shard, as taken
+            if not reads:
+                return {}, []
             shard = self.comm.rank
             try:
                 return {shard: self._info(plan, shard, self._source(plan, shard))}, []
@@ -93,7 +111,8 @@ class PlanLoader:
                 except Exception as exc:  # noqa: BLE001 - this copy is unusable
                     problems.append(Problem(f"{type(exc).__name__}: {exc}", shard, self.comm.rank))
         try:  # what rank 0 matches; a failure here must still reach the gather, not leave the others in it
-            sent = ({shard: shard_layout(info.items) for shard, info in mine.items()}, state_layout(self.live()))
+            wants = state_layout(self.live() if reads else {})
+            sent = ({shard: shard_layout(info.items) for shard, info in mine.items()}, wants)
         except Exception as exc:  # noqa: BLE001 - this rank's state cannot be laid out: the snapshot cannot serve it
             problems.append(Problem(f"{type(exc).__name__}: {exc}"))
             sent = None

@@ -40,7 +40,7 @@ from spotguard.goodput.cadence import Cadence
 from spotguard.job.kvstore import Connection
 from spotguard.job.topology import layout_said, node_count, ranks_per_node
 from spotguard.snapshots import recovery, shard_file
-from spotguard.snapshots.loading import PlanLoader
+from spotguard.snapshots.loading import HeldHere, PlanLoader
 from spotguard.snapshots.node_dir import BASE_ENV, DEFAULT_BASE, NodeDir, name_of, private_root
 from spotguard.snapshots.peers import PeerServer, push
 
@@ -243,10 +243,13 @@ class SnapshotTier:
             self._conn.store.set(f"{key}/all", "1")
         return self._conn.get(f"{key}/all", timeout_s) is not None
 
-    def restore(self, state: MutableMapping[str, Any], durable: int | None) -> recovery.Plan | None:
+    def restore(
+        self, state: MutableMapping[str, Any], durable: int | None, own: HeldHere | None = None
+    ) -> recovery.Plan | None:
         """Load the newest whole snapshot newer than (or as new as) the durable step `durable` (rank 0's
         word), at whatever world size it was taken (a collective): the plan it came from, or None when
-        there is none to load."""
+        there is none to load. `own`: a step this rank holds whole in its memory, loaded from there when the
+        plan is of it (a survivor's, as a node joins: the joining ranks read the snapshot)."""
         local_rank = self.rank % self.ranks_per_node  # the layout the buddies assume: nodes' ranks contiguous
         held = []
         if self.node_dir is not None and self.job is not None:
@@ -258,6 +261,7 @@ class SnapshotTier:
             lambda r: self._address_of(r, self._conn),
             functools.cache(lambda: to_dcp(state, to_load=True)),  # made only to load into
             optional_keys(state),
+            own.step if own is not None else None,
         )
         plan = recovery.agree(self.comm, held, durable, loader)
         if plan is None:
@@ -267,7 +271,10 @@ class SnapshotTier:
             return None
         problem = None
         try:
-            load_from_dcp(state, loader.loaded)
+            if own is not None and own.step == plan.step:
+                own.load()
+            else:
+                load_from_dcp(state, loader.loaded)
         except FAILURES as exc:
             problem = describe(exc, self.rank)
         problems = [p for p in (self.comm.gather(problem) or []) if p]

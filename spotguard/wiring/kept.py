@@ -6,7 +6,9 @@ Only a state that every rank holds whole qualifies (DDP's replicas: no DTensor, 
 memory (kept on a device, the old tensors and the new model's would be there together until the load), of
 the agreed step of a departure, on every rank of the new generation, each under the keys its new state has
 (a rank that changed its number would find another rank's per-rank entries): anything else is resharded
-from the snapshot in the nodes' memory, or read from the durable checkpoint, as before.
+from the snapshot in the nodes' memory, or read from the durable checkpoint, as before. When nodes join,
+the ranks that were there keep the step the same way: the joining ranks read the snapshot of it (taken for
+them), while the others load their own tensors (`snapshots.loading.HeldHere`).
 
 An optimizer is kept in its own form (`Optimizer.state_dict()`: its state by its parameters' order), which
 loads into the new one as it is, sharing the tensors: DCP's form would first give the new optimizer a state
@@ -97,20 +99,15 @@ def load_kept(kept: Kept, state: MutableMapping[str, Any], comm: Comm) -> int | 
     """A collective of the new generation: the step loaded into `state` from what each rank kept, when every
     rank kept the same step under the keys of its `state` (its optimizers over parameters of the same shapes);
     else None, with `state` untouched."""
-    steps = comm.all_gather(kept.step if _fits(kept, state) else None)
+    steps = comm.all_gather(kept.step if fits(kept, state) else None)
     if steps[0] is None or any(s != steps[0] for s in steps):
         return None
-    held: Mapping[str, Any] = kept.state  # type: ignore[assignment]
-    for key, value in state.items():  # first: their groups were checked, and nothing is copied
-        if (optimizer := _optimizer(value)) is not None:
-            optimizer.load_state_dict(held[key].state)
-    rest = {key: value for key, value in state.items() if _optimizer(value) is None}
-    load_from_dcp(rest, held)
-    state.update(rest)  # a plain value is replaced, not loaded into
+    load_own(kept, state)
     return kept.step
 
 
-def _fits(kept: Kept, state: Mapping[str, Any]) -> bool:
+def fits(kept: Kept, state: Mapping[str, Any]) -> bool:
+    """Whether `kept` holds a step under the keys of `state`, its optimizers over parameters of the same shapes."""
     if kept.step is None or kept.state is None or set(kept.state) != set(state):
         return False
     for key, value in state.items():
@@ -120,6 +117,17 @@ def _fits(kept: Kept, state: Mapping[str, Any]) -> bool:
         if optimizer is not None and _shapes(optimizer) != held.shapes:
             return False
     return True
+
+
+def load_own(kept: Kept, state: MutableMapping[str, Any]) -> None:
+    """Load what this rank kept into `state`, which it `fits` (this rank alone)."""
+    held: Mapping[str, Any] = kept.state  # type: ignore[assignment]
+    for key, value in state.items():  # first: their groups were checked, and nothing is copied
+        if (optimizer := _optimizer(value)) is not None:
+            optimizer.load_state_dict(held[key].state)
+    rest = {key: value for key, value in state.items() if _optimizer(value) is None}
+    load_from_dcp(rest, held)
+    state.update(rest)  # a plain value is replaced, not loaded into
 
 
 def _optimizer(value: Any) -> torch.optim.Optimizer | None:

@@ -8,6 +8,7 @@ whole snapshot when it is as new as the durable checkpoints, else the durable pa
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import sys
@@ -21,9 +22,10 @@ from spotguard.checkpoint import Checkpointer, CheckpointError
 from spotguard.goodput.recorder import GoodputRecorder
 from spotguard.job.topology import location_key
 from spotguard.options import SnapshotOptions
+from spotguard.snapshots.loading import HeldHere
 from spotguard.snapshots.shard_file import SnapshotLoadError
 from spotguard.snapshots.tier import SnapshotTier
-from spotguard.wiring.kept import MEMORY, Kept, load_kept
+from spotguard.wiring.kept import MEMORY, Kept, fits, load_kept, load_own
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +199,9 @@ class GuardSnapshots:
         """Load the newest whole snapshot if it is as new as every durable step, else the newest durable
         step that loads: (the step, "snapshot" or "durable"), or (None, None) for a fresh start. A
         collective. After an in-process recovery (`kept` given, on every rank), what the ranks kept in their
-        own memory first: (the agreed step, "memory") when each kept it whole (`wiring/kept.py`).
+        own memory first: (the agreed step, "memory") when each kept it whole (`wiring/kept.py`). When nodes
+        joined (their ranks kept nothing), they read the snapshot of the step, and a rank that kept it loads
+        it from its own memory instead ("memory" there).
 
         The snapshot is weighed against what actually loads: when the newest durable step turns out
         damaged and an older one loads, a whole snapshot newer than that one is loaded over it. After
@@ -208,15 +212,19 @@ class GuardSnapshots:
         """
         tier = self.made()
         self.resharded = None
-        if kept is not None and (step := load_kept(kept, state, ckpt.comm)) is not None:
-            if tier is not None:
-                tier.forget_after(step)
-            if coordinator and not kept.durable:  # it lives only in the processes' memory
-                ask_for_save("snapshot-resume")
-            return step, MEMORY
+        own = None
+        if kept is not None:
+            if (step := load_kept(kept, state, ckpt.comm)) is not None:
+                if tier is not None:
+                    tier.forget_after(step)
+                if coordinator and not kept.durable:  # it lives only in the processes' memory
+                    ask_for_save("snapshot-resume")
+                return step, MEMORY
+            if fits(kept, state):  # nodes joined, holding nothing: they read the snapshot of the step, this rank not
+                own = HeldHere(kept.step, functools.partial(load_own, kept, state))  # type: ignore[arg-type]
         newest = self._newest_durable(ckpt, coordinator) if tier is not None else None
-        step, failed = self._restore(tier, state, newest, coordinator, ask_for_save)
-        source = "snapshot"
+        step, failed = self._restore(tier, state, newest, coordinator, ask_for_save, own=own)
+        source = MEMORY if own is not None and step == own.step else "snapshot"
         if step is None:
             step, source = self._durable(state, ckpt, failed), "durable"
             # The newest durable step may be damaged and an older one loaded (rank 0 knows which).
@@ -241,14 +249,15 @@ class GuardSnapshots:
         ask_for_save: Callable[[str], None],
         *,
         newer: bool = False,
+        own: HeldHere | None = None,
     ) -> tuple[int | None, SnapshotLoadError | None]:
         """(the step of the newest whole snapshot as new as the durable step `durable` (rank 0's word) at
         least, or with `newer` newer than it, loaded, or None; why one did not load whole, in which case
-        the state may be overwritten in part)."""
+        the state may be overwritten in part). `own`: as `SnapshotTier.restore`."""
         if tier is None:
             return None, None
         try:
-            plan = tier.restore(state, durable + 1 if newer and durable is not None else durable)
+            plan = tier.restore(state, durable + 1 if newer and durable is not None else durable, own)
         except SnapshotLoadError as exc:  # on every rank
             log.error("%s; loading the durable checkpoint over it", exc)
             return None, exc
