@@ -72,6 +72,16 @@ def test_every_rank_loads_from_memory_or_none_does(steps):
     assert results == (["loaded=7 same=True"] * 2 if steps == (7, 7) else ["loaded=None same=False"] * 2)
 
 
+def test_a_module_of_other_shapes_is_not_loaded_and_nothing_is_touched():
+    """Checked before any load: DCP's would fail on the first tensor of another shape, the others loaded (a survivor
+    that fails its own load as nodes join would fail the snapshot they read)."""
+    new = {"model": torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))}
+    before = [t.clone() for t in new["model"].parameters()]
+    wider = {"model": torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 5))}
+    assert load_kept(keep(7, wider), new, Comm()) is None
+    assert all(torch.equal(a, b) for a, b in zip(new["model"].parameters(), before))
+
+
 def test_an_optimizer_whose_groups_differ_is_not_loaded_and_nothing_is_touched():
     """The same parameter shapes split into other groups: torch's load would refuse it after the model loaded."""
     old = trained(1)

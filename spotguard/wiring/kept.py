@@ -107,7 +107,8 @@ def load_kept(kept: Kept, state: MutableMapping[str, Any], comm: Comm) -> int | 
 
 
 def fits(kept: Kept, state: Mapping[str, Any]) -> bool:
-    """Whether `kept` holds a step under the keys of `state`, its optimizers over parameters of the same shapes."""
+    """Whether `kept` holds a step under the keys of `state`, its modules' tensors and its optimizers' parameters
+    of the same shapes (what the load would otherwise fail on, part of the state loaded)."""
     if kept.step is None or kept.state is None or set(kept.state) != set(state):
         return False
     for key, value in state.items():
@@ -116,7 +117,25 @@ def fits(kept: Kept, state: Mapping[str, Any]) -> bool:
             return False
         if optimizer is not None and _shapes(optimizer) != held.shapes:
             return False
+        module = value.value if isinstance(value, IfSaved) else value
+        if isinstance(module, torch.nn.Module) and not _same_layout(key, module, held):
+            return False
     return True
+
+
+def _same_layout(key: str, module: torch.nn.Module, held: Mapping[str, Any]) -> bool:
+    """Whether `module` is whole (else its state dict may be a collective: not asked for) and its state dict has
+    the names and shapes of `held`."""
+    return whole([*module.parameters(), *module.buffers()]) and _layout(to_dcp({key: module})[key]) == _layout(held)
+
+
+def _layout(tree: Any) -> Any:
+    """A state dict's names and tensor shapes."""
+    if isinstance(tree, torch.Tensor):
+        return tuple(tree.shape)
+    if isinstance(tree, Mapping):
+        return {name: _layout(value) for name, value in tree.items()}
+    return None
 
 
 def load_own(kept: Kept, state: MutableMapping[str, Any]) -> None:

@@ -236,7 +236,7 @@ class GuardSnapshots:
                     step = self._durable(state, ckpt, failed)
         if tier is not None:
             tier.forget_after(step)
-        if source != "snapshot" or step is None:
+        if source == "durable" or step is None:  # (a rank that kept the step: the snapshot's, resharded for others)
             self.resharded = None
         return step, source if step is not None else None
 
@@ -266,8 +266,10 @@ class GuardSnapshots:
         if plan.world_size != tier.world_size:
             self.resharded = (plan.world_size, tier.world_size)
         if coordinator:
-            log.info("resumed from the snapshot of step %d in the nodes' memory (durable: %s)%s", plan.step, durable,
-                     f", resharded {plan.world_size} -> {tier.world_size}" if self.resharded else "")  # fmt: skip
+            mine = " (this rank from its own memory)" if own is not None and own.step == plan.step else ""
+            how = f", resharded {plan.world_size} -> {tier.world_size}" if self.resharded else ""
+            log.info("resumed from the snapshot of step %d in the nodes' memory%s (durable: %s)%s", plan.step, mine,
+                     durable, how)  # fmt: skip
             if durable is None or plan.step > durable:
                 ask_for_save("snapshot-resume")
         return plan.step, None
