@@ -10,6 +10,7 @@ so a local path, a shared filesystem and every object store behave the same.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import re
 import secrets
@@ -234,11 +235,37 @@ class LocalStore:
 
 
 def _copy_file(src: str | Path, dst: str | Path, progress: Progress | None, chunk: int = 8 << 20) -> None:
+    """Copy `src` into `dst` (`progress` after each chunk): in the kernel where it can, else by reads and writes."""
     with open(src, "rb") as reader, open(dst, "wb") as writer:
+        if _copy_in_kernel(reader.fileno(), writer.fileno(), progress, chunk):
+            return
         while block := reader.read(chunk):
             writer.write(block)
             if progress:
                 progress(len(block))
+
+
+# Where copy_file_range cannot copy between these two files at all (another filesystem on an older kernel, no
+# such call, a filesystem without it): nothing is copied yet, and reads and writes do it.
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM, errno.EBADF}
+
+
+def _copy_in_kernel(source: int, target: int, progress: Progress | None, chunk: int) -> bool:
+    """Copy the file `source` into `target` with copy_file_range, the bytes never passing through this process
+    (a reflink on XFS or btrfs, a server-side copy on NFS 4.2): True once done, False when it cannot begin."""
+    if not hasattr(os, "copy_file_range"):
+        return False
+    copied = 0
+    try:
+        while count := os.copy_file_range(source, target, chunk):
+            copied += count
+            if progress:
+                progress(count)
+    except OSError as exc:
+        if copied or exc.errno not in _NO_KERNEL_COPY:
+            raise
+        return False
+    return True
 
 
 def split_bucket_url(url: str) -> tuple[str, str]:

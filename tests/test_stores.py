@@ -6,6 +6,7 @@ proxy between the store and its server, or kill the server mid-upload.
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -222,7 +223,7 @@ class Interrupted(Exception):
 
 def test_an_interrupted_local_copy_leaves_nothing_partial(tmp_path):
     store = LocalStore(tmp_path / "store")
-    source = write_random(tmp_path / "source", 9 * MiB)  # copied in two chunks
+    source = write_random(tmp_path / "source", 9 * MiB)
 
     def fail_after_one_chunk(_: int) -> None:
         raise Interrupted
@@ -237,6 +238,31 @@ def test_an_interrupted_local_copy_leaves_nothing_partial(tmp_path):
     with pytest.raises(Interrupted):
         store.put_file(source, "k2", progress=fail_after_one_chunk)
     assert store.list() == [ObjectInfo("k", 9 * MiB)] and os.listdir(store.root) == ["k"]
+
+
+@pytest.mark.parametrize("in_kernel", [True, False])
+def test_a_local_copy_is_made_in_the_kernel_and_by_reads_and_writes_where_the_kernel_cannot(
+    tmp_path, monkeypatch, in_kernel
+):
+    """copy_file_range (a reflink, a server-side NFS copy, or at least no pass through this process); where it
+    cannot begin (another filesystem on an older kernel), the same bytes by reads and writes."""
+    kernel = os.copy_file_range
+    calls = []
+
+    def copy_file_range(source: int, target: int, count: int) -> int:
+        calls.append(count)
+        if not in_kernel:
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return kernel(source, target, count)
+
+    monkeypatch.setattr(os, "copy_file_range", copy_file_range)
+    source = write_random(tmp_path / "source", 9 * MiB)
+    store, seen = LocalStore(tmp_path / "store"), []
+    store.put_file(source, "k", progress=seen.append)
+    assert (store.root / "k").read_bytes() == source.read_bytes() and sum(seen) == 9 * MiB
+    assert calls  # the kernel was asked first, either way
+    store.get_file("k", tmp_path / "back", progress=seen.append)
+    assert (tmp_path / "back").read_bytes() == source.read_bytes() and sum(seen) == 18 * MiB
 
 
 # ---- wire-level behaviour of the cloud stores ---------------------------------------------
