@@ -41,6 +41,11 @@ class IfSaved:
         self.value = value
 
 
+def unwrapped(value: Any) -> Any:
+    """A state entry's object: an `IfSaved`'s, or the entry itself."""
+    return value.value if isinstance(value, IfSaved) else value
+
+
 def optional_keys(state: Mapping[str, Any]) -> list[str]:
     """The keys of `state` whose entries are `IfSaved`."""
     return [key for key, value in state.items() if isinstance(value, IfSaved)]
@@ -65,7 +70,7 @@ def to_dcp(state: Mapping[str, Any], *, to_load: bool = False) -> dict[str, Any]
         raise TypeError(f"checkpoint state must be a dict, not {type(state).__name__}")
     out: dict[str, Any] = {}
     for key, value in state.items():
-        value = value.value if isinstance(value, IfSaved) else value
+        value = unwrapped(value)
         if isinstance(value, nn.Module):
             out[key] = get_model_state_dict(value)
         elif isinstance(value, torch.optim.Optimizer):

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from spotguard.checkpoint.comm import Comm
-from spotguard.checkpoint.state import IfSaved, load_from_dcp, to_dcp
+from spotguard.checkpoint.state import load_from_dcp, to_dcp, unwrapped
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def keep(step: int, state: Mapping[str, Any], goes_on: Sequence[int] | None = No
 def _keep(step: int, state: Mapping[str, Any], goes_on: Sequence[int] | None, durable: bool) -> Kept:
     if goes_on is not None and tuple(goes_on) != tuple(range(len(goes_on))):
         return Kept()  # a survivor's number changes, and with it its per-rank entries
-    modules = [v.value if isinstance(v, IfSaved) else v for v in state.values()]
+    modules = [unwrapped(v) for v in state.values()]
     tensors = [t for m in modules if isinstance(m, torch.nn.Module) for t in (*m.parameters(), *m.buffers())]
     if not whole(tensors):
         return Kept()
@@ -117,7 +117,7 @@ def fits(kept: Kept, state: Mapping[str, Any]) -> bool:
             return False
         if optimizer is not None and _shapes(optimizer) != held.shapes:
             return False
-        module = value.value if isinstance(value, IfSaved) else value
+        module = unwrapped(value)
         if isinstance(module, torch.nn.Module) and not _same_layout(key, module, held):
             return False
     return True
@@ -150,7 +150,7 @@ def load_own(kept: Kept, state: MutableMapping[str, Any]) -> None:
 
 
 def _optimizer(value: Any) -> torch.optim.Optimizer | None:
-    value = value.value if isinstance(value, IfSaved) else value
+    value = unwrapped(value)
     return value if isinstance(value, torch.optim.Optimizer) else None
 
 
