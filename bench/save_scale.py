@@ -14,8 +14,10 @@ Phases, each timed at each N (seconds):
    this at once in a real job). Every rank's state is made for real in this process, with torch's
    fake process group re-initialised at each rank (a CPU DeviceMesh of N, `DTensor.from_local`),
    and every rank's real local plan is kept: they feed the rank-0 phases below.
-2. plan gather: DCP's `gather_object` of the local plans to rank 0 (all_gather of the sizes, gather
-   of the padded pickles, unpickled on rank 0), over real gloo (see below).
+2. plan gather: `Comm.gather` of the local plans to rank 0 (the sizes gathered, then each rank's
+   pickle sent to rank 0 alone, unpickled there), over real gloo (see below). The cached plan's gather
+   and the written gather run a second time through torch's `gather_object` (the sizes all-gathered in
+   gloo's ring, every pickle padded to the largest), spotguard's before, as the baseline.
 3. global plan: rank 0's `create_global_plan` (dedup, metadata, validation) + `prepare_global_plan`
    with the N real local plans.
 4. write (information only, not coordination): rank 0's real `write_data` of its small bytes, through
@@ -90,13 +92,15 @@ RANKS_PER_NODE = 8
 PHASES = ("local_plan", "plan_gather", "global_plan", "write", "plan_scatter", "written_gather", "finish",
           "commit", "resume", "snapshot")  # fmt: skip
 # The rounds the gloo threads run, in order: (name, kind).
+# "NAME@torch": NAME's payloads, through torch's gather_object (the gathers' baseline, in the same run).
 ROUNDS = (("plan_gather", "gather"), ("plan_scatter", "scatter"), ("written_gather", "gather"),
-          ("commit_bcast", "bcast"), ("plan_gather_cached", "gather"), ("plan_scatter_cached", "scatter"),
+          ("written_gather@torch", "gather_torch"), ("commit_bcast", "bcast"), ("plan_gather_cached", "gather"),
+          ("plan_gather_cached@torch", "gather_torch"), ("plan_scatter_cached", "scatter"),
           ("index_gather", "gather"), ("needed_scatter", "scatter"))  # fmt: skip
 NO_GC_GATHERS = {"plan_gather", "written_gather"}  # unpickled on rank 0 with the collector off (`dcp_steps.no_gc`)
-ROUND_OF_PHASE = {"plan_gather": ("plan_gather", "plan_gather_cached"),
+ROUND_OF_PHASE = {"plan_gather": ("plan_gather", "plan_gather_cached", "plan_gather_cached@torch"),
                   "plan_scatter": ("plan_scatter", "plan_scatter_cached"),
-                  "written_gather": ("written_gather",), "commit": ("commit_bcast",),
+                  "written_gather": ("written_gather", "written_gather@torch"), "commit": ("commit_bcast",),
                   "snapshot": ("index_gather", "needed_scatter")}  # fmt: skip
 
 
@@ -181,8 +185,34 @@ def _pg(store: Any, rank: int, world: int) -> Any:
     return dist.ProcessGroupGloo(store, rank, world, opts)
 
 
-def gather_object(pg: Any, rank: int, world: int, data: bytes, without_gc: bool = False) -> list[Any] | None:
-    """torch's gather_object to rank 0 on `pg`, with `data` already pickled (as `_object_to_tensor` does)."""
+def spotguard_gather(pg: Any, rank: int, world: int, data: bytes, without_gc: bool = False) -> list[Any] | None:
+    """`Comm.gather` to rank 0 on `pg`, with `data` already pickled: the sizes gathered, then each rank's
+    bytes sent to rank 0, which receives each into a buffer of its size."""
+    import torch
+    import torch.distributed as dist
+
+    from spotguard.checkpoint.save.dcp_steps import no_gc
+
+    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    size = torch.tensor([payload.numel()], dtype=torch.long)
+    opts = dist.GatherOptions()
+    opts.rootRank = 0
+    if rank != 0:
+        pg.gather([], [size], opts).wait()
+        pg.send([payload], 0, 0).wait()
+        return None
+    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
+    pg.gather([sizes], [size], opts).wait()
+    buffers = [torch.empty(int(n), dtype=torch.uint8) for n in sizes[1:]]
+    for work in [pg.recv([b], r, 0) for r, b in enumerate(buffers, start=1)]:
+        work.wait()
+    with no_gc() if without_gc else contextlib.nullcontext():
+        return [pickle.loads(data), *(pickle.loads(memoryview(b.numpy())) for b in buffers)]
+
+
+def torch_gather(pg: Any, rank: int, world: int, data: bytes, without_gc: bool = False) -> list[Any] | None:
+    """torch's gather_object to rank 0 on `pg` (spotguard's before), with `data` already pickled (as
+    `_object_to_tensor` does): the sizes all-gathered (gloo's ring), every rank's bytes padded to the largest."""
     import torch
     import torch.distributed as dist
 
@@ -203,6 +233,9 @@ def gather_object(pg: Any, rank: int, world: int, data: bytes, without_gc: bool 
     pg.gather([[out[top * i : top * (i + 1)] for i in range(world)]], [payload], opts).wait()
     with no_gc() if without_gc else contextlib.nullcontext():
         return [pickle.loads(out[top * i : top * i + int(sizes[i])].numpy().tobytes()) for i in range(world)]
+
+
+GATHERS = {"gather": spotguard_gather, "gather_torch": torch_gather}
 
 
 def scatter_object(pg: Any, rank: int, world: int, datas: list[bytes] | None) -> Any:
@@ -270,7 +303,7 @@ class _Round:
 
     def run(self, rank: int, pg: Any, world: int) -> None:
         try:
-            mine = (self.folder / f"{rank}.pkl").read_bytes() if self.kind == "gather" else None
+            mine = (self.folder / f"{rank}.pkl").read_bytes() if self.kind in GATHERS else None
             datas = None
             if rank == 0 and self.kind == "scatter":
                 datas = [(self.folder / f"{r}.pkl").read_bytes() for r in range(world)]
@@ -278,8 +311,8 @@ class _Round:
                 mine = (self.folder / "root.pkl").read_bytes()
             self.ready.wait()
             self.go.wait()
-            if self.kind == "gather":
-                gather_object(pg, rank, world, mine, without_gc=self.name in NO_GC_GATHERS)
+            if self.kind in GATHERS:
+                GATHERS[self.kind](pg, rank, world, mine, without_gc=self.name.split("@")[0] in NO_GC_GATHERS)
             elif self.kind == "scatter":
                 scatter_object(pg, rank, world, datas)
             else:  # one rank's unpickle of a large broadcast is timed apart, in the parent
@@ -309,7 +342,8 @@ def comm_worker(pipe: Any, ranks: list[int], world: int, port: int, payloads: st
     # The first collectives connect the pairs they use (lazy init): done once, before the timed rounds,
     # as a job's earlier saves (and the stage name's broadcast at the start of each save) would have.
     def warm(rank: int) -> None:
-        gather_object(pgs[rank], rank, world, pickle.dumps(rank))
+        for gather in GATHERS.values():
+            gather(pgs[rank], rank, world, pickle.dumps(rank))
         scatter_object(pgs[rank], rank, world, [pickle.dumps(r) for r in range(world)] if rank == 0 else None)
         broadcast_object(pgs[rank], rank, pickle.dumps(0) if rank == 0 else None, unpickle=True)
 
@@ -323,7 +357,7 @@ def comm_worker(pipe: Any, ranks: list[int], world: int, port: int, payloads: st
             pipe.send("bye")
             return
         name, kind, skip = command
-        rnd = _Round(Path(payloads) / name, name, kind, threading.Barrier(len(ranks) + 1))
+        rnd = _Round(Path(payloads) / name.split("@")[0], name, kind, threading.Barrier(len(ranks) + 1))
 
         threads = [threading.Thread(target=rnd.run, args=(r, pgs[r], world)) for r in ranks]
         for th in threads:
@@ -423,7 +457,7 @@ def measure(world: int, args: argparse.Namespace, phases: set[str], work: Path) 
     stage = work / f"ckpt-{world}" / sibling_name(1, "tmp")
     stage.mkdir(parents=True)
     for name, _ in ROUNDS:
-        (payloads / name).mkdir(parents=True)
+        (payloads / name.split("@")[0]).mkdir(parents=True, exist_ok=True)
 
     def put(name: str, rank: int | str, obj: Any) -> int:
         data = pickle.dumps(obj)
@@ -637,11 +671,13 @@ def phase_rows(s: dict[str, float | None]) -> dict[str, float | None]:
         "4 write (rank 0, not coord.)": s.get("write"),
         "5 plan scatter": s.get("plan_scatter"),
         "5 written gather (records+placements)": s.get("written_gather"),
+        "5 the same, torch's gather_object (before)": s.get("written_gather@torch"),
         "6 finish .metadata + index (rank 0)": s.get("finish"),
         "7 commit (rank 0)": s.get("commit_rank0"),
         "7 commit bcast": s.get("commit_bcast"),
         "R1 local plan, cached (a rank)": s.get("local_plan_cached"),
         "R2 empty plans gathered": s.get("plan_gather_cached"),
+        "R2 the same, torch's gather_object (before)": s.get("plan_gather_cached@torch"),
         "R3 global plan, cached (rank 0)": s.get("global_plan_cached"),
         "R5 empty plans scattered": s.get("plan_scatter_cached"),
         "R6 the kept .metadata + index written": s.get("finish_cached"),

@@ -355,6 +355,7 @@ def save_traffic(group, rank: int, ckpt: str, out: str, failing: int) -> None:
     from torch.distributed.checkpoint import FileSystemWriter
 
     from spotguard.checkpoint import Checkpointer
+    from spotguard.checkpoint.comm import Comm
     from spotguard.checkpoint.save.plan_cache import CachedPlanner
 
     traffic: list[tuple[str, str]] = []
@@ -367,7 +368,7 @@ def save_traffic(group, rank: int, ckpt: str, out: str, failing: int) -> None:
 
         return call
 
-    dist.gather_object = traced("gather", dist.gather_object, lambda *a, **k: a[0] if a else k["obj"])
+    Comm.gather = traced("gather", Comm.gather, lambda comm, obj: obj)  # type: ignore[method-assign]
     dist.broadcast_object_list = traced(
         "broadcast", dist.broadcast_object_list, lambda *a, **k: (a[0] if a else k["object_list"])[0]
     )
@@ -427,6 +428,25 @@ def kept_load(group, rank: int, steps: list[int | None]) -> None:
     print(f"RESULT loaded={loaded} same={same}", flush=True)
 
 
+def comm_gather(group, rank: int, sizes: list[int]) -> None:
+    """Comm.gather of objects of `sizes` bytes, with any all-gather refused (torch's gather_object all-gathers
+    the sizes in a ring through every rank); rank 0 prints what it got, each rank once its gather returned."""
+    import torch.distributed.distributed_c10d as c10d
+
+    from spotguard.checkpoint.comm import Comm
+
+    def no_ring(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("an all-gather in a gather")
+
+    c10d.all_gather = no_ring
+    mine = {"rank": rank, "blob": bytes([rank]) * sizes[rank]}
+    got = Comm(group).gather(mine)
+    if got is not None:
+        described = [(g["rank"], len(g["blob"]), set(g["blob"]) <= {g["rank"]}) for g in got]
+        print(f"RESULT {described} copy={got[0] is not mine}", flush=True)
+    print(f"RESULT rank {rank} gathered={got is not None}", flush=True)
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -440,6 +460,7 @@ SCENARIOS = {
         save_traffic,
         reshard_layout_fails,
         kept_load,
+        comm_gather,
     )
 }
 

@@ -123,3 +123,11 @@ def test_saves_of_one_layout_reuse_the_plan_and_the_metadata_the_first_made_the_
     for name in (".metadata", ".metadata.index"):
         same = {(ckpt / step_dir_name(step) / name).read_bytes() for step in (1, 2, 3)}
         assert len(same) == 1 and (ckpt / step_dir_name(4) / name).read_bytes() not in same
+
+
+def test_a_gather_sends_each_ranks_bytes_to_rank_0_alone_with_no_ring_of_sizes():
+    """Three real gloo ranks, objects of 0.1 KB, 3 MB and nothing much: rank 0 gets each whole and in rank order
+    (its own as a copy, as torch's gather_object gives it), and no rank takes part in an all-gather."""
+    outputs = run_ranks("comm_gather", 3, sizes=[100, 3_000_000, 1])
+    assert "RESULT [(0, 100, True), (1, 3000000, True), (2, 1, True)] copy=True" in outputs[0], outputs[0]
+    assert [f"RESULT rank {r} gathered={r == 0}" in out for r, out in enumerate(outputs)] == [True] * 3

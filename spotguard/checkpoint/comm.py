@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import socket
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
@@ -130,12 +132,31 @@ class Comm:
         return out[0]
 
     def gather(self, obj: Any) -> list[Any] | None:
-        """Every rank's `obj` on rank 0 (None elsewhere)."""
+        """Every rank's `obj` on rank 0 (None elsewhere).
+
+        On gloo, each rank's size is gathered, then its bytes are sent to rank 0 alone, which receives
+        each into a buffer of that size. torch's `gather_object` all-gathers the sizes first (gloo's ring:
+        N - 1 steps in a row, each through every rank) and pads every rank's bytes to the largest."""
         if not self.distributed:
             return [obj]
-        out: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
-        dist.gather_object(obj, out, dst=self._global(0), group=self.group)
-        return out
+        if dist.get_backend(self.group) != "gloo":  # NCCL's tensors live on the device: torch's handles that
+            out: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
+            dist.gather_object(obj, out, dst=self._global(0), group=self.group)
+            return out
+        data = pickle.dumps(obj)
+        size = torch.tensor([len(data)], dtype=torch.long)
+        root = self._global(0)
+        if not self.is_coordinator:
+            dist.gather(size, dst=root, group=self.group)
+            dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=root, group=self.group)
+            return None
+        sizes = [torch.zeros(1, dtype=torch.long) for _ in range(self.world_size)]
+        dist.gather(size, gather_list=sizes, dst=root, group=self.group)
+        buffers = [torch.empty(int(n), dtype=torch.uint8) for n in sizes[1:]]
+        receiving = [dist.irecv(b, src=self._global(r), group=self.group) for r, b in enumerate(buffers, start=1)]
+        for work in receiving:
+            work.wait()
+        return [pickle.loads(data), *(pickle.loads(memoryview(b.numpy())) for b in buffers)]  # rank 0's a copy too
 
 
 def describe(exc: BaseException, rank: int | None = None) -> str:

@@ -91,7 +91,7 @@ class PlanLoader:
         return []
 
     # ---- which shards hold what ---------------------------------------------------------
-    def _indexes(self, plan: Plan, reads: bool) -> tuple[dict[int, ShardInfo] | None, list[Problem]]:
+    def _indexes(self, plan: Plan, reads: bool = True) -> tuple[dict[int, ShardInfo] | None, list[Problem]]:
         """The indexes of the shards this rank reads (a collective when the world size changed: a rank that
         `reads` nothing takes part, wanting nothing), or None, and what went wrong on this rank."""
         if plan.world_size == self.comm.world_size:  # its own shard, as taken
