@@ -112,7 +112,7 @@ class Context:
         self.last_step_at = called
         stop = self.guard.step(step, state)
         joins = bool(self.guard.joining) and not self.guard.goes_on  # every rank stays, the joining ones after them
-        if stop and (joins or self.guard.interrupted and self.rank in self.guard.goes_on):
+        if stop and (joins or (self.guard.interrupted and self.rank in self.guard.goes_on)):
             saved = self.guard.last_save  # the agreed step's: the next generation may load it from here
             durable = saved is not None and saved.step == step and saved.durable
             self.kept = keep(step, state, None if joins else self.guard.goes_on, durable=durable)
