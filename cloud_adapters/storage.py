@@ -246,16 +246,18 @@ def _copy_file(src: str | Path, dst: str | Path, progress: Progress | None, chun
 
 
 # Where copy_file_range cannot copy between these two files at all (another filesystem on an older kernel, no
-# such call, a filesystem without it): nothing is copied yet, and reads and writes do it.
-_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM, errno.EBADF}
+# such call, a filesystem without it, a container's seccomp filter, CIFS's EIO): nothing is copied yet, and reads
+# and writes do it (a real error raises there again).
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM, errno.EBADF, errno.EIO}
 
 
 def _copy_in_kernel(source: int, target: int, progress: Progress | None, chunk: int) -> bool:
     """Copy the file `source` into `target` with copy_file_range, the bytes never passing through this process
-    (a reflink on XFS or btrfs, a server-side copy on NFS 4.2): True once done, False when it cannot begin."""
+    (a reflink on XFS or btrfs, a server-side copy on NFS 4.2): True once done, False when it cannot begin
+    (nothing copied: older kernels also answer 0 bytes, not an error, for filesystems they cannot copy between)."""
     if not hasattr(os, "copy_file_range"):
         return False
-    copied = 0
+    size, copied = os.fstat(source).st_size, 0
     try:
         while count := os.copy_file_range(source, target, chunk):
             copied += count
@@ -265,7 +267,11 @@ def _copy_in_kernel(source: int, target: int, progress: Progress | None, chunk: 
         if copied or exc.errno not in _NO_KERNEL_COPY:
             raise
         return False
-    return True
+    if copied == size:
+        return True
+    if copied:
+        raise OSError(errno.EIO, f"copy_file_range stopped after {copied} of {size} bytes")
+    return False
 
 
 def split_bucket_url(url: str) -> tuple[str, str]:

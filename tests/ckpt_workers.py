@@ -430,7 +430,9 @@ def kept_load(group, rank: int, steps: list[int | None]) -> None:
 
 def comm_gather(group, rank: int, sizes: list[int]) -> None:
     """Comm.gather of objects of `sizes` bytes, with any all-gather refused (torch's gather_object all-gathers
-    the sizes in a ring through every rank); rank 0 prints what it got, each rank once its gather returned."""
+    the sizes in a ring through every rank), beside a message of the group's user from rank 1 to rank 0; rank 0
+    prints what it got, each rank once its gather returned."""
+    import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
     from spotguard.checkpoint.comm import Comm
@@ -440,10 +442,15 @@ def comm_gather(group, rank: int, sizes: list[int]) -> None:
 
     c10d.all_gather = no_ring
     mine = {"rank": rank, "blob": bytes([rank]) * sizes[rank]}
+    theirs = torch.zeros(4)  # a user's own message on the same group, tag 0, posted before the gather
+    pending = dist.irecv(theirs, src=1, group=group) if rank == 0 else None
     got = Comm(group).gather(mine)
+    if rank == 1:
+        dist.send(torch.arange(4.0), dst=0, group=group)
     if got is not None:
+        pending.wait()
         described = [(g["rank"], len(g["blob"]), set(g["blob"]) <= {g["rank"]}) for g in got]
-        print(f"RESULT {described} copy={got[0] is not mine}", flush=True)
+        print(f"RESULT {described} copy={got[0] is not mine} theirs={theirs.tolist()}", flush=True)
     print(f"RESULT rank {rank} gathered={got is not None}", flush=True)
 
 

@@ -127,7 +127,9 @@ def test_saves_of_one_layout_reuse_the_plan_and_the_metadata_the_first_made_the_
 
 def test_a_gather_sends_each_ranks_bytes_to_rank_0_alone_with_no_ring_of_sizes():
     """Three real gloo ranks, objects of 0.1 KB, 3 MB and nothing much: rank 0 gets each whole and in rank order
-    (its own as a copy, as torch's gather_object gives it), and no rank takes part in an all-gather."""
+    (its own as a copy, as torch's gather_object gives it), and no rank takes part in an all-gather; a message of
+    the group's user, rank 1 to rank 0, that rank 0 waits for across the gather is not mistaken for its bytes."""
     outputs = run_ranks("comm_gather", 3, sizes=[100, 3_000_000, 1])
-    assert "RESULT [(0, 100, True), (1, 3000000, True), (2, 1, True)] copy=True" in outputs[0], outputs[0]
+    got = "RESULT [(0, 100, True), (1, 3000000, True), (2, 1, True)] copy=True theirs=[0.0, 1.0, 2.0, 3.0]"
+    assert got in outputs[0], outputs[0]
     assert [f"RESULT rank {r} gathered={r == 0}" in out for r, out in enumerate(outputs)] == [True] * 3

@@ -240,20 +240,21 @@ def test_an_interrupted_local_copy_leaves_nothing_partial(tmp_path):
     assert store.list() == [ObjectInfo("k", 9 * MiB)] and os.listdir(store.root) == ["k"]
 
 
-@pytest.mark.parametrize("in_kernel", [True, False])
+@pytest.mark.parametrize("kernel", ["copies", "refuses", "copies nothing"])
 def test_a_local_copy_is_made_in_the_kernel_and_by_reads_and_writes_where_the_kernel_cannot(
-    tmp_path, monkeypatch, in_kernel
+    tmp_path, monkeypatch, kernel
 ):
     """copy_file_range (a reflink, a server-side NFS copy, or at least no pass through this process); where it
-    cannot begin (another filesystem on an older kernel), the same bytes by reads and writes."""
-    kernel = os.copy_file_range
+    cannot begin (another filesystem on an older kernel: an error, or 0 bytes as if at the end), the same bytes
+    by reads and writes."""
+    kernel_copy = os.copy_file_range
     calls = []
 
     def copy_file_range(source: int, target: int, count: int) -> int:
         calls.append(count)
-        if not in_kernel:
+        if kernel == "refuses":
             raise OSError(errno.EXDEV, "Invalid cross-device link")
-        return kernel(source, target, count)
+        return kernel_copy(source, target, count) if kernel == "copies" else 0
 
     monkeypatch.setattr(os, "copy_file_range", copy_file_range)
     source = write_random(tmp_path / "source", 9 * MiB)
@@ -263,6 +264,21 @@ def test_a_local_copy_is_made_in_the_kernel_and_by_reads_and_writes_where_the_ke
     assert calls  # the kernel was asked first, either way
     store.get_file("k", tmp_path / "back", progress=seen.append)
     assert (tmp_path / "back").read_bytes() == source.read_bytes() and sum(seen) == 18 * MiB
+
+
+def test_a_kernel_copy_that_stops_short_fails_and_leaves_nothing(tmp_path, monkeypatch):
+    kernel_copy = os.copy_file_range
+    calls = []
+
+    def stops_after_one_chunk(source: int, target: int, count: int) -> int:
+        calls.append(count)
+        return kernel_copy(source, target, count) if len(calls) == 1 else 0
+
+    monkeypatch.setattr(os, "copy_file_range", stops_after_one_chunk)
+    store = LocalStore(tmp_path / "store")
+    with pytest.raises(OSError, match="stopped after 8388608 of 9437184 bytes"):
+        store.put_file(write_random(tmp_path / "source", 9 * MiB), "k")
+    assert store.list() == [] and os.listdir(store.root) == []
 
 
 # ---- wire-level behaviour of the cloud stores ---------------------------------------------

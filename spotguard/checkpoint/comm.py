@@ -21,6 +21,7 @@ from spotguard.job.topology import local_rank
 # DCP reports failures as CheckpointException, a BaseException: catch both.
 FAILURES = (Exception, CheckpointException)
 LAZY_GLOO_ENV = "TORCH_GLOO_LAZY_INIT"
+GATHER_TAG = 0x5347  # a gather's bytes to rank 0: never matched by a send or recv of the group's other users
 _env_lock = threading.Lock()
 
 
@@ -139,7 +140,8 @@ class Comm:
         N - 1 steps in a row, each through every rank) and pads every rank's bytes to the largest."""
         if not self.distributed:
             return [obj]
-        if dist.get_backend(self.group) != "gloo":  # NCCL's tensors live on the device: torch's handles that
+        backend = dist.get_backend(self.group)  # "gloo", or for a mixed group such as "cpu:gloo,cuda:nccl"
+        if backend != "gloo" and "cpu:gloo" not in backend.split(","):  # NCCL alone: torch's, on the device
             out: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
             dist.gather_object(obj, out, dst=self._global(0), group=self.group)
             return out
@@ -148,12 +150,14 @@ class Comm:
         root = self._global(0)
         if not self.is_coordinator:
             dist.gather(size, dst=root, group=self.group)
-            dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=root, group=self.group)
+            dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=root, group=self.group, tag=GATHER_TAG)
             return None
         sizes = [torch.zeros(1, dtype=torch.long) for _ in range(self.world_size)]
         dist.gather(size, gather_list=sizes, dst=root, group=self.group)
         buffers = [torch.empty(int(n), dtype=torch.uint8) for n in sizes[1:]]
-        receiving = [dist.irecv(b, src=self._global(r), group=self.group) for r, b in enumerate(buffers, start=1)]
+        receiving = [
+            dist.irecv(b, src=self._global(r), group=self.group, tag=GATHER_TAG) for r, b in enumerate(buffers, 1)
+        ]
         for work in receiving:
             work.wait()
         return [pickle.loads(data), *(pickle.loads(memoryview(b.numpy())) for b in buffers)]  # rank 0's a copy too
