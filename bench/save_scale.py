@@ -22,8 +22,10 @@ Phases, each timed at each N (seconds):
    with the N real local plans.
 4. write (information only, not coordination): rank 0's real `write_data` of its small bytes, through
    spotguard's ChecksummingFileSystem as `write_shards` does.
-5. plan scatter: DCP's `scatter_object_list` of the N global plans (the max size broadcast, the
-   padded pickles scattered, the sizes scattered, each rank's unpickle).
+5. plan scatter: `Comm.scatter` of the N global plans (the sizes scattered, then each rank's pickle
+   sent to it alone, unpickled there); and again through torch's `scatter_object_list`, spotguard's
+   before, as the baseline (the largest size broadcast, every pickle padded to it and scattered, then
+   the sizes scattered).
    written gather: the save's one gather after the write (`write.Written`, unpickled on rank 0 with the
    collector off, as `write_shards` does): each rank's FileRecords, error and `dcp_steps.Placements`
    (where its items went: three arrays in its final plan's order and its file names). It replaces
@@ -92,14 +94,16 @@ RANKS_PER_NODE = 8
 PHASES = ("local_plan", "plan_gather", "global_plan", "write", "plan_scatter", "written_gather", "finish",
           "commit", "resume", "snapshot")  # fmt: skip
 # The rounds the gloo threads run, in order: (name, kind).
-# "NAME@torch": NAME's payloads, through torch's gather_object (the gathers' baseline, in the same run).
-ROUNDS = (("plan_gather", "gather"), ("plan_scatter", "scatter"), ("written_gather", "gather"),
+# "NAME@torch": NAME's payloads, through torch's gather_object or scatter_object_list (the baseline, in the
+# same run).
+ROUNDS = (("plan_gather", "gather"), ("plan_scatter", "scatter"), ("plan_scatter@torch", "scatter_torch"),
+          ("written_gather", "gather"),
           ("written_gather@torch", "gather_torch"), ("commit_bcast", "bcast"), ("plan_gather_cached", "gather"),
           ("plan_gather_cached@torch", "gather_torch"), ("plan_scatter_cached", "scatter"),
           ("index_gather", "gather"), ("needed_scatter", "scatter"))  # fmt: skip
 NO_GC_GATHERS = {"plan_gather", "written_gather"}  # unpickled on rank 0 with the collector off (`dcp_steps.no_gc`)
 ROUND_OF_PHASE = {"plan_gather": ("plan_gather", "plan_gather_cached", "plan_gather_cached@torch"),
-                  "plan_scatter": ("plan_scatter", "plan_scatter_cached"),
+                  "plan_scatter": ("plan_scatter", "plan_scatter@torch", "plan_scatter_cached"),
                   "written_gather": ("written_gather", "written_gather@torch"), "commit": ("commit_bcast",),
                   "snapshot": ("index_gather", "needed_scatter")}  # fmt: skip
 
@@ -185,29 +189,45 @@ def _pg(store: Any, rank: int, world: int) -> Any:
     return dist.ProcessGroupGloo(store, rank, world, opts)
 
 
-def spotguard_gather(pg: Any, rank: int, world: int, data: bytes, without_gc: bool = False) -> list[Any] | None:
-    """`Comm.gather` to rank 0 on `pg`, with `data` already pickled: the sizes gathered, then each rank's
-    bytes sent to rank 0, which receives each into a buffer of its size."""
-    import torch
-    import torch.distributed as dist
+class PgWire:
+    """`rooted.Wire` on a bare gloo group (each thread's own, unknown to torch.distributed's registry)."""
 
+    def __init__(self, pg: Any) -> None:
+        import torch.distributed as dist
+
+        self.pg, self.dist = pg, dist
+
+    def gather(self, size: Any, sizes: list[Any] | None) -> None:
+        opts = self.dist.GatherOptions()
+        opts.rootRank = 0
+        self.pg.gather([sizes] if sizes is not None else [], [size], opts).wait()
+
+    def scatter(self, size: Any, sizes: list[Any] | None) -> None:
+        opts = self.dist.ScatterOptions()
+        opts.rootRank = 0
+        self.pg.scatter([size], [sizes] if sizes is not None else [], opts).wait()
+
+    def isend(self, data: Any, peer: int) -> Any:
+        from spotguard.checkpoint.rooted import BYTES_TAG
+
+        return self.pg.send([data], peer, BYTES_TAG)
+
+    def irecv(self, data: Any, peer: int) -> Any:
+        from spotguard.checkpoint.rooted import BYTES_TAG
+
+        return self.pg.recv([data], peer, BYTES_TAG)
+
+
+def spotguard_gather(pg: Any, rank: int, world: int, data: bytes, without_gc: bool = False) -> list[Any] | None:
+    """`Comm.gather` to rank 0 on `pg` (`rooted.gather_bytes`), with `data` already pickled."""
+    from spotguard.checkpoint.rooted import gather_bytes
     from spotguard.checkpoint.save.dcp_steps import no_gc
 
-    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    size = torch.tensor([payload.numel()], dtype=torch.long)
-    opts = dist.GatherOptions()
-    opts.rootRank = 0
-    if rank != 0:
-        pg.gather([], [size], opts).wait()
-        pg.send([payload], 0, 0).wait()
+    gathered = gather_bytes(PgWire(pg), rank, world, data)
+    if gathered is None:
         return None
-    sizes = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
-    pg.gather([sizes], [size], opts).wait()
-    buffers = [torch.empty(int(n), dtype=torch.uint8) for n in sizes[1:]]
-    for work in [pg.recv([b], r, 0) for r, b in enumerate(buffers, start=1)]:
-        work.wait()
     with no_gc() if without_gc else contextlib.nullcontext():
-        return [pickle.loads(data), *(pickle.loads(memoryview(b.numpy())) for b in buffers)]
+        return [pickle.loads(b) for b in gathered]
 
 
 def torch_gather(pg: Any, rank: int, world: int, data: bytes, without_gc: bool = False) -> list[Any] | None:
@@ -238,8 +258,16 @@ def torch_gather(pg: Any, rank: int, world: int, data: bytes, without_gc: bool =
 GATHERS = {"gather": spotguard_gather, "gather_torch": torch_gather}
 
 
-def scatter_object(pg: Any, rank: int, world: int, datas: list[bytes] | None) -> Any:
-    """torch's scatter_object_list from rank 0 (its `datas` already pickled): this rank's object."""
+def spotguard_scatter(pg: Any, rank: int, world: int, datas: list[bytes] | None) -> Any:
+    """`Comm.scatter` from rank 0 on `pg` (`rooted.scatter_bytes`), its `datas` already pickled: this rank's object."""
+    from spotguard.checkpoint.rooted import scatter_bytes
+
+    return pickle.loads(scatter_bytes(PgWire(pg), rank, world, datas))
+
+
+def torch_scatter(pg: Any, rank: int, world: int, datas: list[bytes] | None) -> Any:
+    """torch's scatter_object_list from rank 0 (its `datas` already pickled; spotguard's before): the largest
+    size broadcast, every object padded to it and scattered, then the sizes scattered."""
     import torch
     import torch.distributed as dist
 
@@ -260,6 +288,9 @@ def scatter_object(pg: Any, rank: int, world: int, datas: list[bytes] | None) ->
         pg.scatter([out], [], opts).wait()
         pg.scatter([sizes_out], [], opts).wait()
     return pickle.loads(out[: int(sizes_out)].numpy().tobytes())
+
+
+SCATTERS = {"scatter": spotguard_scatter, "scatter_torch": torch_scatter}
 
 
 def broadcast_object(pg: Any, rank: int, data: bytes | None, unpickle: bool) -> Any:
@@ -305,7 +336,7 @@ class _Round:
         try:
             mine = (self.folder / f"{rank}.pkl").read_bytes() if self.kind in GATHERS else None
             datas = None
-            if rank == 0 and self.kind == "scatter":
+            if rank == 0 and self.kind in SCATTERS:
                 datas = [(self.folder / f"{r}.pkl").read_bytes() for r in range(world)]
             if rank == 0 and self.kind == "bcast":
                 mine = (self.folder / "root.pkl").read_bytes()
@@ -313,8 +344,8 @@ class _Round:
             self.go.wait()
             if self.kind in GATHERS:
                 GATHERS[self.kind](pg, rank, world, mine, without_gc=self.name.split("@")[0] in NO_GC_GATHERS)
-            elif self.kind == "scatter":
-                scatter_object(pg, rank, world, datas)
+            elif self.kind in SCATTERS:
+                SCATTERS[self.kind](pg, rank, world, datas)
             else:  # one rank's unpickle of a large broadcast is timed apart, in the parent
                 broadcast_object(pg, rank, mine, unpickle=self.name == "commit_bcast")
             self.done[rank] = time.time()
@@ -344,7 +375,8 @@ def comm_worker(pipe: Any, ranks: list[int], world: int, port: int, payloads: st
     def warm(rank: int) -> None:
         for gather in GATHERS.values():
             gather(pgs[rank], rank, world, pickle.dumps(rank))
-        scatter_object(pgs[rank], rank, world, [pickle.dumps(r) for r in range(world)] if rank == 0 else None)
+        for scatter in SCATTERS.values():
+            scatter(pgs[rank], rank, world, [pickle.dumps(r) for r in range(world)] if rank == 0 else None)
         broadcast_object(pgs[rank], rank, pickle.dumps(0) if rank == 0 else None, unpickle=True)
 
     made = time.perf_counter() - t
@@ -511,6 +543,11 @@ def measure(world: int, args: argparse.Namespace, phases: set[str], work: Path) 
     del plans
     for rank, gp in enumerate(global_plans):
         put("plan_scatter", rank, gp)
+    # what every rank does at the end of the scatter, at once in a real job (here N threads on 2 cores)
+    data = pickle.dumps(global_plans[world - 1])
+    t = time.perf_counter()
+    pickle.loads(data)
+    notes["a_rank_unpickles_its_plan_s"] = round(time.perf_counter() - t, 4)
 
     # 4. rank 0's real write.
     t = time.perf_counter()
@@ -670,6 +707,7 @@ def phase_rows(s: dict[str, float | None]) -> dict[str, float | None]:
         "3 global plan (rank 0)": s.get("global_plan"),
         "4 write (rank 0, not coord.)": s.get("write"),
         "5 plan scatter": s.get("plan_scatter"),
+        "5 the same, torch's scatter_object_list (before)": s.get("plan_scatter@torch"),
         "5 written gather (records+placements)": s.get("written_gather"),
         "5 the same, torch's gather_object (before)": s.get("written_gather@torch"),
         "6 finish .metadata + index (rank 0)": s.get("finish"),

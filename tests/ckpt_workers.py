@@ -454,6 +454,32 @@ def comm_gather(group, rank: int, sizes: list[int]) -> None:
     print(f"RESULT rank {rank} gathered={got is not None}", flush=True)
 
 
+def comm_scatter(group, rank: int, sizes: list[int]) -> None:
+    """Comm.scatter from rank 0 of objects of `sizes` bytes, with any broadcast refused (torch's
+    scatter_object_list broadcasts the largest size and pads every object to it), beside a message of the
+    group's user from rank 0 to rank 2; each rank prints what it got."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from spotguard.checkpoint.comm import Comm
+
+    def no_broadcast(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a broadcast in a scatter")
+
+    c10d.broadcast = no_broadcast
+    objs = [{"rank": r, "blob": bytes([r]) * n} for r, n in enumerate(sizes)]
+    theirs = torch.zeros(4)  # a user's own message on the same group, tag 0, posted before the scatter
+    pending = dist.irecv(theirs, src=0, group=group) if rank == 2 else None
+    got = Comm(group).scatter(objs if rank == 0 else None)
+    if rank == 0:
+        dist.send(torch.arange(4.0), dst=2, group=group)
+        print(f"RESULT copy={got is not objs[0] and got == objs[0]}", flush=True)
+    if pending is not None:
+        pending.wait()
+    print(f"RESULT rank {rank} got {(got['rank'], len(got['blob']), set(got['blob']) <= {rank})} "
+          f"theirs={theirs.tolist() if rank == 2 else None}", flush=True)  # fmt: skip
+
+
 SCENARIOS = {
     f.__name__: f
     for f in (
@@ -468,6 +494,7 @@ SCENARIOS = {
         reshard_layout_fails,
         kept_load,
         comm_gather,
+        comm_scatter,
     )
 }
 

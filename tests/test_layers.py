@@ -85,6 +85,7 @@ LAYERS = (
 # plumbing, then the paths (the save path drives the moves to the object store), then the facade.
 _C = "spotguard.checkpoint"
 CHECKPOINT_LAYERS = (
+    (f"{_C}.rooted",),  # the byte-level gather and scatter, under the Comm that uses them
     (f"{_C}.errors", f"{_C}.outcome", f"{_C}.state", f"{_C}.comm"),
     (f"{_C}.format",),
     (f"{_C}.io",),

@@ -4,24 +4,22 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
 import socket
 import threading
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
+from spotguard.checkpoint import rooted
 from spotguard.job.sockets import GROUP_SOCKETS
 from spotguard.job.topology import local_rank
 
 # DCP reports failures as CheckpointException, a BaseException: catch both.
 FAILURES = (Exception, CheckpointException)
 LAZY_GLOO_ENV = "TORCH_GLOO_LAZY_INIT"
-GATHER_TAG = 0x5347  # a gather's bytes to rank 0: never matched by a send or recv of the group's other users
 _env_lock = threading.Lock()
 
 
@@ -125,42 +123,32 @@ class Comm:
         return out
 
     def scatter(self, objs: list[Any] | None) -> Any:
-        """Rank i's `objs[i]`, from rank 0's `objs` (the others pass None)."""
+        """Rank i's `objs[i]`, from rank 0's `objs` (the others pass None): on gloo one message from
+        rank 0 to each rank (`rooted`), with no broadcast and no padding to the largest."""
         if not self.distributed:
             return objs[0] if objs else None
-        out: list[Any] = [None]
-        dist.scatter_object_list(out, objs if self.is_coordinator else None, src=self._global(0), group=self.group)
-        return out[0]
+        if not self._on_gloo:  # NCCL alone: torch's, on the device
+            out: list[Any] = [None]
+            dist.scatter_object_list(out, objs if self.is_coordinator else None, src=self._global(0), group=self.group)
+            return out[0]
+        return rooted.scatter_objects(rooted.GroupWire(self.group), self.rank, self.world_size, objs)
 
     def gather(self, obj: Any) -> list[Any] | None:
-        """Every rank's `obj` on rank 0 (None elsewhere).
-
-        On gloo, each rank's size is gathered, then its bytes are sent to rank 0 alone, which receives
-        each into a buffer of that size. torch's `gather_object` all-gathers the sizes first (gloo's ring:
-        N - 1 steps in a row, each through every rank) and pads every rank's bytes to the largest."""
+        """Every rank's `obj` on rank 0 (None elsewhere): on gloo one message from each rank to rank 0
+        (`rooted`), with no ring of sizes through every rank and no padding to the largest."""
         if not self.distributed:
             return [obj]
-        backend = dist.get_backend(self.group)  # "gloo", or for a mixed group such as "cpu:gloo,cuda:nccl"
-        if backend != "gloo" and "cpu:gloo" not in backend.split(","):  # NCCL alone: torch's, on the device
+        if not self._on_gloo:
             out: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
             dist.gather_object(obj, out, dst=self._global(0), group=self.group)
             return out
-        data = pickle.dumps(obj)
-        size = torch.tensor([len(data)], dtype=torch.long)
-        root = self._global(0)
-        if not self.is_coordinator:
-            dist.gather(size, dst=root, group=self.group)
-            dist.send(torch.frombuffer(bytearray(data), dtype=torch.uint8), dst=root, group=self.group, tag=GATHER_TAG)
-            return None
-        sizes = [torch.zeros(1, dtype=torch.long) for _ in range(self.world_size)]
-        dist.gather(size, gather_list=sizes, dst=root, group=self.group)
-        buffers = [torch.empty(int(n), dtype=torch.uint8) for n in sizes[1:]]
-        receiving = [
-            dist.irecv(b, src=self._global(r), group=self.group, tag=GATHER_TAG) for r, b in enumerate(buffers, 1)
-        ]
-        for work in receiving:
-            work.wait()
-        return [pickle.loads(data), *(pickle.loads(memoryview(b.numpy())) for b in buffers)]  # rank 0's a copy too
+        return rooted.gather_objects(rooted.GroupWire(self.group), self.rank, self.world_size, obj)
+
+    @property
+    def _on_gloo(self) -> bool:
+        """The group runs CPU tensors on gloo: "gloo", or a mixed group such as "cpu:gloo,cuda:nccl"."""
+        backend = dist.get_backend(self.group)
+        return backend == "gloo" or "cpu:gloo" in backend.split(",")
 
 
 def describe(exc: BaseException, rank: int | None = None) -> str:
