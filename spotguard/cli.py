@@ -1,4 +1,4 @@
-"""`spotguard` — watch, simulate, demo, ls, verify, report."""
+"""`spotguard` — watch, simulate, demo, ls, verify, report, join-address."""
 
 from __future__ import annotations
 
@@ -121,6 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("location", help="the checkpoint directory or bucket URL")
     report.add_argument("--json", action="store_true", help="one JSON object with every number")
     report.add_argument("--plot", metavar="OUT", help="draw the timeline into OUT.png or OUT.html (needs matplotlib)")
+
+    found = sub.add_parser(
+        "join-address",
+        help="the store address of a running in-process job that takes nodes (exit 1: none; start as usual)",
+    )
+    found.add_argument("registry", help="HOST:PORT the job's rank 0 records it in ($SPOTGUARD_JOIN_REGISTRY there)")
+    found.add_argument("--job", required=True, help="the job's id (torchrun's --rdzv-id)")
+    found.add_argument("--timeout", type=_seconds, default=10.0, help="seconds to wait for the registry (10)")
     return parser
 
 
@@ -132,9 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    handler = {"watch": _watch, "simulate": _simulate, "demo": _demo, "ls": _ls, "verify": _verify, "report": _report}[
-        args.command
-    ]
+    handler = {"watch": _watch, "simulate": _simulate, "demo": _demo, "ls": _ls, "verify": _verify, "report": _report,
+               "join-address": _join_address}[args.command]  # fmt: skip
     try:
         return handler(args)
     except KeyboardInterrupt:
@@ -285,6 +292,24 @@ def _report(args: argparse.Namespace) -> int:
     if plot is not None:
         write_plot(summary, plot, text)
     print(json.dumps(summary, indent=1, sort_keys=True) if args.json else text)
+    return 0
+
+
+# ---- join-address ------------------------------------------------------------------
+def _join_address(args: argparse.Namespace) -> int:
+    from spotguard.inprocess.join_address import look_up
+
+    try:
+        address = look_up(args.registry, args.job, args.timeout)
+    except ValueError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the registry's store does not answer: one line
+        print(f"spotguard join-address: the registry at {args.registry} did not answer: {exc}", file=sys.stderr)
+        return 1
+    if address is None:
+        print(f"spotguard join-address: no in-process job {args.job!r} takes nodes at {args.registry}", file=sys.stderr)
+        return 1
+    print(address)
     return 0
 
 

@@ -16,6 +16,8 @@ import pytest
 from spotguard.checkpoint import list_checkpoints
 from spotguard.cli import main
 from tests.nodes import (
+    CHECKOUT,
+    EXAMPLE,
     ROOT,
     Node,
     join_node,
@@ -304,6 +306,41 @@ def test_a_replacement_joins_the_running_job_and_it_ends_at_full_size_bit_identi
     shutil.copytree(tmp_path / "ckpt" / f"step-{step:010d}", fresh / "ckpt" / f"step-{step:010d}")
     restarted = run_nodes(3, fresh / "ckpt", fresh, plain, fresh / "out.json")
     assert restarted == ended
+
+
+def test_a_node_booting_later_finds_a_job_started_through_the_rendezvous_and_joins_it_in_process(tmp_path, capsys):
+    """As the Terraform startup script runs an in-process job: two nodes start it through torchrun's c10d
+    rendezvous (its workers' store at an address torchrun picks) with SPOTGUARD_JOIN_REGISTRY the rendezvous
+    endpoint; a third node asks `spotguard join-address` there, and joins with what it answers: the first two
+    keep their processes, and the job ends at world 3. Once it ended, the address is no longer given."""
+    rdzv = rendezvous("2", 0)
+    registry = f"127.0.0.1:{rdzv.port}"
+    # the startup script leaves torchrun's shared agent store on for a job that is not elastic
+    env = {**SNAPSHOTS, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0", "SPOTGUARD_JOIN_REGISTRY": registry}
+    args, ckpt = ["--steps", "80", "--step-time", "0.1", "--in-process"], str(tmp_path / "ckpt")
+    nodes = [rdzv.join(i, ckpt, tmp_path, args, env) for i in range(2)]
+    try:
+        deadline = time.monotonic() + 120
+        while main(["join-address", registry, "--job", "job", "--timeout", "5"]) != 0:
+            assert time.monotonic() < deadline and all(n.proc.poll() is None for n in nodes), nodes[0].tail()
+            time.sleep(0.5)
+        address = capsys.readouterr().out.strip()
+        pids = [worker_pids(n) for n in nodes]
+        joining = {**CHECKOUT, **SNAPSHOTS, "SPOTGUARD_JOIN": address}
+        nodes.append(Node(2, ["--standalone"], EXAMPLE, ckpt, tmp_path, args, joining))
+        codes = [n.finish(180) for n in nodes]
+    finally:
+        stop_all(nodes)
+    assert codes == [0, 0, 0], "\n".join(n.tail() for n in nodes)
+    joined = re.compile(
+        r"in-process recovery: generation 1, world 2 -> 3, rank\(s\) 2 joined: this process \(pid (\d+)\)"
+    )
+    found = [joined.search(n.output()) for n in nodes]
+    assert all(found), "\n".join(n.tail() for n in nodes)
+    for node, match, before in zip(nodes[:2], found, pids):
+        assert int(match[1]) in before  # the first two nodes' processes train on
+        assert "Starting worker group" not in node.output().split("in-process recovery")[1]  # no torchrun restart
+    assert main(["join-address", registry, "--job", "job", "--timeout", "5"]) == 1  # the job ended: start as usual
 
 
 def test_a_node_the_job_cannot_take_in_is_refused_and_the_job_trains_on(tmp_path):

@@ -140,7 +140,19 @@ def test_a_number_without_its_record_or_a_failed_join_is_refused_and_the_next_no
 
     asked[0][1]([2], "rank 1's snapshot failed: no space")  # what the training thread says after the step
     door.poll()
+    assert door._missing_since == {}  # number 1 is settled: nothing of it is kept for the job's life
     thread.join(10)
     assert str(box["error"]) == (
         f"the job at {address} refused node 2: the job could not stop for it: rank 1's snapshot failed: no space"
     )
+
+
+def test_settled_never_moves_back_when_the_door_refuses_a_node_as_rank_0_takes_an_earlier_one_in(job):
+    """The door's thread refuses node 3 while the training thread takes node 2 in: were `settled` moved back
+    to 2, the door would read node 3 as unanswered and ask every rank to stop for a node it turned away."""
+    store, _ = job
+    joining.refuse(store, [3], "it runs 2 rank(s); the job's nodes run 1")
+    joining.settle(store, 2)  # what `take_in` of node 2 does, a moment later
+    assert store.get("spotguard/joins/settled") == b"3"
+    joining.settle(store, 4)
+    assert store.get("spotguard/joins/settled") == b"4"

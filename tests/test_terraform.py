@@ -262,13 +262,24 @@ output "{cloud}" {{
 output "elastic" {{
   value = module.elastic.script
 }}
+module "in_process" {{
+  source         = "{tf_copy / "modules" / STARTUP_MODULE}"
+  cloud          = "gcp"
+  job_name       = "llm-run"
+  checkpoint_dir = "gs://ckpt-bucket/llm-run"
+  nodes          = 3
+  job            = {{ in_process = true, rdzv_endpoint = "10.0.0.5:29400", train_args = ["--in-process"] }}
+}}
+output "in_process" {{
+  value = module.in_process.script
+}}
 """
     (root / "main.tf").write_text(calls)
     tf(["init", "-backend=false", "-no-color"], root, tf_env)
     tf(["apply", "-auto-approve", "-no-color"], root, tf_env)
     outputs = json.loads(tf(["output", "-json"], root, tf_env))
     scripts = {}
-    for cloud in (*CLOUD_MODULES, "elastic"):
+    for cloud in (*CLOUD_MODULES, "elastic", "in_process"):
         scripts[cloud] = root / f"startup-{cloud}.sh"
         scripts[cloud].write_text(outputs[cloud]["value"])
     return scripts
@@ -348,3 +359,78 @@ def test_elastic_startup_runs_torchrun_with_a_node_range_and_tells_the_guard_its
     text = startup_scripts["elastic"].read_text()
     assert "export SPOTGUARD_MIN_NODES='2'" in text and "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text
     assert "SPOTGUARD_MIN_NODES" not in startup_scripts["aws"].read_text()  # not elastic: nothing set
+
+
+def test_in_process_startup_joins_with_an_agent_of_its_own_and_finds_the_job_with_the_cli(startup_scripts) -> None:
+    from torch.distributed.run import get_args_parser
+
+    from spotguard.cli import build_parser
+
+    script = startup_scripts["in_process"]
+    args = parse_or_fail(get_args_parser(), command_argv(script, "join")[1:], "torchrun")
+    assert (args.standalone, args.nnodes, args.training_script) == (True, "1:1", "examples/train_ddp.py")
+    assert args.training_script_args == ["--checkpoint-dir", "gs://ckpt-bucket/llm-run", "--in-process"]
+    find = command_argv(script, "find-job")
+    assert Path(find[0]).name == "spotguard"
+    found = parse_or_fail(build_parser(), find[1:], "spotguard")
+    assert (found.command, found.registry, found.job) == ("join-address", "10.0.0.5:29400", "llm-run")
+    assert 'export SPOTGUARD_JOIN_REGISTRY="$RDZV_ENDPOINT"' in script.read_text()
+    assert "SPOTGUARD_JOIN_REGISTRY" not in startup_scripts["gcp"].read_text()
+
+
+FAKE_TOOL = """#!/usr/bin/env bash
+# records how it was called (and SPOTGUARD_JOIN), then plays its part of the scenario in $SCENARIO
+echo "$(basename "$0") $* join=${SPOTGUARD_JOIN:-}" >>"$CALLS"
+case "$(basename "$0") $1" in
+  "spotguard join-address") [[ -e "$SCENARIO/job-running" ]] && echo 10.0.0.7:41000 || exit 1 ;;
+  "spotguard watch") exit 1 ;;  # no interruption pending
+  torchrun*)
+    runs=$(grep -c '^torchrun' "$CALLS")
+    if ((runs == 1)); then  # the first start: another node was lost, the job ended here with 75
+      echo '{"exit_code": 75, "cause": "peer-lost"}' >"$SPOTGUARD_EXIT_FILE"; exit 1
+    fi
+    exit 0 ;;
+esac
+"""
+
+
+def run_train_loop(script: Path, tmp_path: Path, job_running: bool) -> list[str]:
+    """The rendered script's training loop (`train`) with torchrun and spotguard replaced by FAKE_TOOL: each
+    call it made, in order."""
+    bin_dir = tmp_path / "prefix" / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    for tool in ("torchrun", "spotguard"):
+        (bin_dir / tool).write_text(FAKE_TOOL)
+        (bin_dir / tool).chmod(0o755)
+    scenario = tmp_path / "scenario"
+    scenario.mkdir()
+    if job_running:
+        (scenario / "job-running").touch()
+    calls = tmp_path / "calls"
+    env = {**os.environ, "SPOTGUARD_PREFIX": str(tmp_path / "prefix"), "CALLS": str(calls), "SCENARIO": str(scenario),
+           "SPOTGUARD_EXIT_FILE": str(tmp_path / "run" / "exit.json")}  # fmt: skip
+    done = subprocess.run(["bash", str(script), "train"], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return calls.read_text().splitlines()
+
+
+def test_the_training_loop_starts_torchrun_again_after_another_node_was_lost(startup_scripts, tmp_path) -> None:
+    """After a run that ended for another node's loss the loop starts the training again (it ran the
+    interruption probe's command instead, which had taken its command over)."""
+    calls = run_train_loop(startup_scripts["gcp"], tmp_path, job_running=False)
+    assert [c.split()[0] for c in calls] == ["torchrun", "spotguard", "torchrun"], calls
+    assert calls[1].startswith("spotguard watch --cloud gcp --json --once")
+    assert "--rdzv-backend=c10d" in calls[2]
+
+
+@pytest.mark.parametrize("running", [True, False])
+def test_an_in_process_node_joins_the_running_job_else_starts_through_the_rendezvous(startup_scripts, tmp_path,
+                                                                                      running) -> None:  # fmt: skip
+    calls = run_train_loop(startup_scripts["in_process"], tmp_path, job_running=running)
+    assert calls[0] == "spotguard join-address 10.0.0.5:29400 --job llm-run --timeout 10 join="
+    if running:
+        assert calls[1].startswith("torchrun --standalone --nproc-per-node=gpu examples/train_ddp.py")
+        assert calls[1].endswith("join=10.0.0.7:41000")
+    else:
+        assert calls[1].startswith("torchrun --nnodes=3 --nproc-per-node=gpu --rdzv-backend=c10d")
+        assert calls[1].endswith("join=")

@@ -37,6 +37,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from spotguard.inprocess.generation import FORM_TIMEOUT_S, Generation
+from spotguard.inprocess.join_address import split
 from spotguard.job.kvstore import Connection
 from spotguard.job.topology import ranks_per_node
 
@@ -90,12 +91,10 @@ def knock(address: str, timeout_s: float | None = None) -> tuple[dist.Store, Gen
     """Ask the job whose store is at `address` (HOST:PORT) to take this process's node in, and wait for its
     answer (`timeout_s`, default $SPOTGUARD_JOIN_TIMEOUT or 600 s): (the job's store, the generation to form,
     the answer). Sets the environment the job's ranks have (its run id; GROUP_RANK: the node's number)."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"{JOIN_ENV} must be HOST:PORT (the job's --master-addr and --master-port), not {address!r}")
+    host, port = split(address, JOIN_ENV, "the job's --master-addr and --master-port")
     timeout_s = timeout_s if timeout_s is not None else float(os.environ.get(JOIN_TIMEOUT_ENV, JOIN_TIMEOUT_S))
     try:
-        store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=FORM_TIMEOUT_S))
+        store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=FORM_TIMEOUT_S))
         local_rank, ranks = int(os.environ.get("LOCAL_RANK", "0")), ranks_per_node()
         number = _take_number(store, local_rank, ranks)
         log.info("node %d waiting to join the job at %s (%d rank(s))", number, address, ranks)
@@ -190,6 +189,7 @@ class Door:
         if count <= self._settled:
             return
         self._settled = _settled(self._conn)
+        self._missing_since = {n: t for n, t in self._missing_since.items() if n > self._settled}
         waiting = []
         for number in range(self._settled + 1, count + 1):
             why = self._failed.get(number) or self._why_not(number)
@@ -223,13 +223,24 @@ def _settled(conn: Connection) -> int:
     return int(value.decode()) if value else 0
 
 
+def settle(store: dist.Store, number: int) -> None:
+    """Move `settled` up to `number`, never back: the door's thread refuses nodes while the training thread
+    takes earlier ones in, and a `settled` moved back would have the door ask again for a node it refused."""
+    expected = ""  # no value yet
+    while True:
+        now = store.compare_set(SETTLED, expected, str(number)).decode()
+        if now and int(now) >= number:
+            return
+        expected = now
+
+
 def refuse(store: dist.Store, numbers: list[int], why: str) -> None:
     """Rank 0 of the job: answer joining nodes (in order, after every number before them) with why they are
     refused, and move `settled` past them."""
     for number in numbers:
         store.set(_key(number, "answer"), Answer(refused=why).to_json())
         log.warning("node %d cannot join: %s", number, why)
-    store.set(SETTLED, str(max(numbers)))
+    settle(store, max(numbers))
 
 
 def take_in(store: dist.Store, generation: Generation, nodes: tuple[int, ...], founders: int | None) -> Generation:
@@ -253,7 +264,7 @@ def take_in(store: dist.Store, generation: Generation, nodes: tuple[int, ...], f
         store.set(_key(n, "answer"), dataclasses.replace(answer, first=firsts[n]).to_json())
     if len(taken) < len(nodes):
         log.warning("node(s) %s gave up waiting to join", [n for n in nodes if n not in taken])
-    store.set(SETTLED, str(max(nodes)))
+    settle(store, max(nodes))
     return following
 
 

@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from spotguard.ending.exit_policy import ExitPolicy
 from spotguard.guard import Guard
-from spotguard.inprocess import joining
+from spotguard.inprocess import join_address, joining
 from spotguard.inprocess.context import Context, Recovery
 from spotguard.inprocess.generation import Generation, drop, form
 from spotguard.job.topology import ranks_per_node
@@ -94,45 +94,46 @@ def run(
         generation = Generation(0, tuple(range(world_size)), rank)
         founders = world_size if rank == 0 else None
         form(generation, base, backend, timeout)
-    while True:
-        guard = Guard(checkpoint_dir, cloud, in_process=True, **options)
-        ctx = Context(guard, generation, recoveries, since, kept)
-        kept = Kept()  # the context's until its resume: held no longer than that
-        result: Any = None  # what a run of `train` that raised returns to a rank that leaves
-        try:
-            with guard:  # its close ends the process after an emergency, unless the job goes on in it
-                with _door(guard, base, founders):
-                    result = train(ctx)
-        except Exception:
-            if not guard.goes_on:
-                raise
-            # A node was lost: its collective failed (its sockets shut down), as the guard meant it to.
-            log.info("the training function left its step: a node was lost and the job goes on", exc_info=True)
-        # A loss concluded as nodes were to join goes first: they are asked for again in the next generation.
-        nodes = () if guard.goes_on else guard.joining
-        staying = tuple(range(generation.world_size)) if nodes else guard.goes_on
-        if generation.rank not in staying:  # the job ended, or goes on without this rank (exit_code=None)
-            drop()
-            return result
-        since = ctx.last_step_at if ctx.last_step_at is not None else time.monotonic()
-        kept = ctx.kept  # the survivors' own tensors of the agreed step: all the next generation may need
-        step = guard.last_save.step if guard.interrupted and guard.last_save is not None else None
-        cause = "join" if nodes else "interruption" if guard.interrupted else "peer-lost"
-        left = tuple(r for r in range(generation.world_size) if r not in staying)
-        exiting = guard.options.exiting
-        fallback = ExitPolicy.on(guard.topology, exiting.exit_code, exiting.lost_exit_code)
-        # Nothing of the old generation may outlive it: its wrappers (DDP's reducer, FSDP's mesh) hold its group,
-        # and its model and optimizer the memory the next generation's are built in; only the tensors `kept` stay.
-        result = guard = ctx = None  # type: ignore[assignment]
-        gc.collect()
-        try:
-            drop()
-            following = joining.take_in(base, generation, nodes, founders) if nodes else generation.without(staying)
-            following = _formed(following, generation, base, backend, timeout, joined=bool(nodes))
-        except Exception as exc:  # noqa: BLE001 - anything that fails here ends as without in-process recovery
-            _fall_back(fallback, step, f"{type(exc).__name__}: {exc}", cause)
-        recoveries = (*recoveries, _recovery(cause, generation.world_size, following, step, left, since))
-        generation = following
+    with join_address.advertising(base, founders is not None):  # where nodes booting later find the job
+        while True:
+            guard = Guard(checkpoint_dir, cloud, in_process=True, **options)
+            ctx = Context(guard, generation, recoveries, since, kept)
+            kept = Kept()  # the context's until its resume: held no longer than that
+            result: Any = None  # what a run of `train` that raised returns to a rank that leaves
+            try:
+                with guard:  # its close ends the process after an emergency, unless the job goes on in it
+                    with _door(guard, base, founders):
+                        result = train(ctx)
+            except Exception:
+                if not guard.goes_on:
+                    raise
+                # A node was lost: its collective failed (its sockets shut down), as the guard meant it to.
+                log.info("the training function left its step: a node was lost and the job goes on", exc_info=True)
+            # A loss concluded as nodes were to join goes first: they are asked for again in the next generation.
+            nodes = () if guard.goes_on else guard.joining
+            staying = tuple(range(generation.world_size)) if nodes else guard.goes_on
+            if generation.rank not in staying:  # the job ended, or goes on without this rank (exit_code=None)
+                drop()
+                return result
+            since = ctx.last_step_at if ctx.last_step_at is not None else time.monotonic()
+            kept = ctx.kept  # the survivors' own tensors of the agreed step: all the next generation may need
+            step = guard.last_save.step if guard.interrupted and guard.last_save is not None else None
+            cause = "join" if nodes else "interruption" if guard.interrupted else "peer-lost"
+            left = tuple(r for r in range(generation.world_size) if r not in staying)
+            exiting = guard.options.exiting
+            fallback = ExitPolicy.on(guard.topology, exiting.exit_code, exiting.lost_exit_code)
+            # Nothing of the old generation may outlive it: its wrappers (DDP's reducer, FSDP's mesh) hold its group,
+            # and its model and optimizer the memory the next generation's are built in; only the tensors `kept` stay.
+            result = guard = ctx = None  # type: ignore[assignment]
+            gc.collect()
+            try:
+                drop()
+                following = joining.take_in(base, generation, nodes, founders) if nodes else generation.without(staying)
+                following = _formed(following, generation, base, backend, timeout, joined=bool(nodes))
+            except Exception as exc:  # noqa: BLE001 - anything that fails here ends as without in-process recovery
+                _fall_back(fallback, step, f"{type(exc).__name__}: {exc}", cause)
+            recoveries = (*recoveries, _recovery(cause, generation.world_size, following, step, left, since))
+            generation = following
 
 
 def _formed(

@@ -22,5 +22,6 @@ locals {
     max_restarts     = var.job.max_restarts
     watch_interval_s = var.job.watch_interval_s
     requeue_grace_s  = var.job.requeue_grace_s
+    in_process       = var.job.in_process
   })
 }
