@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
+from collections.abc import Iterator
 
 import pytest
 import torch.distributed as dist
@@ -32,38 +35,61 @@ def job(monkeypatch):
     del registry  # its server lives as long as the test
 
 
-def test_a_job_s_store_is_found_while_it_runs_and_not_once_it_ended(job):
+@contextlib.contextmanager
+def door_polling(store: dist.Store) -> Iterator[None]:
+    """Rank 0's door counting its polls, as while it can take a node like the job's own."""
+    stop = threading.Event()
+
+    def polls() -> None:
+        while True:
+            join_address.beat(store)
+            if stop.wait(0.2):
+                return
+
+    thread = threading.Thread(target=polls, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_a_job_s_store_is_found_while_its_door_takes_nodes_and_not_once_it_ended(job):
     registry, store, address = job
-    assert look_up(registry, "llm-run") is None  # nothing recorded yet: the node starts as usual
-    with advertising(store, rank0=True):
+    assert look_up(registry, "llm-run", timeout_s=1) is None  # nothing recorded yet: the node starts as usual
+    with advertising(store, rank0=True), door_polling(store):
         assert look_up(registry, "llm-run") == address
-        assert look_up(registry, "other-job") is None
-    assert look_up(registry, "llm-run") is None
+        assert look_up(registry, "other-job", timeout_s=1) is None
+    assert look_up(registry, "llm-run", timeout_s=1) is None
     assert not store.check([join_address.OPEN])
+
+
+def test_a_job_whose_door_does_not_count_is_not_joined(job):
+    """Recorded, but its door would refuse a node (snapshots off), is between generations for longer than the
+    wait, or its rank 0 died and left the record and the count behind in a store that torchrun's agent keeps."""
+    registry, store, _ = job
+    with advertising(store, rank0=True):
+        assert look_up(registry, "llm-run", timeout_s=1) is None
+        with door_polling(store):
+            pass
+        assert store.check([join_address.OPEN])  # a count that stopped
+        assert look_up(registry, "llm-run", timeout_s=1) is None
 
 
 def test_only_rank_0_records_the_job(job):
     registry, store, _ = job
-    with advertising(store, rank0=False):
-        assert look_up(registry, "llm-run") is None
+    with advertising(store, rank0=False), door_polling(store):
+        assert look_up(registry, "llm-run", timeout_s=1) is None
 
 
 def test_a_record_left_behind_by_a_job_whose_store_is_gone_is_not_followed(job):
     registry, store, _ = job
-    advertised = advertise(store)
-    assert advertised is not None
-    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
-    dist.TCPStore(*registry.split(":")[:1], int(registry.split(":")[1]), is_master=False).set(
-        "spotguard/join-address/llm-run", dead
-    )
-    assert look_up(registry, "llm-run", timeout_s=2) is None
-
-
-def test_a_store_that_no_longer_takes_nodes_is_not_followed(job):
-    registry, store, address = job
     assert advertise(store) is not None
-    store.delete_key(join_address.OPEN)  # its rank 0 is gone; the agent keeps the store
-    assert look_up(registry, "llm-run") is None
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens there
+    host, port = registry.split(":")
+    dist.TCPStore(host, int(port), is_master=False).set("spotguard/join-address/llm-run", dead)
+    assert look_up(registry, "llm-run", timeout_s=2) is None
 
 
 def test_an_unreachable_registry_leaves_the_job_training_and_says_so(job, monkeypatch, caplog):
@@ -84,9 +110,9 @@ def test_no_registry_named_records_nothing(job, monkeypatch):
 
 def test_the_command_prints_the_address_or_says_in_one_line_why_not(job, capsys):
     registry, store, address = job
-    assert main(["join-address", registry, "--job", "llm-run"]) == 1
+    assert main(["join-address", registry, "--job", "llm-run", "--timeout", "1"]) == 1
     assert capsys.readouterr().err.strip().endswith(f"no in-process job 'llm-run' takes nodes at {registry}")
-    with advertising(store, rank0=True):
+    with advertising(store, rank0=True), door_polling(store):
         assert main(["join-address", registry, "--job", "llm-run"]) == 0
         assert capsys.readouterr().out == f"{address}\n"
     assert main(["join-address", f"127.0.0.1:{free_port()}", "--job", "llm-run", "--timeout", "1"]) == 1

@@ -384,9 +384,9 @@ echo "$(basename "$0") $* join=${SPOTGUARD_JOIN:-}" >>"$CALLS"
 case "$(basename "$0") $1" in
   "spotguard join-address") [[ -e "$SCENARIO/job-running" ]] && echo 10.0.0.7:41000 || exit 1 ;;
   "spotguard watch") exit 1 ;;  # no interruption pending
+  "torchrun --standalone") [[ -e "$SCENARIO/refused" ]] && exit 1 || exit 0 ;;  # a refusal: no exit file
   torchrun*)
-    runs=$(grep -c '^torchrun' "$CALLS")
-    if ((runs == 1)); then  # the first start: another node was lost, the job ended here with 75
+    if [[ -e "$SCENARIO/peer-lost" ]] && (($(grep -c '^torchrun' "$CALLS") == 1)); then  # another node lost
       echo '{"exit_code": 75, "cause": "peer-lost"}' >"$SPOTGUARD_EXIT_FILE"; exit 1
     fi
     exit 0 ;;
@@ -394,7 +394,7 @@ esac
 """
 
 
-def run_train_loop(script: Path, tmp_path: Path, job_running: bool) -> list[str]:
+def run_train_loop(script: Path, tmp_path: Path, *scenario_files: str) -> list[str]:
     """The rendered script's training loop (`train`) with torchrun and spotguard replaced by FAKE_TOOL: each
     call it made, in order."""
     bin_dir = tmp_path / "prefix" / "venv" / "bin"
@@ -404,8 +404,8 @@ def run_train_loop(script: Path, tmp_path: Path, job_running: bool) -> list[str]
         (bin_dir / tool).chmod(0o755)
     scenario = tmp_path / "scenario"
     scenario.mkdir()
-    if job_running:
-        (scenario / "job-running").touch()
+    for name in scenario_files:
+        (scenario / name).touch()
     calls = tmp_path / "calls"
     env = {**os.environ, "SPOTGUARD_PREFIX": str(tmp_path / "prefix"), "CALLS": str(calls), "SCENARIO": str(scenario),
            "SPOTGUARD_EXIT_FILE": str(tmp_path / "run" / "exit.json")}  # fmt: skip
@@ -417,20 +417,28 @@ def run_train_loop(script: Path, tmp_path: Path, job_running: bool) -> list[str]
 def test_the_training_loop_starts_torchrun_again_after_another_node_was_lost(startup_scripts, tmp_path) -> None:
     """After a run that ended for another node's loss the loop starts the training again (it ran the
     interruption probe's command instead, which had taken its command over)."""
-    calls = run_train_loop(startup_scripts["gcp"], tmp_path, job_running=False)
+    calls = run_train_loop(startup_scripts["gcp"], tmp_path, "peer-lost")
     assert [c.split()[0] for c in calls] == ["torchrun", "spotguard", "torchrun"], calls
     assert calls[1].startswith("spotguard watch --cloud gcp --json --once")
     assert "--rdzv-backend=c10d" in calls[2]
 
 
-@pytest.mark.parametrize("running", [True, False])
+SCENARIOS = {"running": ("job-running",), "none": (), "refused": ("job-running", "refused")}
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
 def test_an_in_process_node_joins_the_running_job_else_starts_through_the_rendezvous(startup_scripts, tmp_path,
-                                                                                      running) -> None:  # fmt: skip
-    calls = run_train_loop(startup_scripts["in_process"], tmp_path, job_running=running)
+                                                                                      scenario) -> None:  # fmt: skip
+    """A VM that finds the running job joins it with an agent of its own; with none, or once the job refused
+    it (no exit file), it starts through the rendezvous (not counted as a crash: no probe, no back-off)."""
+    calls = run_train_loop(startup_scripts["in_process"], tmp_path, *SCENARIOS[scenario])
     assert calls[0] == "spotguard join-address 10.0.0.5:29400 --job llm-run --timeout 10 join="
-    if running:
-        assert calls[1].startswith("torchrun --standalone --nproc-per-node=gpu examples/train_ddp.py")
-        assert calls[1].endswith("join=10.0.0.7:41000")
-    else:
-        assert calls[1].startswith("torchrun --nnodes=3 --nproc-per-node=gpu --rdzv-backend=c10d")
-        assert calls[1].endswith("join=")
+    rendezvous = "torchrun --nnodes=3 --nproc-per-node=gpu --rdzv-backend=c10d"
+    if scenario == "none":
+        assert calls[1].startswith(rendezvous) and calls[1].endswith("join=")
+        return
+    assert calls[1].startswith("torchrun --standalone --nproc-per-node=gpu examples/train_ddp.py")
+    assert calls[1].endswith("join=10.0.0.7:41000")
+    assert calls[2:] == ([] if scenario == "running" else [calls[2]]), calls
+    if scenario == "refused":
+        assert calls[2].startswith(rendezvous) and calls[2].endswith("join=")

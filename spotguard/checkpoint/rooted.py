@@ -35,7 +35,8 @@ class GroupWire:
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
-        self.root = dist.get_global_rank(group, 0)
+        self.ranks = dist.get_process_group_ranks(group)  # looked up once: get_global_rank scans them each call
+        self.root = self.ranks[0]
 
     def gather(self, size: torch.Tensor, sizes: list[torch.Tensor] | None) -> None:
         dist.gather(size, gather_list=sizes, dst=self.root, group=self.group)
@@ -44,10 +45,10 @@ class GroupWire:
         dist.scatter(size, scatter_list=sizes, src=self.root, group=self.group)
 
     def isend(self, data: torch.Tensor, peer: int) -> Any:
-        return dist.isend(data, dst=dist.get_global_rank(self.group, peer), group=self.group, tag=BYTES_TAG)
+        return dist.isend(data, dst=self.ranks[peer], group=self.group, tag=BYTES_TAG)
 
     def irecv(self, data: torch.Tensor, peer: int) -> Any:
-        return dist.irecv(data, src=dist.get_global_rank(self.group, peer), group=self.group, tag=BYTES_TAG)
+        return dist.irecv(data, src=self.ranks[peer], group=self.group, tag=BYTES_TAG)
 
 
 def gather_bytes(wire: Wire, rank: int, world: int, data: bytes) -> list[memoryview] | None:

@@ -4,10 +4,11 @@ A job launched through torchrun's c10d rendezvous keeps its workers' store at an
 picks (node 0's host, a free port): a node booting later knows only the rendezvous endpoint. With
 SPOTGUARD_JOIN_REGISTRY=HOST:PORT (a store every node reaches; the startup script gives the rendezvous
 endpoint), rank 0 of an in-process job records there, under its job id (TORCHELASTIC_RUN_ID, torchrun's
-`--rdzv-id`), the address of the job's store, and marks the job's store as taking nodes; it removes both
-as the job ends in its processes. `look_up` (`spotguard join-address`) gives that address only while its
-store answers and is marked, so that a node never joins a job that is gone: it then starts through the
-rendezvous, as without in-process recovery.
+`--rdzv-id`), the address of the job's store. While its door can take a node like the job's own (snapshots
+on), the door counts its polls in the job's store (`beat`, once a second); the record and the count are
+removed as the job ends in its processes. `look_up` (`spotguard join-address`) gives the address only once
+it has seen the count move, so that a node never knocks on a job that is gone, ending, or that would refuse
+it: it then starts through the rendezvous, as without in-process recovery.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch.distributed as dist
 log = logging.getLogger("spotguard.inprocess")
 
 REGISTRY_ENV = "SPOTGUARD_JOIN_REGISTRY"  # HOST:PORT of a store where rank 0 records the job's store's address
-OPEN = "spotguard/joins/open"  # in the job's store: its rank 0 takes joining nodes
+OPEN = "spotguard/joins/open"  # in the job's store: rank 0's door's polls while it takes nodes like the job's
 CONNECT_S = 10.0
 
 
@@ -45,6 +46,15 @@ def _client(address: str, what: str, timeout_s: float) -> dist.TCPStore:
     return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
+def beat(store: dist.Store) -> None:
+    """Rank 0's door, at each poll while it can take a node like the job's own: the job is alive and takes nodes."""
+    store.add(OPEN, 1)
+
+
+def _beats(store: dist.Store) -> int | None:
+    return int(store.get(OPEN)) if store.check([OPEN]) else None
+
+
 class Advertised:
     """Rank 0's record of the job's store (`address`, whose client is `store`) in the registry at
     `registry`, under `job`, until `withdraw()`."""
@@ -52,17 +62,16 @@ class Advertised:
     def __init__(self, registry: str, job: str, address: str, store: dist.Store) -> None:
         self.registry, self.job, self.address, self._store = registry, job, address, store
         self._registry = _client(registry, REGISTRY_ENV, CONNECT_S)
-        store.set(OPEN, "1")
         self._registry.set(_key(job), address)
         log.info("nodes booting later find this job's store (%s) in the registry at %s, under %r", address,
                  registry, job)  # fmt: skip
 
     def withdraw(self) -> None:
-        """The job ends in its processes: no node is to join it any more (each part best effort)."""
+        """The job ends in its processes: no node is to join it any more (each part best effort; again: nothing)."""
         for store, key in ((self._registry, _key(self.job)), (self._store, OPEN)):
             try:
                 store.delete_key(key)
-            except Exception as exc:  # noqa: BLE001 - a node that finds it stale is turned away by `look_up`
+            except Exception as exc:  # noqa: BLE001 - without the door's count, `look_up` turns a node away
                 log.warning("the record that this job takes nodes was not removed (%s): %s: %s", key,
                             type(exc).__name__, exc)  # fmt: skip
 
@@ -87,28 +96,36 @@ def advertise(store: dist.Store) -> Advertised | None:
 
 
 @contextlib.contextmanager
-def advertising(store: dist.Store, rank0: bool) -> Iterator[None]:
+def advertising(store: dist.Store, rank0: bool) -> Iterator[Advertised | None]:
     """On rank 0 of the job (`rank0`), the job's store `advertise`d for as long as the job runs here."""
     advertised = advertise(store) if rank0 else None
     try:
-        yield
+        yield advertised
     finally:
         if advertised is not None:
             advertised.withdraw()
 
 
 def look_up(registry: str, job: str, timeout_s: float = CONNECT_S) -> str | None:
-    """The address of the store of the in-process job `job` recorded in the registry at `registry`, while that
-    store answers and its rank 0 takes nodes; None otherwise (no such job, it ended, or its node is gone).
-    The registry itself must answer within `timeout_s` (OSError, DistStoreError otherwise)."""
-    started = time.monotonic()
+    """The address of the store of the in-process job `job` recorded in the registry at `registry`, once its
+    door's count moved (within `timeout_s`: rank 0 polls once a second); None otherwise (no such job, it
+    ended or would refuse a node, or its node is gone). The registry itself must answer within `timeout_s`
+    (DistStoreError otherwise)."""
+    deadline = time.monotonic() + timeout_s
     found = _client(registry, "the registry", timeout_s)
     if not found.check([_key(job)]):
         return None
     address = found.get(_key(job)).decode()
     try:
-        store = _client(address, "the recorded address", max(1.0, timeout_s - (time.monotonic() - started)))
-        return address if store.check([OPEN]) else None
+        store = _client(address, "the recorded address", max(1.0, deadline - time.monotonic()))
+        first = _beats(store)
+        while time.monotonic() < deadline:
+            time.sleep(0.2)
+            now = _beats(store)
+            if now is not None and now != first:
+                return address
     except Exception as exc:  # noqa: BLE001 - its node is gone (a record left behind)
         log.info("the job's store recorded at %s does not answer: %s: %s", address, type(exc).__name__, exc)
         return None
+    log.info("the job's store at %s answers, but its rank 0 takes no nodes", address)
+    return None

@@ -63,7 +63,7 @@ variable "job" {
     - min_nodes: elastic training: torchrun --nnodes=MIN_NODES:NODES; when a VM is reclaimed the others train on while at least this many remain, and the job grows back when the replacement joins. 0 (default) or NODES: not elastic.
     - watch_interval_s: polling interval of the `spotguard watch` sidecar.
     - requeue_grace_s: after the job stops because of an interruption notice, how long to wait for the VM to be reclaimed before resuming on this VM (a rebalance recommendation does not always end in a reclaim).
-    - in_process: the training script runs under spotguard.run (examples/train_ddp.py: add "--in-process" to train_args). The job's rank 0 records its store's address at the rendezvous endpoint, and a VM that boots while the job runs joins it without restarting the other nodes' processes (`spotguard join-address`); otherwise it starts through the rendezvous as usual.
+    - in_process: the training script runs under spotguard.run (examples/train_ddp.py: add "--in-process" to train_args), with snapshots on (SPOTGUARD_SNAPSHOT_EVERY in environment, say). The job's rank 0 records its store's address at the rendezvous endpoint, and a VM that boots while the job runs joins it without restarting the other nodes' processes (`spotguard join-address`); otherwise, or when the job refuses it, it starts through the rendezvous as usual.
   EOT
   type = object({
     train_script     = optional(string, "examples/train_ddp.py")
