@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any, ContextManager
 
@@ -24,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException
 
 from spotguard.checkpoint.comm import Comm
+from spotguard.checkpoint.state import load_from_dcp
 from spotguard.snapshots import shard_file
 from spotguard.snapshots.items import CoveringPlanner, metadata_of, top_level_keys
 from spotguard.snapshots.needed import Layout, shard_layout, shards_needed, state_layout
@@ -60,7 +61,7 @@ class PlanLoader:
         address_of: Callable[[int], str],
         live: Callable[[], dict[str, Any]],
         optional: list[str],
-        own_step: int | None = None,
+        own: HeldHere | None = None,
     ) -> None:
         self.comm = comm
         self.node_dir = node_dir
@@ -68,14 +69,14 @@ class PlanLoader:
         self.address_of = address_of
         self.live = live
         self.optional = optional
-        self.own_step = own_step  # a step this rank holds whole in its own memory: of its plan it reads nothing
+        self.own = own  # a step this rank holds whole in its own memory: of its plan it reads nothing
         self.touched = False  # whether this rank read into the state's tensors
-        self.loaded: dict[str, Any] | None = None  # the state dict loaded, for `load_from_dcp`
+        self.loaded: dict[str, Any] | None = None  # the state dict loaded, for `load_into`
 
     def __call__(self, plan: Plan) -> list[Problem]:
         """Load `plan` (a collective when the world size changed); what went wrong on this rank."""
         self.loaded = None
-        reads = plan.step != self.own_step
+        reads = not self.holds(plan)
         indexes, problems = self._indexes(plan, reads)
         if problems or indexes is None or not reads:
             return problems
@@ -89,6 +90,18 @@ class PlanLoader:
         except Exception as exc:  # noqa: BLE001 - the snapshot cannot serve this state: no copy would
             return [Problem(f"{type(exc).__name__}: {exc}")]
         return []
+
+    def holds(self, plan: Plan) -> bool:
+        """Whether this rank holds `plan`'s step whole in its own memory (`HeldHere`)."""
+        return self.own is not None and self.own.step == plan.step
+
+    def load_into(self, plan: Plan, state: MutableMapping[str, Any]) -> None:
+        """Load what this rank has of `plan` (loaded by the call) into `state`: its own memory's, or the
+        snapshot's."""
+        if self.holds(plan):
+            self.own.load()  # type: ignore[union-attr]
+        else:
+            load_from_dcp(state, self.loaded)
 
     # ---- which shards hold what ---------------------------------------------------------
     def _indexes(self, plan: Plan, reads: bool = True) -> tuple[dict[int, ShardInfo] | None, list[Problem]]:

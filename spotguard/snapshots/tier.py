@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from spotguard.checkpoint.comm import FAILURES, Comm, describe
 from spotguard.checkpoint.io.staging import Stager, on_device
-from spotguard.checkpoint.state import load_from_dcp, optional_keys, tensors_of, to_dcp
+from spotguard.checkpoint.state import optional_keys, tensors_of, to_dcp
 from spotguard.goodput.cadence import Cadence
 from spotguard.job.kvstore import Connection
 from spotguard.job.topology import layout_said, node_count, ranks_per_node
@@ -261,7 +261,7 @@ class SnapshotTier:
             lambda r: self._address_of(r, self._conn),
             functools.cache(lambda: to_dcp(state, to_load=True)),  # made only to load into
             optional_keys(state),
-            own.step if own is not None else None,
+            own,
         )
         plan = recovery.agree(self.comm, held, durable, loader)
         if plan is None:
@@ -271,10 +271,7 @@ class SnapshotTier:
             return None
         problem = None
         try:
-            if own is not None and own.step == plan.step:
-                own.load()
-            else:
-                load_from_dcp(state, loader.loaded)
+            loader.load_into(plan, state)
         except FAILURES as exc:
             problem = describe(exc, self.rank)
         problems = [p for p in (self.comm.gather(problem) or []) if p]

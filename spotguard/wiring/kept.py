@@ -95,11 +95,11 @@ def whole(tree: Any) -> bool:
     return True
 
 
-def load_kept(kept: Kept, state: MutableMapping[str, Any], comm: Comm) -> int | None:
+def load_kept(kept: Kept, state: MutableMapping[str, Any], comm: Comm, fit: bool | None = None) -> int | None:
     """A collective of the new generation: the step loaded into `state` from what each rank kept, when every
     rank kept the same step under the keys of its `state` (its optimizers over parameters of the same shapes);
-    else None, with `state` untouched."""
-    steps = comm.all_gather(kept.step if fits(kept, state) else None)
+    else None, with `state` untouched. `fit`: whether this rank's `fits`, when the caller knows already."""
+    steps = comm.all_gather(kept.step if (fits(kept, state) if fit is None else fit) else None)
     if steps[0] is None or any(s != steps[0] for s in steps):
         return None
     load_own(kept, state)

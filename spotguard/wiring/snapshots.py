@@ -214,13 +214,14 @@ class GuardSnapshots:
         self.resharded = None
         own = None
         if kept is not None:
-            if (step := load_kept(kept, state, ckpt.comm)) is not None:
+            fit = fits(kept, state)
+            if (step := load_kept(kept, state, ckpt.comm, fit)) is not None:
                 if tier is not None:
                     tier.forget_after(step)
                 if coordinator and not kept.durable:  # it lives only in the processes' memory
                     ask_for_save("snapshot-resume")
                 return step, MEMORY
-            if fits(kept, state):  # nodes joined, holding nothing: they read the snapshot of the step, this rank not
+            if fit:  # nodes joined, holding nothing: they read the snapshot of the step, this rank not
                 own = HeldHere(kept.step, functools.partial(load_own, kept, state))  # type: ignore[arg-type]
         newest = self._newest_durable(ckpt, coordinator) if tier is not None else None
         step, failed = self._restore(tier, state, newest, coordinator, ask_for_save, own=own)
