@@ -195,7 +195,9 @@ class PgWire:
     def __init__(self, pg: Any) -> None:
         import torch.distributed as dist
 
-        self.pg, self.dist = pg, dist
+        from spotguard.checkpoint.rooted import BYTES_TAG
+
+        self.pg, self.dist, self.tag = pg, dist, BYTES_TAG
 
     def gather(self, size: Any, sizes: list[Any] | None) -> None:
         opts = self.dist.GatherOptions()
@@ -208,14 +210,10 @@ class PgWire:
         self.pg.scatter([size], [sizes] if sizes is not None else [], opts).wait()
 
     def isend(self, data: Any, peer: int) -> Any:
-        from spotguard.checkpoint.rooted import BYTES_TAG
-
-        return self.pg.send([data], peer, BYTES_TAG)
+        return self.pg.send([data], peer, self.tag)
 
     def irecv(self, data: Any, peer: int) -> Any:
-        from spotguard.checkpoint.rooted import BYTES_TAG
-
-        return self.pg.recv([data], peer, BYTES_TAG)
+        return self.pg.recv([data], peer, self.tag)
 
 
 def spotguard_gather(pg: Any, rank: int, world: int, data: bytes, without_gc: bool = False) -> list[Any] | None:
