@@ -6,10 +6,13 @@ not spotguard's.
 - SPOTGUARD_TEST_FORM_TIMEOUT: a shorter wait for a generation's members (s).
 - SPOTGUARD_TEST_VANISH: a joining process dies as soon as the job has taken it in, before it forms the
   generation it was given (its VM reclaimed at that moment).
+- SPOTGUARD_TEST_SIGTERM_IN_PAUSE: the node of that number (GROUP_RANK) gets SIGTERM between generations 0
+  and 1, as it begins to form generation 1 (its VM stopped at that moment).
 """
 
 import os
 import runpy
+import signal
 import sys
 import time
 from pathlib import Path
@@ -27,6 +30,17 @@ if "SPOTGUARD_TEST_VANISH" in os.environ:
         os._exit(1)
 
     runner.form = vanish
+
+if os.environ.get("SPOTGUARD_TEST_SIGTERM_IN_PAUSE", "-") == os.environ.get("GROUP_RANK"):
+    forming = runner.form
+
+    def stopped_in_the_pause(following, *args, **kwargs):
+        if following.number == 1:
+            print("test: SIGTERM between generations", flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return forming(following, *args, **kwargs)
+
+    runner.form = stopped_in_the_pause
 
 go = os.environ.get("SPOTGUARD_TEST_GO")
 deadline = time.monotonic() + 300

@@ -107,6 +107,24 @@ def test_node_2_of_3_reclaimed_the_survivors_go_on_in_their_processes_bit_identi
     assert restarted == ended
 
 
+def test_a_sigterm_between_two_generations_is_a_notice_in_the_next_one(tmp_path):
+    """Node 2 of 3 reclaimed; node 1 is stopped (SIGTERM) as it begins to form the next generation, when no
+    guard watches its signals: the signal is held, handled by generation 1's guard as a notice, and node 1
+    leaves at the step then agreed (exit 0); node 0 trains on alone to the end, in its process."""
+    env = {**SNAPSHOTS, "SPOTGUARD_TEST_SIGTERM_IN_PAUSE": "1"}
+    args = [*BASE, "--in-process"]
+    nodes, codes, pids = reclaim_node_2(tmp_path, args, env, script="joining_worker.py")
+    assert codes == [0, 0, 0], "\n".join(n.tail() for n in nodes)
+    assert "test: SIGTERM between generations" in nodes[1].output()
+    assert "SIGTERM came between two generations: handled now" in nodes[1].output(), nodes[1].tail()
+    alone = re.search(r"in-process recovery: generation 2, world 2 -> 1, rank\(s\) 1 left after a notice: "
+                      r"this process \(pid (\d+)\)", nodes[0].output())  # fmt: skip
+    assert alone and int(alone[1]) in pids[0], nodes[0].tail()
+    exit_file = json.loads(nodes[1].exit_file.read_text())
+    assert (exit_file["exit_code"], exit_file["leaving"], exit_file["job_goes_on"]) == (0, True, True)
+    assert not nodes[0].exit_file.exists()
+
+
 FALLBACKS = [
     # (the node reclaimed, the environment, what the survivors say)
     (2, {"SPOTGUARD_MIN_NODES": "3"}, "2 node(s) would stay, fewer than min_nodes=3: the job ends as without it"),
