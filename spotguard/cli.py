@@ -128,7 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     found.add_argument("registry", help="HOST:PORT the job's rank 0 records it in ($SPOTGUARD_JOIN_REGISTRY there)")
     found.add_argument("--job", required=True, help="the job's id (torchrun's --rdzv-id)")
-    found.add_argument("--timeout", type=_seconds, default=10.0, help="seconds to wait for the registry (10)")
+    found.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=10.0,
+        help="seconds to wait for the registry, then for the job to show it takes nodes (10)",
+    )
     return parser
 
 

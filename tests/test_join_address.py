@@ -3,10 +3,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import threading
-from collections.abc import Iterator
 
 import pytest
 import torch.distributed as dist
@@ -31,55 +28,42 @@ def job(monkeypatch):
     for name, value in (("MASTER_ADDR", host), ("MASTER_PORT", port), ("TORCHELASTIC_RUN_ID", "llm-run"),
                         (join_address.REGISTRY_ENV, registry_address)):  # fmt: skip
         monkeypatch.setenv(name, value)
+    monkeypatch.setattr(join_address, "BEAT_S", 0.2)
     yield registry_address, store, address
     del registry  # its server lives as long as the test
 
 
-@contextlib.contextmanager
-def door_polling(store: dist.Store) -> Iterator[None]:
-    """Rank 0's door counting its polls, as while it can take a node like the job's own."""
-    stop = threading.Event()
-
-    def polls() -> None:
-        while True:
-            join_address.beat(store)
-            if stop.wait(0.2):
-                return
-
-    thread = threading.Thread(target=polls, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
-
-
-def test_a_job_s_store_is_found_while_its_door_takes_nodes_and_not_once_it_ended(job):
+def test_a_job_is_found_while_it_would_take_a_node_between_generations_too_and_not_once_it_ended(job):
     registry, store, address = job
     assert look_up(registry, "llm-run", timeout_s=1) is None  # nothing recorded yet: the node starts as usual
-    with advertising(store, rank0=True), door_polling(store):
+    with advertising(store, rank0=True) as advertised:
+        assert look_up(registry, "llm-run", timeout_s=1) is None  # no door has said it would take one yet
+        advertised.takes = lambda: True  # what a generation's door sets, and leaves through the pause after it
         assert look_up(registry, "llm-run") == address
         assert look_up(registry, "other-job", timeout_s=1) is None
     assert look_up(registry, "llm-run", timeout_s=1) is None
     assert not store.check([join_address.OPEN])
 
 
-def test_a_job_whose_door_does_not_count_is_not_joined(job):
-    """Recorded, but its door would refuse a node (snapshots off), is between generations for longer than the
-    wait, or its rank 0 died and left the record and the count behind in a store that torchrun's agent keeps."""
+def test_a_job_that_would_refuse_a_node_or_whose_count_stopped_is_not_joined(job):
+    """Its door would refuse a node like the job's own (no snapshots, no room), or its rank 0 died and left the
+    record and the count behind in a store that torchrun's agent keeps."""
     registry, store, _ = job
-    with advertising(store, rank0=True):
+    with advertising(store, rank0=True) as advertised:
+        advertised.takes = lambda: False
         assert look_up(registry, "llm-run", timeout_s=1) is None
-        with door_polling(store):
-            pass
-        assert store.check([join_address.OPEN])  # a count that stopped
-        assert look_up(registry, "llm-run", timeout_s=1) is None
+        advertised.takes = lambda: True
+        assert look_up(registry, "llm-run") is not None
+        advertised._stop.set()  # its thread stops counting: the process is gone
+        advertised._thread.join()
+        assert store.check([join_address.OPEN])
+        assert look_up(registry, "llm-run", timeout_s=1.5) is None
 
 
 def test_only_rank_0_records_the_job(job):
     registry, store, _ = job
-    with advertising(store, rank0=False), door_polling(store):
+    with advertising(store, rank0=False) as advertised:
+        assert advertised is None
         assert look_up(registry, "llm-run", timeout_s=1) is None
 
 
@@ -112,7 +96,8 @@ def test_the_command_prints_the_address_or_says_in_one_line_why_not(job, capsys)
     registry, store, address = job
     assert main(["join-address", registry, "--job", "llm-run", "--timeout", "1"]) == 1
     assert capsys.readouterr().err.strip().endswith(f"no in-process job 'llm-run' takes nodes at {registry}")
-    with advertising(store, rank0=True), door_polling(store):
+    with advertising(store, rank0=True) as advertised:
+        advertised.takes = lambda: True
         assert main(["join-address", registry, "--job", "llm-run"]) == 0
         assert capsys.readouterr().out == f"{address}\n"
     assert main(["join-address", f"127.0.0.1:{free_port()}", "--job", "llm-run", "--timeout", "1"]) == 1

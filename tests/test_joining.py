@@ -156,19 +156,3 @@ def test_settled_never_moves_back_when_the_door_refuses_a_node_as_rank_0_takes_a
     assert store.get("spotguard/joins/settled") == b"3"
     joining.settle(store, 4)
     assert store.get("spotguard/joins/settled") == b"4"
-
-
-def test_the_door_counts_its_polls_for_nodes_booting_later_only_while_it_would_take_one(job):
-    """`spotguard join-address` gives the job's address only once this count moves: never while a node like
-    the job's own would be refused (say the first snapshot found no room)."""
-    store, _ = job
-    takes = [True]
-    door = Door(store, lambda nodes, on_failed: None, lambda ranks: None, beats=lambda: takes[0])
-    door.poll()
-    door.poll()
-    assert store.get("spotguard/joins/open") == b"2"
-    takes[0] = False
-    door.poll()
-    assert store.get("spotguard/joins/open") == b"2"
-    Door(store, lambda nodes, on_failed: None, lambda ranks: None).poll()  # no registry: nothing counted
-    assert store.get("spotguard/joins/open") == b"2"

@@ -37,7 +37,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from spotguard.inprocess.generation import FORM_TIMEOUT_S, Generation
-from spotguard.inprocess.join_address import beat, split
+from spotguard.inprocess.join_address import split
 from spotguard.job.kvstore import Connection
 from spotguard.job.topology import ranks_per_node
 
@@ -147,19 +147,15 @@ class Door:
     """Rank 0 of the job, while one generation trains: every JOIN_POLL_S, the nodes that asked to join since
     the last answered one, asked for through `admit(numbers, on_failed)` (again after JOIN_RETRY_S while
     unanswered). A node that cannot be taken (`refusal(ranks)` says why, else None), whose join failed
-    (`on_failed`), or whose record never came within RECORD_WAIT_S is answered at once with why. Each poll
-    is counted for nodes booting later (`join_address.beat`) while `beats()` says so."""
+    (`on_failed`), or whose record never came within RECORD_WAIT_S is answered at once with why."""
 
     def __init__(
         self,
         store: dist.Store,
         admit: Callable[[list[int], Callable[[list[int], str], None]], None],
         refusal: Callable[[int], str | None],
-        *,
-        beats: Callable[[], bool] | None = None,
     ) -> None:
         self._conn = Connection.of(store)  # its own client: the training thread's must never wait behind it
-        self._beats = beats  # whether a node booting later may find the job now (`join_address`): polls counted
         self._admit = admit
         self._refusal = refusal
         self._asked: tuple[list[int], float] | None = None
@@ -189,8 +185,6 @@ class Door:
 
     def poll(self) -> None:
         store = self._conn.store
-        if self._beats is not None and self._beats():
-            beat(store)
         count = store.add(COUNT, 0)
         if count <= self._settled:
             return

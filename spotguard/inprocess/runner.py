@@ -47,7 +47,7 @@ from spotguard.guard import Guard
 from spotguard.inprocess import join_address, joining
 from spotguard.inprocess.context import Context, Recovery
 from spotguard.inprocess.generation import Generation, drop, form
-from spotguard.inprocess.held_signals import HeldSignals
+from spotguard.inprocess.held_signals import holding
 from spotguard.job.topology import ranks_per_node
 from spotguard.wiring.kept import Kept
 
@@ -95,16 +95,16 @@ def run(
         generation = Generation(0, tuple(range(world_size)), rank)
         founders = world_size if rank == 0 else None
         form(generation, base, backend, timeout)
-    held = HeldSignals(())
-    with join_address.advertising(base, founders is not None) as advertised:  # for nodes booting later
+    with join_address.advertising(base, founders is not None) as advertised, holding() as held:
         while True:
             guard = Guard(checkpoint_dir, cloud, in_process=True, **options)
+            held.hold(guard.options.notices.signals)  # under each guard's handlers: what comes while none runs
             ctx = Context(guard, generation, recoveries, since, kept)
             kept = Kept()  # the context's until its resume: held no longer than that
             result: Any = None  # what a run of `train` that raised returns to a rank that leaves
             try:
                 with guard:  # its close ends the process after an emergency, unless the job goes on in it
-                    held.resend()  # what came since the last generation's guard closed: this one's notice now
+                    held.resend()  # what came since the last generation's guard began to close: a notice now
                     with _door(guard, base, founders, advertised):
                         result = train(ctx)
             except Exception:
@@ -112,12 +112,10 @@ def run(
                     raise
                 # A node was lost: its collective failed (its sockets shut down), as the guard meant it to.
                 log.info("the training function left its step: a node was lost and the job goes on", exc_info=True)
-            held = HeldSignals(guard.options.notices.signals)  # until the next generation's guard watches them
             # A loss concluded as nodes were to join goes first: they are asked for again in the next generation.
             nodes = () if guard.goes_on else guard.joining
             staying = tuple(range(generation.world_size)) if nodes else guard.goes_on
             if generation.rank not in staying:  # the job ended, or goes on without this rank (exit_code=None)
-                held.let_go()
                 drop()
                 return result
             since = ctx.last_step_at if ctx.last_step_at is not None else time.monotonic()
@@ -177,9 +175,9 @@ def _door(
     guard: Guard, base: dist.Store, founders: int | None, advertised: join_address.Advertised | None
 ) -> Iterator[None]:
     """On rank 0 of the job (`founders` given), while the training function runs: nodes that ask to join are
-    asked for at the next step every rank agrees on (`joining.Door`), its polls counted for nodes booting later
-    when the job is `advertised` and can take a node like its own; once the job ends, those still waiting are
-    refused, and no node booting later is to find it."""
+    asked for at the next step every rank agrees on (`joining.Door`); whether a node booting later finds the job
+    (`advertised`) follows what the door would say to a node like the job's own; once the job ends, those still
+    waiting are refused, and no node booting later is to find it."""
     if founders is None:
         yield
         return
@@ -197,11 +195,16 @@ def _door(
     def takes_nodes() -> bool:  # like the job's own: what a node booting later would be
         return refusal(ranks_per_node()) is None
 
-    door = joining.Door(base, guard.admit, refusal, beats=takes_nodes if advertised is not None else None).start()
+    door = joining.Door(base, guard.admit, refusal).start()
+    if advertised is not None:
+        advertised.takes = takes_nodes
     try:
         yield
     finally:
         door.close()
+        if advertised is not None:  # through the pause as it was at the end (the guard itself goes with its generation)
+            taking = takes_nodes()
+            advertised.takes = lambda: taking
         if not guard.goes_on and not guard.joining:  # the job ends (here, or as the guard closes)
             if advertised is not None:
                 advertised.withdraw()
